@@ -11,4 +11,7 @@ from rredcot_verl.compat import cpu_mode_requested, enable_cpu_mode
 if cpu_mode_requested():
     enable_cpu_mode()
 
+from rredcot_verl import estimators as _estimators  # noqa: E402,F401  (registers rredcot, ibpo, segment_mc)
+from rredcot_verl import trainer as _trainer  # noqa: E402,F401  (registers trainer mode "rredcot")
+
 __version__ = "0.1.0"
