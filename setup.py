@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Segment-level credit assignment (RREDCoT, IBPO, segment MC) for verl",
     packages=find_packages(include=["rredcot_verl", "rredcot_verl.*"]),
-    package_data={"rredcot_verl": ["config/*.yaml", "tasks/assets/**/*"]},
+    package_data={"rredcot_verl": ["conf/*.yaml", "tasks/assets/**/*"]},
     include_package_data=True,
     python_requires=">=3.10",
     # The CPU stack is pinned in requirements-cpu.txt and installed by scripts/install_cpu.sh, because

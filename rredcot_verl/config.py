@@ -15,10 +15,6 @@ from rredcot_verl.probes import ProbeSettings
 from rredcot_verl.redistribution import RedistributionConfig
 from rredcot_verl.segmentation import SegmentationConfig
 
-SEGMENT_ESTIMATORS = ("rredcot", "segment_mc")
-ESTIMATORS = (*SEGMENT_ESTIMATORS, "ibpo")
-
-
 @dataclass(frozen=True)
 class CandidateSettings:
     """Where exit-probe answers and reference continuations come from.
@@ -41,7 +37,6 @@ class CandidateSettings:
         if self.source not in ("both", "group", "ground_truth"):
             raise ValueError(f"candidates.source must be 'both', 'group' or 'ground_truth', got {self.source!r}")
 
-
 @dataclass(frozen=True)
 class MonteCarloSettings:
     """``segment_mc``: values from K continuations per boundary prefix through the rollout engine.
@@ -62,16 +57,18 @@ class MonteCarloSettings:
         if self.max_tokens < 1:
             raise ValueError(f"segment_mc.max_tokens must be >= 1, got {self.max_tokens}")
 
-
 @dataclass(frozen=True)
 class RRedCoTSettings:
+    """``algorithm.rredcot``. ``snapshot_dir``: when set, every step's traces with their segment data and token
+    advantages are written there as ``step_XXXXX.json`` (input of ``python -m rredcot_verl.report``)."""
+
+    snapshot_dir: str | None = None
     segmentation: SegmentationConfig = field(default_factory=SegmentationConfig)
     probe: ProbeSettings = field(default_factory=ProbeSettings)
     candidates: CandidateSettings = field(default_factory=CandidateSettings)
     redistribution: RedistributionConfig = field(default_factory=RedistributionConfig)
     ibpo: IBPOConfig = field(default_factory=IBPOConfig)
     segment_mc: MonteCarloSettings = field(default_factory=MonteCarloSettings)
-
 
 def _build(cls, values: Any, where: str):
     if values is None:
@@ -91,11 +88,12 @@ def _build(cls, values: Any, where: str):
             kwargs[name] = tuple(value)
         else:
             kwargs[name] = value
+    if "norm_adv_by_std" in kwargs:
+        raise ValueError(f"{where}.norm_adv_by_std is set by verl's algorithm.norm_adv_by_std_in_grpo; remove it here")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as error:
         raise ValueError(f"invalid {where}: {error}") from error
-
 
 _SECTIONS = {
     "segmentation": SegmentationConfig,
@@ -105,7 +103,6 @@ _SECTIONS = {
     "ibpo": IBPOConfig,
     "segment_mc": MonteCarloSettings,
 }
-
 
 def settings_from_config(algorithm_config: Any) -> RRedCoTSettings:
     """Read ``algorithm.rredcot`` (omegaconf node, dict or None) strictly."""

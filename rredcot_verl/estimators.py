@@ -111,7 +111,7 @@ def compute_ibpo_advantage(
         record["tensors"]["ibpo_edited_mask"].bool() if cfg.use_mask else None,
         cfg,
     )
-    record["metrics"].update({f"ibpo/{k}": v for k, v in result.metrics.items()})
+    record["metrics"].update(result.metrics)
     return result.advantages, result.advantages
 
 

@@ -1,6 +1,6 @@
 """``python -m rredcot_verl.main``: verl's PPO entry point with the rredcot estimators, trainer and CPU support.
 
-Config: verl's ``ppo_trainer`` composed with ``config/rredcot_trainer.yaml`` (hydra), so every verl key works as usual;
+Config: verl's ``ppo_trainer`` composed with ``conf/rredcot_trainer.yaml`` (hydra), so every verl key works as usual;
 ``algorithm.adv_estimator`` may be ``grpo`` or any verl estimator, or ``rredcot`` / ``ibpo`` / ``segment_mc``, whose
 settings live under ``algorithm.rredcot``. Before Ray starts, the launcher checks what would otherwise fail late or
 hang: unknown estimator or ``algorithm.rredcot`` keys, a missing/broken model folder, datasets without
@@ -18,15 +18,13 @@ import hydra
 from omegaconf import DictConfig, open_dict
 
 from rredcot_verl.compat.cpu import CPU_ENV, CPU_PROCESS_ENV, accelerator_present, enable_cpu_mode
-from rredcot_verl.config import ESTIMATORS, settings_from_config
+from rredcot_verl.config import settings_from_config
 
 # Config for a CPU-only run of verl 0.9.1 (research/verl_cpu.md §4): fake Ray GPU for verl's resource pools, enough
 # logical CPUs for TransferQueue's actors (under-declaring hangs silently), FSDP2 over gloo, sdpa attention, no vLLM
 # sleep mode (unsupported on CPU).
 CPU_CONFIG = {
     "trainer.device": "cpu",
-    "ray_kwargs.ray_init.num_cpus": 32,
-    "ray_kwargs.ray_init.num_gpus": 1,
     "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1,
     "actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
     "actor_rollout_ref.model.use_remove_padding": False,
@@ -36,6 +34,15 @@ CPU_CONFIG = {
     "actor_rollout_ref.rollout.free_cache_engine": False,
     "actor_rollout_ref.rollout.enforce_eager": True,
 }
+
+
+# Resources a local CPU cluster declares; a cluster started by hand needs the same (`ray start --head --num-cpus=32
+# --num-gpus=1`), since verl's resource pools ask for GPUs and TransferQueue starts ~10 one-CPU actors.
+LOCAL_CPU_CLUSTER = {"ray_kwargs.ray_init.num_cpus": 32, "ray_kwargs.ray_init.num_gpus": 1}
+
+# Variables of the launching shell that every Ray process must see (local workers inherit them; a remote cluster
+# gets them through runtime_env).
+FORWARDED_ENV = ("VERL_FILE_LOGGER_PATH", "RREDCOT_BUILD", "RREDCOT_REWARD_FILE", "RREDCOT_SEED", "RREDCOT_STEPS")
 
 
 class LaunchError(RuntimeError):
@@ -108,9 +115,19 @@ def prepare(config: DictConfig) -> DictConfig:
     check_dataset(config.data.val_files, "data.val_files")
     _set(config, "trainer.v1.trainer_mode", "rredcot")
     env = {"VERL_USE_EXTERNAL_MODULES": "rredcot_verl"}
+    env.update({key: os.environ[key] for key in FORWARDED_ENV if key in os.environ})
+    if os.environ.get("RAY_ADDRESS"):
+        print(f"rredcot_verl: connecting to the Ray cluster at {os.environ['RAY_ADDRESS']}")
+    else:
+        # A new local cluster even when another one runs on this machine (ray.init() would otherwise join it and
+        # then refuse the resource arguments).
+        _set(config, "ray_kwargs.ray_init.address", "local")
     if use_cpu_mode():
         env.update(CPU_PROCESS_ENV)
-        for key, value in CPU_CONFIG.items():
+        cpu_config = dict(CPU_CONFIG)
+        if not os.environ.get("RAY_ADDRESS"):
+            cpu_config.update(LOCAL_CPU_CLUSTER)
+        for key, value in cpu_config.items():
             _set(config, key, value)
     os.environ.update(env)
     if os.environ.get(CPU_ENV) == "1":
@@ -133,7 +150,7 @@ def run(config: DictConfig) -> None:
     run_ppo(config, task_runner_class=TaskRunnerV1)
 
 
-@hydra.main(config_path="config", config_name="rredcot_trainer", version_base=None)
+@hydra.main(config_path="conf", config_name="rredcot_trainer", version_base=None)
 def main(config: DictConfig) -> None:
     try:
         run(config)

@@ -291,8 +291,9 @@ def score_probes_packed(
     """Score all probes of one trace with one cached trace pass plus one packed probe pass.
 
     A probe's text ``forced + scored`` (length n) enters the probe pass as its first n-1 tokens at positions
-    P+b .. P+b+n-2; the last token only needs to be predicted. The first probe token is predicted by the trace
-    pass at position P+b-1, so a probe with empty ``forced_ids`` reads its first scored log-prob from there.
+    P+b .. P+b+n-2 (the last token only needs to be predicted); probes at the same boundary share the tokens of
+    their common leading text. The first probe token is predicted by the trace pass at position P+b-1, so a probe
+    with empty ``forced_ids`` reads its first scored log-prob from there.
 
     Args:
         model: a causal LM (transformers, full attention) accepting a 4D additive ``attention_mask``,
@@ -312,30 +313,30 @@ def score_probes_packed(
     kept = [i for i, probe in enumerate(probes) if _fits(probe, prompt_len, max_positions)]
     kept_probes = [probes[i] for i in kept]
     with_input = [probe for probe in kept_probes if len(probe.tokens) > 1]
+    if not kept_probes and not return_trace_stats:
+        return PackedScores(torch.full((len(probes),), float("nan")), None, None, num_skipped=len(probes))
 
-    # Trace pass. Logit row r predicts the token at position P + r (rows for positions P-1 .. P+L-1) when the trace
-    # stats are wanted; otherwise only the rows for the probes' first tokens are computed.
-    first_token_positions = torch.tensor([prompt_len + p.boundary - 1 for p in kept_probes], dtype=torch.long)
-    needed = None if return_trace_stats else torch.unique(first_token_positions)
+    # Probes without forced ids read their first scored token's log-prob from the trace pass, at position P+b-1.
+    reads_trace = [j for j, probe in enumerate(kept_probes) if not probe.forced_ids]
+    read_positions = torch.tensor([prompt_len + kept_probes[j].boundary - 1 for j in reads_trace], dtype=torch.long)
+    # The trace pass keeps logits for positions P-1 .. P+L-1 when the trace stats are wanted, else only those read.
+    needed = None if return_trace_stats else torch.unique(read_positions)
     trace_logits, cache = _trace_pass(
         model, prompt_ids, response_ids, use_cache=bool(with_input), needed_positions=needed
     )
     trace_log_probs = trace_entropy = None
     if return_trace_stats:
-        row_of_position = first_token_positions - (prompt_len - 1)
         targets = response_ids.long().to(device)
         trace_log_probs, trace_entropy = _log_probs_and_entropy(trace_logits[:-1], targets)
         trace_log_probs, trace_entropy = trace_log_probs.cpu(), trace_entropy.cpu()
+        read_rows = read_positions - (prompt_len - 1)
     else:
-        row_of_position = torch.searchsorted(needed, first_token_positions)
+        read_rows = torch.searchsorted(needed, read_positions)
 
-    # Log-prob of every probe token (forced and scored) that the trace pass predicts; kept only if it is scored.
     kept_logp = torch.zeros(len(kept_probes), dtype=torch.float32)
-    reads_trace = [j for j, p in enumerate(kept_probes) if not p.forced_ids]
     if reads_trace:
-        rows = row_of_position[reads_trace].to(device)
         targets = torch.tensor([kept_probes[j].scored_ids[0] for j in reads_trace], device=device)
-        kept_logp[reads_trace] = _token_log_probs(trace_logits[rows], targets).cpu()
+        kept_logp[reads_trace] = _token_log_probs(trace_logits[read_rows.to(device)], targets).cpu()
 
     if with_input:
         kept_logp += _probe_pass(model, cache, prompt_len + response_len, prompt_len, kept_probes)

@@ -274,8 +274,9 @@ def redistribute(
     tokens_per_segment = segment_ends - segment_starts
     segment_factor = (1.0 - cfg.mix) + cfg.mix * lengths.double().unsqueeze(1) * sigma / tokens_per_segment
 
-    advantages = grpo if cfg.mix == 0 else grpo.clone()
+    advantages = grpo  # λ = 0: verl's tensor itself
     if cfg.mix > 0:
+        advantages = grpo.clone()
         for i in torch.nonzero(~fallback).flatten().tolist():
             k = int(num_segments[i])
             token_factor = segment_factor[i, :k].repeat_interleave(tokens_per_segment[i, :k])

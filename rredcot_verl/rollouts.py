@@ -125,7 +125,7 @@ def ibpo_repairs(trainer, traces: DataProto) -> tuple[dict[str, torch.Tensor], d
             bool(correct[i]), [e.correct for e in evaluations], [e.alignment.edit_ratio for e in evaluations], cfg
         )
         masks.append(ibpo.localisation_mask(evaluations, len(response)))
-    metrics = {f"ibpo/{k}": v for k, v in ibpo.repair_metrics([e for es in per_trace.values() for e in es]).items()}
+    metrics = ibpo.repair_metrics([e for es in per_trace.values() for e in es])
     metrics.update(
         {
             "ibpo/revisions": float(len(kept_pairs)),

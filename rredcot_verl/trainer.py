@@ -22,8 +22,9 @@ from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
+from verl.utils.metric import reduce_metrics
 
-from rredcot_verl import rollouts
+from rredcot_verl import report, rollouts
 from rredcot_verl.config import settings_from_config
 from rredcot_verl.estimators import estimator_inputs
 from rredcot_verl.workers import SegmentActorRolloutRefWorker
@@ -114,7 +115,8 @@ class SegmentCreditTrainer(PPOTrainerSync):
                 traces.meta_info["settings"] = self.settings
                 output = self.actor_rollout_wg.compute_segment_data(traces)
                 self._put(batch, {key: output.batch[key] for key in EXTRA_FIELDS["rredcot"]})
-                metrics.update(output.meta_info.get("metrics", {}))
+                # verl's concat turns each rank's metrics dict into a dict of lists; average over ranks.
+                metrics.update(reduce_metrics(output.meta_info.get("metrics", {})))
         elif self.estimator in ("ibpo", "segment_mc"):
             with marked_timer(f"{self.estimator}_rollouts", self.timing_raw, color="purple"):
                 started = time.perf_counter()
@@ -130,12 +132,41 @@ class SegmentCreditTrainer(PPOTrainerSync):
         return batch
 
     def _compute_advantage(self, batch, metrics: dict):
-        fields = EXTRA_FIELDS.get(self.estimator)
-        if fields is None:
-            return super()._compute_advantage(batch, metrics)
+        fields = EXTRA_FIELDS.get(self.estimator, ())
         data = self._fetch(batch, ["uid", *fields])
         uid = np.array(_non_tensor(data, "uid"), dtype=object)
-        with estimator_inputs(uid, {key: _padded(data[key]) for key in fields}) as record:
+        tensors = {key: _padded(data[key]) for key in fields}
+        with estimator_inputs(uid, tensors) as record:
             batch = super()._compute_advantage(batch, metrics)
         metrics.update(record["metrics"])
+        if self.settings.snapshot_dir:
+            self._write_snapshot(batch, tensors, record["details"])
         return batch
+
+    def _write_snapshot(self, batch, tensors: dict, details: dict) -> None:
+        """The step's traces with segment data and token advantages, for the credit report."""
+        data = self._fetch(batch, ["prompts", "responses", "advantages", "rm_scores", "uid", "extra_info"])
+        decode = self.tokenizer.decode
+        prompts, responses = list(data["prompts"].unbind(0)), list(data["responses"].unbind(0))
+        advantages, scores = list(data["advantages"].unbind(0)), list(data["rm_scores"].unbind(0))
+        extra = _non_tensor(data, "extra_info") or [None] * len(batch)
+        rows = []
+        for i in range(len(batch)):
+            response = responses[i].tolist()
+            row = {
+                "uid": str(_non_tensor(data, "uid")[i]),
+                "prompt": decode(prompts[i].tolist(), skip_special_tokens=True),
+                "response": decode(response, skip_special_tokens=False),
+                "response_tokens": [decode([t], skip_special_tokens=False) for t in response],
+                "outcome": float(scores[i].float().sum()),
+                "token_advantages": advantages[i].float().tolist()[: len(response)],
+                "extra_info": extra[i] if isinstance(extra[i], dict) else None,
+            }
+            for key in ("seg_ends", "seg_raw_values", "ibpo_edited_mask", "ibpo_phi"):
+                if key in tensors:
+                    row[key] = tensors[key][i].tolist()
+            for key in ("values", "segment_rewards"):
+                if key in details:
+                    row[key] = details[key][i].tolist()
+            rows.append(row)
+        report.write_snapshot(self.settings.snapshot_dir, self.global_steps, self.estimator, rows)

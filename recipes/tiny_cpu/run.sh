@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Train one estimator on the embedded task: recipes/tiny_cpu/run.sh <grpo|rredcot|ibpo|segment_mc> [hydra overrides...]
+#
+# Env: RREDCOT_BUILD  task + model folder (default outputs/tiny_cpu/build; built and cached if missing)
+#      OUT            run folder (default outputs/tiny_cpu/<estimator>): metrics.jsonl, train.log, snapshots/
+#      RREDCOT_STEPS  training steps (default 30)      RREDCOT_SEED  data seed (default 1)
+#      RAY_ADDRESS    submit to an existing Ray cluster with `ray job submit` instead of a local run. On a CPU
+#                     cluster start the head with: ray start --head --num-cpus=32 --num-gpus=1
+#      RUN_TIMEOUT    hard wall-clock limit in seconds (default 3600); on expiry the run and its Ray processes end.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$ROOT"
+EST="${1:?usage: run.sh <grpo|rredcot|ibpo|segment_mc> [overrides...]}"
+shift
+[ -f "recipes/tiny_cpu/$EST.yaml" ] || { echo "run.sh: no recipe recipes/tiny_cpu/$EST.yaml" >&2; exit 2; }
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+export RREDCOT_BUILD="${RREDCOT_BUILD:-$ROOT/outputs/tiny_cpu/build}"
+export RREDCOT_REWARD_FILE="$ROOT/rredcot_verl/tasks/reward.py"
+OUT="${OUT:-$ROOT/outputs/tiny_cpu/$EST}"
+mkdir -p "$OUT"
+export VERL_FILE_LOGGER_PATH="$OUT/metrics.jsonl"
+rm -f "$VERL_FILE_LOGGER_PATH"
+"$PY" -m rredcot_verl.tasks.build --out "$RREDCOT_BUILD" >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log" >&2; exit 1; }
+
+CMD=("$PY" -m rredcot_verl.main --config-dir "$ROOT/recipes/tiny_cpu" --config-name "$EST"
+     "algorithm.rredcot.snapshot_dir=$OUT/snapshots" "trainer.experiment_name=$EST" "$@")
+if [ -n "${RAY_ADDRESS:-}" ]; then
+  ENV_JSON=$("$PY" -c 'import json,os,sys; print(json.dumps({"env_vars": {k: os.environ[k] for k in sys.argv[1:]}}))' \
+    RREDCOT_BUILD RREDCOT_REWARD_FILE VERL_FILE_LOGGER_PATH)
+  exec timeout -k 30 "${RUN_TIMEOUT:-3600}" "$ROOT/.venv/bin/ray" job submit --address "$RAY_ADDRESS" \
+    --runtime-env-json "$ENV_JSON" -- "${CMD[@]}"
+fi
+# setsid: the whole process group (Ray, vLLM) is ended together on timeout or interrupt.
+exec timeout -k 30 "${RUN_TIMEOUT:-3600}" setsid "${CMD[@]}"

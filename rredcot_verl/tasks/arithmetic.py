@@ -1,0 +1,228 @@
+"""Chained arithmetic: the embedded default reasoning task.
+
+A problem is a chain of 3..6 operands joined by ``+``/``-`` (2..5 steps). The prompt (the user message of a chat)
+is ``Compute 23+45-17+8`` and the reference response, which starts with ``<think>``, writes one step per line::
+
+    <think>
+    23+45=68
+    68-17=51
+    51+8=59
+    </think>
+    \\boxed{59}
+
+Intermediate results and the answer may be negative. ``first_wrong_step`` checks a sampled response line by line
+against the prompt, which gives every trace a ground-truth location of its first error.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from dataclasses import dataclass
+
+DATA_SOURCE = "rredcot_arithmetic"
+ABILITY = "math"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+PROMPT_PREFIX = "Compute "
+
+_STEP_LINE = re.compile(r"(-?\d+)([+-])(\d+)=(-?\d+)", re.ASCII)
+_PROMPT = re.compile(r"Compute (\d+(?:[+-]\d+)+)", re.ASCII)
+_TERM = re.compile(r"([+-]?)(\d+)", re.ASCII)
+
+
+@dataclass(frozen=True)
+class ArithmeticTaskConfig:
+    """Distribution of problems.
+
+    Attributes:
+        min_operand: smallest operand (inclusive), default 1.
+        max_operand: largest operand (inclusive), default 99. The measured warm start (about 17 core-minutes of SFT
+            for 30% greedy accuracy) is for 1..99; 1..9 saturates near 99%.
+        min_operands: fewest operands in a chain, default 3 (2 steps).
+        max_operands: most operands in a chain, default 6 (5 steps).
+    """
+
+    min_operand: int = 1
+    max_operand: int = 99
+    min_operands: int = 3
+    max_operands: int = 6
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_operand <= self.max_operand:
+            raise ValueError(
+                f"need 0 <= min_operand <= max_operand, got min_operand={self.min_operand}, "
+                f"max_operand={self.max_operand}"
+            )
+        if not 2 <= self.min_operands <= self.max_operands:
+            raise ValueError(
+                f"need 2 <= min_operands <= max_operands, got min_operands={self.min_operands}, "
+                f"max_operands={self.max_operands}"
+            )
+
+
+@dataclass(frozen=True)
+class ArithmeticProblem:
+    """``operands[0] ops[0] operands[1] ops[1] ...``; ``len(ops) == len(operands) - 1``, each op is ``+`` or ``-``."""
+
+    operands: tuple[int, ...]
+    ops: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.operands) < 2 or len(self.ops) != len(self.operands) - 1:
+            raise ValueError(
+                f"need >= 2 operands and one op fewer, got {len(self.operands)} operands and {len(self.ops)} ops"
+            )
+        if any(op not in "+-" or len(op) != 1 for op in self.ops):
+            raise ValueError(f"ops must each be '+' or '-', got {self.ops}")
+        if any(operand < 0 for operand in self.operands):
+            raise ValueError(f"operands must be non-negative, got {self.operands}")
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.ops)
+
+    @property
+    def expression(self) -> str:
+        return str(self.operands[0]) + "".join(f"{op}{b}" for op, b in zip(self.ops, self.operands[1:]))
+
+    @property
+    def prompt(self) -> str:
+        return PROMPT_PREFIX + self.expression
+
+    def running_totals(self) -> list[int]:
+        """Result after each step (``num_steps`` values; the last is the answer)."""
+        totals, total = [], self.operands[0]
+        for op, b in zip(self.ops, self.operands[1:]):
+            total = total + b if op == "+" else total - b
+            totals.append(total)
+        return totals
+
+    @property
+    def answer(self) -> int:
+        return self.running_totals()[-1]
+
+
+def make_problem(rng: random.Random, config: ArithmeticTaskConfig = ArithmeticTaskConfig()) -> ArithmeticProblem:
+    """Draw one problem: operand count uniform in [min_operands, max_operands], operands and ops uniform."""
+    n = rng.randint(config.min_operands, config.max_operands)
+    operands = tuple(rng.randint(config.min_operand, config.max_operand) for _ in range(n))
+    ops = tuple(rng.choice("+-") for _ in range(n - 1))
+    return ArithmeticProblem(operands, ops)
+
+
+def parse_prompt(prompt: str) -> ArithmeticProblem:
+    """Inverse of ``ArithmeticProblem.prompt``; raises ValueError on any other text."""
+    match = _PROMPT.fullmatch(prompt.strip())
+    if match is None:
+        raise ValueError(f"not an arithmetic prompt of the form 'Compute 23+45-17': {prompt!r}")
+    terms = _TERM.findall(match.group(1))
+    return ArithmeticProblem(tuple(int(digits) for _, digits in terms), tuple(sign for sign, _ in terms[1:]))
+
+
+def reference_steps(problem: ArithmeticProblem) -> list[str]:
+    """One line per step, e.g. ``['23+45=68', '68-17=51', '51+8=59']``."""
+    lines, left = [], problem.operands[0]
+    for op, b, total in zip(problem.ops, problem.operands[1:], problem.running_totals()):
+        lines.append(f"{left}{op}{b}={total}")
+        left = total
+    return lines
+
+
+def format_response(steps: list[str], answer: int | str) -> str:
+    """The response layout shared by references and cut traces: think block, then the boxed answer."""
+    return THINK_OPEN + "\n" + "".join(line + "\n" for line in steps) + THINK_CLOSE + "\n\\boxed{" + f"{answer}" + "}"
+
+
+def reference_response(problem: ArithmeticProblem) -> str:
+    return format_response(reference_steps(problem), problem.answer)
+
+
+def response_step_lines(response_text: str) -> list[str] | None:
+    """Non-empty, stripped lines of the think block; None when there is no ``<think>``.
+
+    A response cut off before ``</think>`` (truncated by the length limit) yields the lines written so far,
+    so its last, partial line is judged like any other.
+    """
+    start = response_text.find(THINK_OPEN)
+    if start < 0:
+        return None
+    body = response_text[start + len(THINK_OPEN):]
+    end = body.find(THINK_CLOSE)
+    if end >= 0:
+        body = body[:end]
+    return [line.strip() for line in body.split("\n") if line.strip()]
+
+
+def first_wrong_step(problem: ArithmeticProblem, response_text: str) -> int | None:
+    """1-based index of the first step line that is wrong; None when every step is right.
+
+    Step line k (k-th non-empty line of the think block) is wrong when it does not parse as ``a±b=c``, when
+    ``c != a±b``, when ``a`` is not the previous result (the first operand for k=1), or when ``±b`` is not the
+    prompt's k-th term. A trace that writes fewer lines than the problem has steps is wrong at the first missing
+    step; one that writes more is wrong at the first extra line. A response without ``<think>`` is wrong at step 1.
+    Only the think block is judged: a wrong ``\\boxed{}`` after all-correct steps gives None (the reward sees it).
+    """
+    lines = response_step_lines(response_text)
+    if lines is None:
+        return 1
+    expected_left = problem.operands[0]
+    for k, (op, b) in enumerate(zip(problem.ops, problem.operands[1:]), start=1):
+        if k > len(lines):
+            return k
+        match = _STEP_LINE.fullmatch(lines[k - 1])
+        if match is None:
+            return k
+        left, line_op, right, result = int(match[1]), match[2], int(match[3]), int(match[4])
+        true_result = left + right if line_op == "+" else left - right
+        if left != expected_left or line_op != op or right != b or result != true_result:
+            return k
+        expected_left = result
+    if len(lines) > problem.num_steps:
+        return problem.num_steps + 1
+    return None
+
+
+def _row(problem: ArithmeticProblem, split: str, index: int) -> dict:
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": problem.prompt}],
+        "ability": ABILITY,
+        "reward_model": {"style": "rule", "ground_truth": str(problem.answer)},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "operands": list(problem.operands),
+            "ops": list(problem.ops),
+            "reference_steps": reference_steps(problem),
+            "reference_response": reference_response(problem),
+        },
+    }
+
+
+def write_parquet(
+    out_dir: str,
+    n_train: int,
+    n_val: int,
+    seed: int,
+    config: ArithmeticTaskConfig = ArithmeticTaskConfig(),
+) -> tuple[str, str]:
+    """Write ``out_dir/train.parquet`` and ``out_dir/val.parquet`` in verl's RL dataset format.
+
+    Each split draws from its own stream (``random.Random(f"{split}:{seed}")``), so validation problems are
+    independent of the training ones for every seed. Returns the two paths.
+    """
+    import pandas as pd
+
+    if n_train < 1 or n_val < 1:
+        raise ValueError(f"n_train and n_val must be >= 1, got n_train={n_train}, n_val={n_val}")
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for split, n in (("train", n_train), ("val", n_val)):
+        rng = random.Random(f"{split}:{seed}")
+        rows = [_row(make_problem(rng, config), split, i) for i in range(n)]
+        path = os.path.join(out_dir, f"{split}.parquet")
+        pd.DataFrame(rows).to_parquet(path, index=False)
+        paths.append(path)
+    return paths[0], paths[1]

@@ -1,0 +1,73 @@
+"""algorithm.rredcot: strict reading, yaml defaults equal to the dataclass defaults, recipes compose."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from rredcot_verl.config import RRedCoTSettings, settings_from_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "rredcot_verl" / "conf"
+
+
+def _defaults_without_verl_owned_keys():
+    defaults = dataclasses.asdict(RRedCoTSettings())
+    for section in ("redistribution", "ibpo"):
+        defaults[section].pop("norm_adv_by_std")
+    return defaults
+
+
+def test_yaml_defaults_equal_dataclass_defaults():
+    section = OmegaConf.to_container(OmegaConf.load(CONF / "rredcot_defaults.yaml").algorithm.rredcot)
+    section["segmentation"]["keywords"] = tuple(section["segmentation"]["keywords"])
+    assert section == _defaults_without_verl_owned_keys()
+    assert settings_from_config({"rredcot": section}) == RRedCoTSettings()
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"redistribution": {"mixx": 0.5}}, "unknown key(s) ['mixx'] in algorithm.rredcot.redistribution"),
+        ({"probes": {}}, "unknown key(s) ['probes'] in algorithm.rredcot"),
+        ({"redistribution": {"mix": 2.0}}, "mix (lambda) must lie in [0, 1]"),
+        ({"probe": {"value_source": "oracle"}}, "value_source must be one of"),
+        ({"redistribution": {"norm_adv_by_std": False}}, "norm_adv_by_std_in_grpo"),
+        ({"segmentation": 3}, "algorithm.rredcot.segmentation must be a mapping"),
+    ],
+)
+def test_bad_settings_are_rejected_with_the_key_named(section, message):
+    with pytest.raises(ValueError) as error:
+        settings_from_config({"rredcot": section})
+    assert message in str(error.value)
+
+
+def test_missing_section_gives_defaults():
+    assert settings_from_config({}) == RRedCoTSettings()
+    assert settings_from_config(None) == RRedCoTSettings()
+
+
+def _compose(config_dir: Path, name: str, overrides=()):
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "rredcot", "ibpo", "segment_mc"])
+def test_tiny_cpu_recipes_compose_with_verls_config(recipe, monkeypatch):
+    monkeypatch.setenv("RREDCOT_BUILD", "/build")
+    monkeypatch.setenv("RREDCOT_REWARD_FILE", "/reward.py")
+    config = _compose(ROOT / "recipes" / "tiny_cpu", recipe)
+    assert config.algorithm.adv_estimator == recipe
+    assert config.actor_rollout_ref.model.path == "/build/model"
+    assert config.actor_rollout_ref.rollout.n == 4
+    settings_from_config(config.algorithm)
+
+
+def test_cli_typo_in_rredcot_section_is_a_hydra_error(monkeypatch):
+    monkeypatch.setenv("RREDCOT_BUILD", "/build")
+    monkeypatch.setenv("RREDCOT_REWARD_FILE", "/reward.py")
+    with pytest.raises(Exception) as error:
+        _compose(ROOT / "recipes" / "tiny_cpu", "rredcot", ["algorithm.rredcot.redistribution.mixx=0.5"])
+    assert "mixx" in str(error.value)

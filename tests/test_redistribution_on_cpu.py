@@ -1,0 +1,362 @@
+"""Reward redistribution: GRPO equivalence against the real verl, telescoping, credit placement, fallbacks."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+from rredcot_verl.redistribution import (
+    RedistributionConfig,
+    anchor_values,
+    group_outcome_advantage,
+    redistribute,
+    segment_rewards,
+)
+
+torch.set_num_threads(1)
+NAN = float("nan")
+PROPERTY_SETTINGS = settings(max_examples=60, deadline=None)
+
+
+@st.composite
+def batches(draw, width: int = 12, max_segments: int = 5, any_float_scores: bool = True):
+    """A verl-like batch: interleaved groups (singletons included), right-padded masks, segment data and values.
+
+    Without ``any_float_scores`` scores are multiples of 1/8: group sums are then exact in any order, and no two
+    different scores are so close that the group std (and so Â) explodes.
+    """
+    group_sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=4), label="group sizes")
+    index = draw(st.permutations([f"uid{g}" for g, n in enumerate(group_sizes) for _ in range(n)]), label="index")
+    bsz = len(index)
+    score = st.integers(0, 8).map(lambda k: k / 8)
+    if any_float_scores:
+        score = score | st.floats(0.0, 1.0, width=32)
+    scores = torch.tensor(draw(st.lists(score, min_size=bsz, max_size=bsz), label="scores"), dtype=torch.float32)
+    lengths = draw(st.lists(st.integers(0, width), min_size=bsz, max_size=bsz), label="lengths")
+    mask_dtype = draw(st.sampled_from([torch.int64, torch.float32]), label="mask dtype")
+    mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).to(mask_dtype)
+    ends = torch.full((bsz, max_segments), -1, dtype=torch.int64)
+    raw = torch.full((bsz, max_segments + 1), NAN)
+    for i, length in enumerate(lengths):
+        if length == 0 or draw(st.integers(0, 9), label="drop segment data") == 0:
+            continue
+        cut = st.integers(1, length - 1) if length > 1 else st.nothing()
+        inner = draw(st.sets(cut, max_size=min(max_segments, length) - 1), label="cuts")
+        row = sorted(inner) + [length]
+        ends[i, : len(row)] = torch.tensor(row)
+        probe = st.floats(0.0, 1.0, width=32)
+        raw[i, : len(row) + 1] = torch.tensor(draw(st.lists(probe, min_size=len(row) + 1, max_size=len(row) + 1)))
+    return scores, mask, np.array(index, dtype=object), ends, raw
+
+
+def _verl_grpo(scores, mask, index, epsilon=1e-6, norm_adv_by_std=True):
+    """verl's own GRPO advantage, with each trace's score placed on its last response token as verl does."""
+    rewards = torch.zeros(mask.shape, dtype=scores.dtype)
+    last = (mask.sum(1).long() - 1).clamp(min=0)
+    rewards[torch.arange(len(scores)), last] = scores
+    assert torch.equal(rewards.sum(-1), scores)
+    advantages, returns = compute_grpo_outcome_advantage(rewards, mask, index, epsilon, norm_adv_by_std)
+    return advantages, returns
+
+
+def _batch(scores, lengths, groups, ends_rows, raw_rows, width=None):
+    width = width or max(lengths)
+    mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long()
+    max_segments = max(len(r) for r in ends_rows)
+    ends = torch.full((len(scores), max_segments), -1, dtype=torch.int64)
+    raw = torch.full((len(scores), max_segments + 1), NAN, dtype=torch.float64)
+    for i, (row, values) in enumerate(zip(ends_rows, raw_rows)):
+        ends[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        raw[i, : len(values)] = torch.tensor(values, dtype=torch.float64)
+    return torch.tensor(scores, dtype=torch.float32), mask, np.array(groups, dtype=object), ends, raw
+
+
+# ---------------------------------------------------------------------------------------------- GRPO equivalence
+
+
+@PROPERTY_SETTINGS
+@given(batch=batches(), norm=st.booleans(), epsilon=st.sampled_from([1e-6, 1e-3]))
+def test_group_outcome_advantage_is_verl_bit_for_bit(batch, norm, epsilon):
+    scores, mask, index, _, _ = batch
+    adv, group_mean = group_outcome_advantage(scores, index, epsilon, norm)
+    expected, _ = _verl_grpo(scores, mask, index, epsilon, norm)
+    assert torch.equal(adv.unsqueeze(-1) * mask, expected)
+    for uid in set(index):
+        rows = torch.tensor(index == uid)
+        assert torch.allclose(group_mean[rows], scores[rows].mean().expand(int(rows.sum())))
+
+
+@PROPERTY_SETTINGS
+@given(batch=batches(), norm=st.booleans())
+def test_mix_zero_is_verl_grpo_bit_for_bit(batch, norm):
+    scores, mask, index, ends, raw = batch
+    result = redistribute(scores, mask, index, ends, raw, RedistributionConfig(mix=0.0, norm_adv_by_std=norm))
+    expected, expected_returns = _verl_grpo(scores, mask, index, norm_adv_by_std=norm)
+    assert torch.equal(result.advantages, expected)
+    assert torch.equal(result.returns, expected_returns)
+
+
+@PROPERTY_SETTINGS
+@given(batch=batches(any_float_scores=False), mix=st.sampled_from([0.5, 1.0]), anchored=st.booleans())
+def test_token_mean_of_advantage_is_grpo_advantage(batch, mix, anchored):
+    """Σ_k σ_k = 1 (clipped or not), so Σ_t A_t = L_i · Â_i on every trace, redistributed or not."""
+    scores, mask, index, ends, raw = batch
+    result = redistribute(scores, mask, index, ends, raw, RedistributionConfig(mix=mix, anchored=anchored))
+    grpo, _ = _verl_grpo(scores, mask, index)
+    assert torch.allclose(result.advantages.double().sum(1), grpo.double().sum(1), rtol=1e-5, atol=1e-4)
+    assert torch.equal(result.advantages[result.fallback], grpo[result.fallback])
+    assert torch.all(result.advantages[mask == 0] == 0)
+    assert torch.isfinite(result.advantages).all()
+
+
+@PROPERTY_SETTINGS
+@given(batch=batches(any_float_scores=False), data=st.data())
+def test_permuting_traces_permutes_outputs(batch, data):
+    scores, mask, index, ends, raw = batch
+    order = torch.tensor(data.draw(st.permutations(range(len(scores))), label="permutation"))
+    cfg = RedistributionConfig()
+    result = redistribute(scores, mask, index, ends, raw, cfg)
+    permuted = redistribute(scores[order], mask[order], index[order.numpy()], ends[order], raw[order], cfg)
+    assert torch.equal(permuted.fallback, result.fallback[order])
+    # The group std may round differently when a group's members are summed in another order.
+    assert torch.allclose(permuted.advantages, result.advantages[order], atol=1e-5)
+    assert torch.allclose(permuted.values, result.values[order], atol=1e-5, equal_nan=True)
+    assert torch.allclose(permuted.segment_rewards, result.segment_rewards[order], atol=1e-5, equal_nan=True)
+    assert permuted.metrics.keys() == result.metrics.keys()
+    for key, value in result.metrics.items():
+        assert math.isclose(permuted.metrics[key], value, abs_tol=1e-6), key
+
+
+def test_values_linear_in_token_position_give_grpo():
+    """v̂ growing linearly with the number of tokens read means no segment is special: σ_k = n_k / L, A = GRPO."""
+    lengths, cuts = [10, 10, 7, 10], [[2, 5, 10], [4, 10], [1, 3, 7], [10]]
+    scores = [1.0, 0.0, 1.0, 0.0]
+    raw_rows = []
+    for zeta, length, row, start in zip(scores, lengths, cuts, [0.2, 0.7, 0.5, 0.3]):
+        raw_rows.append([start] + [start + (zeta - start) * end / length for end in row])
+    batch = _batch(scores, lengths, ["q"] * 4, cuts, raw_rows)
+    # The affine map keeps probes that are linear in tokens linear in tokens, now from V_0 = 0.5 to ζ.
+    result = redistribute(*batch, RedistributionConfig())
+    grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
+    assert not result.fallback.any()
+    assert torch.allclose(result.advantages, grpo, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- values and rewards
+
+
+@PROPERTY_SETTINGS
+@given(
+    values=st.lists(st.floats(0.0, 1.0), min_size=2, max_size=12),
+    outcome=st.sampled_from([0.0, 1.0]),
+    group_mean=st.floats(0.0, 1.0),
+    anchored=st.booleans(),
+    value_mapping=st.sampled_from(["affine", "raw"]),
+)
+def test_segment_rewards_telescope(values, outcome, group_mean, anchored, value_mapping):
+    cfg = RedistributionConfig(anchored=anchored, value_mapping=value_mapping)
+    anchored_values = anchor_values(torch.tensor(values, dtype=torch.float64), outcome, group_mean, cfg)
+    rewards = segment_rewards(anchored_values)
+    assert rewards.shape == (len(values) - 1,)
+    start = group_mean if anchored else values[0]
+    assert anchored_values[0].item() == start and anchored_values[-1].item() == outcome
+    assert math.isclose(rewards.sum().item(), outcome - start, abs_tol=1e-12)
+    assert ((anchored_values >= 0) & (anchored_values <= 1)).all()
+
+
+def test_anchor_values_mappings():
+    raw = torch.tensor([0.2, 0.6, 0.4, 0.9], dtype=torch.float64)  # last entry is replaced by ζ
+    affine = anchor_values(raw, 1.0, 0.5, RedistributionConfig())
+    # The affine map sends 0.2 -> 0.5 and 1 -> 1: v -> 1 + (v - 1) * 0.5 / 0.8.
+    assert torch.allclose(affine, torch.tensor([0.5, 0.75, 0.625, 1.0], dtype=torch.float64))
+    assert torch.equal(anchor_values(raw, 1.0, 0.5, RedistributionConfig(value_mapping="raw")),
+                       torch.tensor([0.5, 0.6, 0.4, 1.0], dtype=torch.float64))  # fmt: skip
+    assert torch.equal(anchor_values(raw, 0.0, 0.5, RedistributionConfig(anchored=False)),
+                       torch.tensor([0.2, 0.6, 0.4, 0.0], dtype=torch.float64))  # fmt: skip
+    # Stretching (0.9 -> 0.25, 1 -> 1 is a factor 7.5) can leave [0, 1]: 1 + (0 - 1) * 7.5 = -6.5 is clamped to 0.
+    clamped = anchor_values(torch.tensor([0.9, 0.0, 0.5], dtype=torch.float64), 1.0, 0.25, RedistributionConfig())
+    assert clamped.tolist() == [0.25, 0.0, 1.0]
+    # ζ == v̂_0: the affine map is undefined, values interpolate linearly in k from V_0 to ζ.
+    flat = anchor_values(torch.tensor([1.0, 0.3, 0.8, 0.0], dtype=torch.float64), 1.0, 0.4, RedistributionConfig())
+    assert torch.allclose(flat, torch.tensor([0.4, 0.6, 0.8, 1.0], dtype=torch.float64))
+
+
+def test_anchor_values_rejects_bad_input():
+    cfg = RedistributionConfig()
+    with pytest.raises(ValueError, match="NaN or inf"):
+        anchor_values(torch.tensor([0.2, NAN, 0.3]), 1.0, 0.5, cfg)
+    with pytest.raises(ValueError, match="probabilities"):
+        anchor_values(torch.tensor([0.2, 1.5, 0.3]), 1.0, 0.5, cfg)
+    with pytest.raises(ValueError, match="K\\+1 >= 2"):
+        anchor_values(torch.tensor([0.2]), 1.0, 0.5, cfg)
+
+
+# ---------------------------------------------------------------------------------------------- credit placement
+
+
+def test_credit_lands_where_the_value_moves():
+    # One group, 4 traces: two correct, two wrong (mean 0.5, Â = ±0.866). Segments of 4 tokens each.
+    cuts = [[4, 8, 12, 16]] * 4
+    raw = [
+        [0.5, 0.5, 0.9, 0.9, NAN],  # correct, the 2nd segment found the way
+        [0.5, 0.6, 0.7, 0.1, NAN],  # wrong, the 3rd segment went astray after two good ones
+        [0.5, 0.5, 0.5, 0.5, NAN],  # correct, everything happened in the last segment
+        [0.5, 0.5, 0.5, 0.5, NAN],  # wrong, likewise
+    ]
+    batch = _batch([1.0, 0.0, 1.0, 0.0], [16] * 4, ["q"] * 4, cuts, raw)
+    result = redistribute(*batch, RedistributionConfig(value_mapping="raw"))
+    per_segment = result.advantages.view(4, 4, 4)[:, :, 0]  # uniform within a segment
+    assert torch.equal(result.advantages.view(4, 4, 4), per_segment.unsqueeze(-1).expand(4, 4, 4))
+    correct, wrong = per_segment[0], per_segment[1]
+    assert correct.argmax() == 1 and correct[1] > 0
+    assert wrong.argmin() == 2 and wrong[2] < 0  # the drop carries the blame
+    assert wrong[0] > 0 and wrong[1] > 0  # steps "on the right track" are pushed up even in a wrong trace
+    assert torch.allclose(per_segment[2], torch.tensor([0.0, 0.0, 0.0, 4 * 0.8660254]), atol=1e-5)
+    assert torch.allclose(result.segment_rewards[1].float(), torch.tensor([0.1, 0.1, -0.6, -0.1]), atol=1e-6)
+    assert result.metrics["negative_coef_frac"] == pytest.approx(2 / 16)  # σ of the wrong trace: [-.2, -.2, 1.2, .2]
+
+
+def test_clipping_bounds_coefficients_and_keeps_their_sum():
+    cuts = [[2, 4, 6, 8, 10]] * 2
+    # σ = [0, 0, 0, 0, 1] (all credit in the last segment) and [.1, .1, .1, .1, .6].
+    raw = [[0.5, 0.5, 0.5, 0.5, 0.5, NAN], [0.5, 0.45, 0.4, 0.35, 0.3, NAN]]
+    batch = _batch([1.0, 0.0], [10, 10], ["q", "q"], cuts, raw)
+    grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
+    for clip, clipped_frac in [(2.0, 1.0), (4.0, 0.5), (5.0, 0.0)]:
+        result = redistribute(*batch, RedistributionConfig(value_mapping="raw", clip=clip))
+        # σ_k = A_t · n_k / (L · Â) with L = 10, n_k = 2; K = 5.
+        sigma = (result.advantages[:, ::2] / grpo[:, :1] * 2 / 10).double()
+        assert torch.allclose(sigma.sum(1), torch.ones(2, dtype=torch.float64), atol=1e-6)
+        assert (5 * sigma.abs() <= clip + 1e-5).all()
+        assert result.metrics["clipped_trace_frac"] == clipped_frac
+        if clipped_frac == 0.0:
+            assert torch.allclose(sigma[0], torch.tensor([0, 0, 0, 0, 1.0], dtype=torch.float64), atol=1e-6)
+        assert (sigma[:, :-1] <= sigma[:, -1:]).all()  # the order of coefficients is kept
+
+
+def test_mix_interpolates_between_grpo_and_full_redistribution():
+    cuts = [[3, 5, 9]] * 3
+    raw = [[0.4, 0.7, 0.2, NAN], [0.4, 0.1, 0.3, NAN], [0.5, 0.6, 0.6, NAN]]
+    batch = _batch([1.0, 0.0, 1.0], [9, 9, 9], ["q"] * 3, cuts, raw)
+    full = redistribute(*batch, RedistributionConfig(mix=1.0)).advantages
+    none = redistribute(*batch, RedistributionConfig(mix=0.0)).advantages
+    half = redistribute(*batch, RedistributionConfig(mix=0.5)).advantages
+    assert torch.allclose(half, (full + none) / 2, atol=1e-6)
+    assert not torch.allclose(full, none)
+
+
+# ---------------------------------------------------------------------------------------------- fallbacks
+
+
+def test_all_correct_and_all_wrong_groups_give_zero():
+    cuts = [[3, 6]] * 4
+    raw = [[0.2, 0.9, NAN]] * 4
+    batch = _batch([1.0, 1.0, 0.0, 0.0], [6] * 4, ["a", "a", "b", "b"], cuts, raw)
+    result = redistribute(*batch, RedistributionConfig())
+    assert torch.all(result.advantages == 0)
+    assert result.fallback.all()
+    assert result.metrics["degenerate_groups"] == 2.0
+    assert result.metrics["fallback/zero_return"] == 4.0
+    assert result.metrics["redistributed_frac"] == 0.0
+    assert "segments_per_trace" not in result.metrics  # no redistributed trace to average over
+    assert torch.isnan(result.values).all() and torch.isnan(result.segment_rewards).all()
+
+
+def test_fallback_reasons_are_counted_and_keep_grpo():
+    # Group "q": 6 traces with mixed outcomes; group "solo": one trace.
+    scores = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    lengths = [6, 6, 6, 6, 6, 0, 6]
+    cuts = [[3, 6], [3, 6], [], [3, 5], [3, 6], [], [3, 6]]
+    raw = [
+        [0.3, 0.8, NAN],  # fine
+        [0.3, NAN, NAN],  # NaN probe value
+        [],  # no segment data
+        [0.3, 0.2, NAN],  # last end 5 != length 6
+        [0.3, float("inf"), NAN],  # inf probe value
+        [],  # empty response
+        [0.3, 0.8, NAN],  # group of one
+    ]
+    batch = _batch(scores, lengths, ["q"] * 6 + ["solo"], cuts, raw)
+    result = redistribute(*batch, RedistributionConfig())
+    grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
+    assert result.fallback.tolist() == [False, True, True, True, True, True, True]
+    assert torch.equal(result.advantages[1:], grpo[1:])
+    assert not torch.equal(result.advantages[0], grpo[0])
+    assert torch.all(result.advantages[5] == 0)
+    counts = {k: v for k, v in result.metrics.items() if k.startswith("fallback/")}
+    assert counts == {
+        "fallback/empty": 1.0,
+        "fallback/singleton_group": 1.0,
+        "fallback/zero_return": 0.0,
+        "fallback/missing_segments": 2.0,
+        "fallback/nonfinite": 2.0,
+    }
+    assert result.metrics["redistributed_frac"] == pytest.approx(1 / 7)
+    assert result.metrics["segments_per_trace"] == 2.0
+    assert torch.isfinite(result.values[0, :3]).all() and torch.isnan(result.values[1:]).all()
+
+
+def test_unanchored_falls_back_when_outcome_equals_first_value():
+    cuts = [[2, 4]] * 3
+    raw = [[1.0, 0.5, NAN], [0.3, 0.1, NAN], [0.6, 0.9, NAN]]
+    batch = _batch([1.0, 0.0, 1.0], [4, 4, 4], ["q"] * 3, cuts, raw)
+    result = redistribute(*batch, RedistributionConfig(anchored=False))
+    assert result.fallback.tolist() == [True, False, False]
+    assert result.metrics["fallback/zero_return"] == 1.0
+    assert result.values[2].tolist()[:3] == pytest.approx([0.6, 0.9, 1.0])  # V_0 = v̂_0, V_K = ζ
+    # Trace 1 (wrong, Â < 0): R = [-0.2, -0.1], σ = [2/3, 1/3]; A_t = Â · L · σ_k / n_k = Â · 2σ_k.
+    grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
+    expected = grpo[1, 0].double() * torch.tensor([4 / 3, 4 / 3, 2 / 3, 2 / 3], dtype=torch.float64)
+    assert torch.allclose(result.advantages[1].double(), expected, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def _valid_batch():
+    return _batch([1.0, 0.0], [4, 3], ["q", "q"], [[2, 4], [3]], [[0.2, 0.5, NAN], [0.2, NAN]])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda b: (b[0].unsqueeze(1), *b[1:]), "scores must be a 1-D float"),
+        (lambda b: (b[0], b[1][:1], *b[2:]), "response_mask must have shape"),
+        (lambda b: (*b[:2], b[2][:1], *b[3:]), "index has 1 entries"),
+        (lambda b: (*b[:3], b[3].int(), b[4]), "segment_ends must be int64"),
+        (lambda b: (*b[:4], b[4][:, :2]), "raw_values must be float of shape"),
+        (lambda b: (b[0] * 2, *b[1:]), "scores must be probabilities"),
+        (lambda b: (*b[:4], b[4] + 1.0), "raw_values must be probabilities"),
+        (lambda b: (b[0], torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]]), *b[2:]), "right-padded"),
+        (lambda b: (b[0], b[1] * 2, *b[2:]), "only 0 and 1"),
+        (lambda b: (*b[:3], torch.tensor([[2, 5], [3, -1]]), b[4]), "segment end beyond response length"),
+        (lambda b: (*b[:3], torch.tensor([[3, 2], [3, -1]]), b[4]), "strictly increasing"),
+        (lambda b: (*b[:3], torch.tensor([[0, 4], [3, -1]]), b[4]), "positive and strictly increasing"),
+        (lambda b: (*b[:3], torch.tensor([[-1, 4], [3, -1]]), b[4]), "padding must come after"),
+        (lambda b: (*b[:3], torch.tensor([[2, 4], [-3, -1]]), b[4]), "use -1 for padding"),
+    ],
+)
+def test_bad_batches_raise(change, message):
+    redistribute(*_valid_batch(), RedistributionConfig())  # the unchanged batch is fine
+    with pytest.raises(ValueError, match=message):
+        redistribute(*change(_valid_batch()), RedistributionConfig())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(mix=1.5), "mix"),
+        (dict(mix=-0.1), "mix"),
+        (dict(value_mapping="minmax"), "value_mapping"),
+        (dict(clip=0.5), "clip must be >= 1"),
+        (dict(epsilon=0.0), "epsilon"),
+        (dict(anchored=1), "anchored must be a bool"),
+    ],
+)
+def test_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RedistributionConfig(**kwargs)

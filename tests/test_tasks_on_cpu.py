@@ -1,0 +1,374 @@
+"""The embedded task: generator, reward, step checker, tokenizer, model folder, warm start and cached build."""
+
+import json
+import os
+import random
+import shutil
+
+import pandas as pd
+import pytest
+import torch
+
+from rredcot_verl.tasks import build as build_module
+from rredcot_verl.tasks.arithmetic import (
+    DATA_SOURCE,
+    ArithmeticProblem,
+    ArithmeticTaskConfig,
+    first_wrong_step,
+    format_response,
+    make_problem,
+    parse_prompt,
+    reference_response,
+    reference_steps,
+    write_parquet,
+)
+from rredcot_verl.tasks.model import (
+    CHAT_TEMPLATE,
+    TinyModelConfig,
+    build_model,
+    build_tokenizer,
+    chat_prompt_ids,
+    check_vllm_head_dim,
+    load_model_dir,
+    response_ids,
+    save_model_dir,
+)
+from rredcot_verl.tasks.reward import compute_score, extract_boxed_answer
+from rredcot_verl.tasks.sft import SFTConfig, band_distance, make_batch, train_warm_start
+
+torch.set_num_threads(1)
+
+# 23+45=68, 68-17=51, 51+8=59
+PROBLEM = ArithmeticProblem((23, 45, 17, 8), ("+", "-", "+"))
+SMALL_MODEL = TinyModelConfig(tokenizer_corpus_size=1000)
+TINY_SFT = SFTConfig(max_steps=3, batch_size=4, eval_every_steps=3, n_eval=4, eval_max_new_tokens=8, warmup_steps=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(SMALL_MODEL)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tokenizer, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("model"))
+    save_model_dir(build_model(tokenizer, SMALL_MODEL), tokenizer, path)
+    return path
+
+
+# --- generator -------------------------------------------------------------------------------------------------
+
+
+def test_reference_solution_of_a_known_problem():
+    assert PROBLEM.prompt == "Compute 23+45-17+8"
+    assert reference_steps(PROBLEM) == ["23+45=68", "68-17=51", "51+8=59"]
+    assert PROBLEM.answer == 59
+    assert reference_response(PROBLEM) == "<think>\n23+45=68\n68-17=51\n51+8=59\n</think>\n\\boxed{59}"
+
+
+def test_negative_running_totals_are_written_with_their_sign():
+    problem = ArithmeticProblem((5, 12, 3), ("-", "+"))
+    assert reference_steps(problem) == ["5-12=-7", "-7+3=-4"]
+    assert reference_response(problem).endswith("\\boxed{-4}")
+
+
+def test_random_problems_follow_the_config_and_the_seed():
+    config = ArithmeticTaskConfig()
+    problems = [make_problem(random.Random(7), config) for _ in range(2)]
+    assert problems[0] == problems[1]  # same seed, same problem
+    rng = random.Random(0)
+    problems = [make_problem(rng, config) for _ in range(2000)]
+    assert {p.num_steps for p in problems} == {2, 3, 4, 5}
+    assert {op for p in problems for op in p.ops} == {"+", "-"}
+    operands = [x for p in problems for x in p.operands]
+    assert min(operands) == 1 and max(operands) == 99
+    for problem in problems[:200]:
+        steps = reference_steps(problem)
+        assert len(steps) == problem.num_steps
+        assert [int(line.split("=")[1]) for line in steps] == problem.running_totals()
+        assert eval(problem.expression) == problem.answer  # the prompt's own arithmetic
+        assert parse_prompt(problem.prompt) == problem
+        assert first_wrong_step(problem, reference_response(problem)) is None
+
+
+def test_invalid_task_settings_are_rejected():
+    with pytest.raises(ValueError, match="min_operand"):
+        ArithmeticTaskConfig(min_operand=50, max_operand=10)
+    with pytest.raises(ValueError, match="min_operands"):
+        ArithmeticTaskConfig(min_operands=1)
+    with pytest.raises(ValueError, match="ops"):
+        ArithmeticProblem((1, 2), ("*",))
+    with pytest.raises(ValueError, match="not an arithmetic prompt"):
+        parse_prompt("What is 2+2?")
+
+
+def test_parquet_has_verls_columns_and_types(tmp_path):
+    train_path, val_path = write_parquet(str(tmp_path), n_train=20, n_val=10, seed=3)
+    train, val = pd.read_parquet(train_path), pd.read_parquet(val_path)
+    assert len(train) == 20 and len(val) == 10
+    assert list(train.columns) == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+    row = train.iloc[0]
+    assert row["data_source"] == DATA_SOURCE
+    assert row["prompt"][0]["role"] == "user" and len(row["prompt"]) == 1
+    problem = parse_prompt(row["prompt"][0]["content"])
+    assert row["reward_model"]["style"] == "rule"
+    assert row["reward_model"]["ground_truth"] == str(problem.answer)
+    info = row["extra_info"]
+    assert info["split"] == "train" and info["index"] == 0
+    assert list(info["operands"]) == list(problem.operands) and list(info["ops"]) == list(problem.ops)
+    assert list(info["reference_steps"]) == reference_steps(problem)
+    assert info["reference_response"] == reference_response(problem)
+    assert compute_score(row["data_source"], info["reference_response"], row["reward_model"]["ground_truth"]) == 1.0
+    # validation comes from its own stream; the same seed writes the same files
+    assert set(train["extra_info"].map(lambda i: i["reference_response"])).isdisjoint(
+        val["extra_info"].map(lambda i: i["reference_response"]))
+    write_parquet(str(tmp_path / "again"), n_train=20, n_val=10, seed=3)
+    again = pd.read_parquet(tmp_path / "again" / "train.parquet")
+    assert again["prompt"].map(lambda m: m[0]["content"]).tolist() == train["prompt"].map(
+        lambda m: m[0]["content"]).tolist()
+
+
+# --- reward ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "solution, truth, score",
+    [
+        ("<think>\n23+45=68\n</think>\n\\boxed{59}", "59", 1.0),
+        ("\\boxed{58}", "59", 0.0),
+        ("the answer is 59", "59", 0.0),  # no boxed answer
+        ("\\boxed{12} wait, no: \\boxed{59}", "59", 1.0),  # the last boxed answer counts
+        ("\\boxed{59} wait, no: \\boxed{12}", "59", 0.0),
+        ("\\boxed{-7}", "-7", 1.0),
+        ("\\boxed{7}", "-7", 0.0),
+        ("\\boxed{ +7 }", "7", 1.0),
+        ("\\boxed{007}", "7", 1.0),
+        ("\\boxed{7.5}", "7", 0.0),
+        ("\\boxed{abc}", "7", 0.0),
+        ("\\boxed{7", "7", 0.0),  # never closed
+        ("\\boxed{}", "7", 0.0),
+        ("\\boxed{\u0667}", "7", 0.0),  # an Arabic-Indic seven is not the ASCII answer
+        ("\x00\ufffd garbage }{ \\boxed", "7", 0.0),
+    ],
+)
+def test_reward(solution, truth, score):
+    assert compute_score(DATA_SOURCE, solution, truth, extra_info={"index": 0}) == score
+
+
+def test_verl_loads_the_reward_file_by_path():
+    from verl.utils.import_utils import load_extern_object
+
+    from rredcot_verl.tasks import reward
+
+    score = load_extern_object(module_path=reward.__file__, object_name="compute_score")
+    assert score(DATA_SOURCE, "<think>\n2+3=5\n</think>\n\\boxed{5}", "5", extra_info={"index": 0}) == 1.0
+
+
+def test_boxed_extraction_matches_braces():
+    assert extract_boxed_answer("\\boxed{{1}+{2}}") == "{1}+{2}"
+    assert extract_boxed_answer("\\boxed{ 3 }") == "3"
+    assert extract_boxed_answer("no answer") is None
+
+
+def test_reward_rejects_a_non_integer_ground_truth():
+    with pytest.raises(ValueError, match="ground_truth"):
+        compute_score(DATA_SOURCE, "\\boxed{1}", "one")
+
+
+# --- first wrong step ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "steps, expected",
+    [
+        (["23+45=68", "68-17=51", "51+8=59"], None),
+        (["23+45=68", "68-17=52", "52+8=60"], 2),  # wrong arithmetic
+        (["23+45=68", "67-17=50", "50+8=58"], 2),  # wrong carried operand
+        (["23+45=68", "68+17=85", "85+8=93"], 2),  # wrong next operator
+        (["23+45=68", "68-71=-3", "-3+8=5"], 2),  # wrong next operand
+        (["24+45=69", "69-17=52", "52+8=60"], 1),  # first operand miscopied
+        (["23+45=68", "68 minus 17 is 51", "51+8=59"], 2),  # unparsable
+        (["23+45=68", "68-17=51"], 3),  # stopped early
+        (["23+45=68", "68-17=51", "51+8=59", "59+0=59"], 4),  # extra line
+        (["23+45=68", "", "68-17=51", "51+8=59"], None),  # blank lines are not steps
+    ],
+)
+def test_first_wrong_step(steps, expected):
+    assert first_wrong_step(PROBLEM, format_response(steps, 59)) == expected
+
+
+def test_first_wrong_step_on_malformed_responses():
+    assert first_wrong_step(PROBLEM, "\\boxed{59}") == 1  # no <think>
+    assert first_wrong_step(PROBLEM, "") == 1
+    assert first_wrong_step(PROBLEM, "<think>\n23+45=68\n68-1") == 2  # truncated mid-line
+    assert first_wrong_step(PROBLEM, "<think>\n23+45=68\n68-17=51\n") == 3  # truncated before the last step
+    # only the think block is judged: the reward catches a wrong final answer
+    assert first_wrong_step(PROBLEM, format_response(reference_steps(PROBLEM), 60)) is None
+
+
+# --- tokenizer and model folder --------------------------------------------------------------------------------
+
+
+def test_tokenizer_round_trips_and_splits_digits(tokenizer):
+    texts = [
+        reference_response(PROBLEM),
+        "Compute 1+2-3",
+        "  two  spaces\n\n\nnewlines\tand\ttabs -12 {-3} =-4 \\boxed{-59}",
+        "unicode ünï 🙂 and 1234567890",
+        "",
+    ]
+    for text in texts:
+        assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    digits = tokenizer.convert_ids_to_tokens(tokenizer.encode("1234567890", add_special_tokens=False))
+    assert digits == list("1234567890")
+
+
+def test_think_tags_and_eos(tokenizer):
+    ids = response_ids(tokenizer, reference_response(PROBLEM))
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert tokens[0] == "<think>" and "</think>" in tokens
+    assert ids[-1] == tokenizer.eos_token_id and tokenizer.eos_token == "<|endoftext|>"
+    assert tokenizer.pad_token == "<|pad|>" and tokenizer.pad_token_id != tokenizer.eos_token_id
+    # verl decodes responses with skip_special_tokens=True: the think tags must survive, eos must not
+    assert tokenizer.decode(ids, skip_special_tokens=True) == reference_response(PROBLEM)
+
+
+def test_chat_template_renders_the_generation_prompt(tokenizer):
+    messages = [{"role": "user", "content": PROBLEM.prompt}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\nCompute 23+45-17+8<|im_end|>\n<|im_start|>assistant\n"
+    ids = chat_prompt_ids(tokenizer, PROBLEM.prompt)
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.convert_ids_to_tokens(ids)[0] == "<|im_start|>"
+
+
+def test_model_folder_reloads_identically(model_dir, tokenizer):
+    model, loaded_tokenizer = load_model_dir(model_dir)
+    # AutoTokenizer picks its own class for qwen2 folders: it must still tokenize exactly like the built one
+    rng = random.Random(1)
+    for _ in range(50):
+        problem = make_problem(rng)
+        for text in (problem.prompt, reference_response(problem)):
+            assert loaded_tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(
+                text, add_special_tokens=False)
+    assert loaded_tokenizer.chat_template == CHAT_TEMPLATE
+    config = model.config
+    assert config.hidden_size // config.num_attention_heads == 32
+    assert config.eos_token_id == tokenizer.eos_token_id and config.tie_word_embeddings
+    assert config.vocab_size == len(tokenizer)
+    assert 0.6e6 < sum(p.numel() for p in model.parameters()) < 0.75e6
+    fresh = build_model(tokenizer, SMALL_MODEL)
+    input_ids = torch.tensor([chat_prompt_ids(tokenizer, PROBLEM.prompt)])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids).logits, fresh(input_ids).logits)  # same seed, same weights
+
+
+def test_head_dim_must_suit_vllm_cpu():
+    check_vllm_head_dim(32)
+    with pytest.raises(ValueError, match="head_dim=16"):
+        check_vllm_head_dim(16)
+    with pytest.raises(ValueError, match="head_dim=16"):
+        TinyModelConfig(hidden_size=64, num_attention_heads=4)
+
+
+def test_loader_names_the_folder_when_it_is_missing_or_broken(model_dir, tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        load_model_dir(str(missing))
+    for name, pattern in (("config.json", "config.json"), ("model.safetensors", "safetensors"),
+                          ("tokenizer.json", "tokenizer.json")):
+        broken = tmp_path / f"without_{name}"
+        shutil.copytree(model_dir, broken)
+        os.remove(broken / name)
+        with pytest.raises(FileNotFoundError, match=pattern) as error:
+            load_model_dir(str(broken))
+        assert str(broken) in str(error.value)
+    corrupt = tmp_path / "corrupt_weights"
+    shutil.copytree(model_dir, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=str(corrupt)):
+        load_model_dir(str(corrupt))
+
+
+# --- warm start and build --------------------------------------------------------------------------------------
+
+
+def test_batch_masks_everything_but_the_response(tokenizer):
+    input_ids, attention_mask, labels = make_batch(tokenizer, [PROBLEM, ArithmeticProblem((1, 2, 3), ("+", "+"))])
+    first = labels[0][labels[0] != -100].tolist()
+    assert first == response_ids(tokenizer, reference_response(PROBLEM))
+    assert (labels[1][attention_mask[1] == 0] == -100).all()  # padding never has a label
+    assert (input_ids[1][attention_mask[1] == 0] == tokenizer.pad_token_id).all()
+
+
+def test_a_short_warm_start_reduces_the_loss(tokenizer):
+    model = build_model(tokenizer, SMALL_MODEL)
+    probe = make_batch(tokenizer, [make_problem(random.Random(99)) for _ in range(16)])
+
+    def probe_loss():
+        with torch.no_grad():
+            return model(input_ids=probe[0], attention_mask=probe[1], labels=probe[2]).loss.item()
+
+    before = probe_loss()
+    config = SFTConfig(max_steps=12, batch_size=16, eval_every_steps=6, n_eval=8, eval_max_new_tokens=8,
+                       warmup_steps=2)
+    record = train_warm_start(model, tokenizer, ArithmeticTaskConfig(), config, progress_bar=False)
+    assert probe_loss() < before - 0.5
+    assert [c["step"] for c in record["checkpoints"]] == [6, 12]
+    assert record["stopped_because"] == "max_steps" and not record["in_target_band"]
+    assert record["kept"]["step"] == 12  # both at 0% accuracy: the later checkpoint is kept
+    assert set(record["kept"]["sampled"]["by_num_steps"]) <= {2, 3, 4, 5}
+
+
+def test_sft_settings_and_schedule():
+    config = SFTConfig()
+    assert config.lr_at(0, 0.0) == pytest.approx(config.lr / config.warmup_steps)
+    assert config.lr_at(config.warmup_steps, 0.0) == pytest.approx(config.lr)
+    assert config.lr_at(10_000, 1.0) == pytest.approx(config.lr * config.min_lr_ratio)
+    assert band_distance(0.4, (0.3, 0.5)) == 0.0 and band_distance(0.2, (0.3, 0.5)) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="target_band"):
+        SFTConfig(target_band=(0.6, 0.5))
+    with pytest.raises(ValueError, match="budget_s"):
+        SFTConfig(budget_s=0)
+
+
+def test_build_is_cached_and_prefers_the_committed_artefact(tmp_path):
+    def run(out, n_train=12, **kwargs):
+        logs = []
+        record = build_module.build(str(out), model_config=SMALL_MODEL, sft=TINY_SFT, n_train=n_train, n_val=4,
+                                    log=logs.append, **kwargs)
+        return record, "\n".join(logs)
+
+    no_artefact = str(tmp_path / "no_artefact")
+    record, log = run(tmp_path / "a", artefact_dir=no_artefact)
+    assert record["model_source"] == "trained"
+    assert os.path.isfile(tmp_path / "a" / "data" / "train.parquet")
+    assert record["max_prompt_tokens"] > 5 and record["max_reference_response_tokens"] > 10
+    warmstart = json.loads((tmp_path / "a" / "model" / "warmstart.json").read_text())
+    assert warmstart["fingerprint"] == record["model_fingerprint"]
+
+    record, log = run(tmp_path / "a", artefact_dir=no_artefact)
+    assert record["model_source"] == "cached" and "data: reusing" in log and "model: reusing" in log
+
+    record, log = run(tmp_path / "a", artefact_dir=no_artefact, n_train=13)  # new data, same model
+    assert record["model_source"] == "cached" and "data: wrote" in log
+
+    artefact = tmp_path / "artefact"
+    shutil.copytree(tmp_path / "a" / "model", artefact)
+    record, log = run(tmp_path / "b", artefact_dir=str(artefact))
+    assert record["model_source"] == "artefact"
+    load_model_dir(str(tmp_path / "b" / "model"))
+
+    with pytest.raises(ValueError, match="retrain"):
+        run(tmp_path / "c", artefact_dir=str(artefact), update_artefact=True)
+
+
+def test_committed_artefact_matches_the_default_settings():
+    path = build_module.ARTEFACT_DIR
+    record = json.loads(open(os.path.join(path, "warmstart.json")).read())
+    expected = build_module.model_fingerprint(ArithmeticTaskConfig(), TinyModelConfig(), SFTConfig())
+    assert record["fingerprint"] == expected, "stale artefact: reproduce it with build --retrain --update-artefact"
+    assert 0.2 <= record["kept"]["sampled"]["accuracy"] <= 0.7
+    model, tokenizer = load_model_dir(path)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "Compute 1+2"}], add_generation_prompt=True,
+                                         tokenize=False).endswith("assistant\n")
