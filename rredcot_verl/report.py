@@ -24,7 +24,8 @@ key                     meaning
 ``segmented``           true when the row carried segment data (``rredcot``, ``segment_mc``)
 ``segment_ends``        exclusive token indices into the response, strictly increasing, the last = response
                         length (in tokens); ``[len(response_tokens)]`` for rows without segment data
-``segment_text``        the K segments' texts; joined they give the response
+``segment_text``        the K segments' texts; joined they give the response (unless a byte-level token splits a
+                        character: per-token strings then hold U+FFFD)
 ``raw_values``          probe values v̂_0..v̂_K (K+1 entries), or null
 ``values``              anchored values V_0..V_K (K+1 entries), or null (no segment data, or a trace that
                         fell back to its GRPO advantage)
@@ -84,7 +85,10 @@ def _json_safe(value):
 
 
 def write_snapshot(directory: str, step: int, estimator: str, rows: list[dict]) -> str:
-    """Write ``directory/step_<step:05d>.json`` = ``{"step", "estimator", "traces": rows}`` atomically; return its path."""
+    """Write ``directory/step_<step:05d>.json`` = ``{"step", "estimator", "traces": rows}``; return its path.
+
+    Atomic (temp file + rename), so a report never reads a half-written step. NaN/inf become null.
+    """
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"step_{step:05d}.json")
     payload = _json_safe({"step": step, "estimator": estimator, "traces": rows})
@@ -231,13 +235,16 @@ def _record(row: dict, index: int, snapshot: dict, baselines: dict[str, float]) 
     segment_ends = [len(tokens)] if ends is None else ends
     edited = None
     if "ibpo_edited_mask" in row:
-        mask = _prefix(list(row["ibpo_edited_mask"]), len(tokens), f"{what}: ibpo_edited_mask")
+        mask = row["ibpo_edited_mask"]
+        if not isinstance(mask, list):
+            raise ValueError(f"{what}: ibpo_edited_mask must be a list of 0/1 flags")
+        mask = _prefix(mask, len(tokens), f"{what}: ibpo_edited_mask")
         edited = [i for i, flag in enumerate(mask) if flag]
     step, wrong_tokens = _wrong_step(row.get("extra_info"), tokens)
     wrong_segment = None
     if step is not None and tokens and segment_ends:
         token = min(wrong_tokens.start, len(tokens) - 1)
-        wrong_segment = next(k for k, end in enumerate(segment_ends, start=1) if token < end)
+        wrong_segment = next(number for number, end in enumerate(segment_ends, start=1) if token < end)
     return {
         "index": index,
         "uid": row["uid"],
@@ -284,6 +291,8 @@ def build_report(snapshot: dict, max_traces: int | None = None) -> list[dict]:
     Group baselines use every trace of the snapshot, also when ``max_traces`` keeps only the first ones.
     Raises ValueError naming the trace and field when the snapshot is malformed or holds no traces.
     """
+    if max_traces is not None and max_traces < 1:
+        raise ValueError(f"max_traces must be >= 1, got {max_traces}")
     traces = snapshot.get("traces") if isinstance(snapshot, dict) else None
     if not isinstance(traces, list) or not traces:
         raise ValueError("snapshot holds no traces (expected a non-empty 'traces' list)")
@@ -349,29 +358,45 @@ def _text_html(text: str) -> str:
     return html.escape(text).replace("\n", "<br>")
 
 
+def _label_positions(tokens: list[str], segment_ends: list[int]) -> dict[int, list[int]]:
+    """Token index -> the segments whose end label goes right before that token (``len(tokens)``: after the last).
+
+    A label goes before its segment's trailing newline tokens, so that a line's label stays on that line.
+    """
+    positions, start = {}, 0
+    for k, end in enumerate(segment_ends, start=1):
+        position = end
+        while position > start and "\n" in tokens[position - 1] and not tokens[position - 1].strip():
+            position -= 1
+        positions.setdefault(position, []).append(k)
+        start = end
+    return positions
+
+
 def _response_html(record: dict, scale: float) -> str:
     tokens, advantages = record["response_tokens"], record["token_advantages"]
     edited = set(record["edited_tokens"] or ())
-    wrong = range(*record["first_wrong_tokens"]) if record["first_wrong_step"] is not None else None
-    badge = "" if wrong is None else f'<span class="badge">⚠ step {record["first_wrong_step"]}{"" if wrong else " missing"}</span>'
-    ends = set(record["segment_ends"]) if record["segmented"] else set()
+    wrong, badge = range(0), {}
+    if record["first_wrong_step"] is not None:
+        wrong = range(*record["first_wrong_tokens"])
+        missing = "" if wrong else " missing"
+        badge = {wrong.start: f'<span class="badge">⚠ step {record["first_wrong_step"]}{missing}</span>'}
+    labels = _label_positions(tokens, record["segment_ends"]) if record["segmented"] else {}
     pieces = [_segment_label(record, 0)] if record["segmented"] else []
-    for i, (token, advantage) in enumerate(zip(tokens, advantages)):
-        if wrong is not None and i == wrong.start:
-            pieces.append(badge)
-        classes = [name for name, on in (("edited", i in edited), ("wrong", wrong is not None and i in wrong)) if on]
+    for i in range(len(tokens) + 1):
+        pieces.extend(_segment_label(record, k) for k in labels.get(i, ()))
+        pieces.append(badge.get(i, ""))
+        if i == len(tokens):
+            break
+        classes = [name for name, on in (("edited", i in edited), ("wrong", i in wrong)) if on]
         style = ""
-        if math.isfinite(advantage):
-            style = f' style="background:{_colour(advantage, scale)}"'
+        if math.isfinite(advantages[i]):
+            style = f' style="background:{_colour(advantages[i], scale)}"'
         else:
             classes.append("nan")
         class_attr = f' class="{" ".join(classes)}"' if classes else ""
-        title = f"token {i}: A={_number(advantage, signed=True)}"
-        pieces.append(f'<span{class_attr}{style} title="{title}">{_text_html(token)}</span>')
-        if i + 1 in ends:
-            pieces.append(_segment_label(record, record["segment_ends"].index(i + 1) + 1))
-    if wrong is not None and wrong.start >= len(tokens):  # a missing step line at the very end of the text
-        pieces.append(badge)
+        title = f"token {i}: A={_number(advantages[i], signed=True)}"
+        pieces.append(f'<span{class_attr}{style} title="{title}">{_text_html(tokens[i])}</span>')
     return "".join(pieces)
 
 
@@ -408,8 +433,8 @@ def render_html(records: list[dict], title: str) -> str:
         f'Token background = advantage A: <b>{-scale:+.3f}</b> <span class="bar"></span> <b>{scale:+.3f}</b> '
         "(white = 0; scaled by the largest |A| on this page; hover a token for its value; "
         '<span class="nan">hatched</span> = non-finite).<br>'
-        f"{_segment_label({'values': [0.5, 0.5], 'raw_values': None, 'segment_rewards': [0.0]}, 1)}"
-        " ends segment k: V<sub>k</sub> = value after it (v̂ = raw probe value when no anchored value), "
+        '<span class="seg">§k · V<sub>k</sub> · R<sub>k</sub></span> ends segment k (before its closing newline): '
+        "V<sub>k</sub> = value after it (v̂<sub>k</sub>, the raw probe value, when there is no anchored value), "
         "R<sub>k</sub> = V<sub>k</sub> − V<sub>k−1</sub>. "
         '<span class="edited">underlined</span> = token changed by the IBPO repair. '
         '<span class="badge">⚠ step k</span><span class="wrong">framed</span> = first wrong step line '
@@ -450,8 +475,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory for credit_report.jsonl and .html")
     parser.add_argument("--max-traces", type=int, default=None, help="report only the first N traces")
     args = parser.parse_args(argv)
-    if args.max_traces is not None and args.max_traces < 1:
-        parser.error(f"--max-traces must be >= 1, got {args.max_traces}")
     try:
         path = latest_snapshot(args.snapshot)
         jsonl_path, html_path = write_report(load_snapshot(path), args.out, args.max_traces)

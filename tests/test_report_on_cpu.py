@@ -72,12 +72,12 @@ def rows(tokenizer):
     }
     grpo = _row(tokenizer, "a", reference_response(PROBLEM), 1.0)
     rredcot = _row(tokenizer, "a", WRONG_SECOND, 0.0, extra_info=extra, padding=3)
-    rredcot["seg_ends"] = _segment_ends_at_newlines(rredcot, kmax=6)
-    k = sum(end >= 0 for end in rredcot["seg_ends"])
-    rredcot["seg_raw_values"] = [0.4, 0.6, 0.2, 0.1][:k] + [0.0] + [NAN] * (6 - k)
-    rredcot["values"] = [1 / 3, 0.6, 0.2, 0.1][:k] + [0.0] + [NAN] * (6 - k)
-    rredcot["segment_rewards"] = [b - a for a, b in zip(rredcot["values"][:k], rredcot["values"][1 : k + 1])]
-    rredcot["segment_rewards"] += [NAN] * (6 - k)
+    rredcot["seg_ends"] = _segment_ends_at_newlines(rredcot, kmax=6)  # <think>, line 1, line 2, rest
+    assert sum(end >= 0 for end in rredcot["seg_ends"]) == 4
+    values = [1 / 3, 0.6, 0.6, 0.1, 0.0]  # V_0 = group mean, V_K = outcome; the drop is at the wrong line
+    rredcot["seg_raw_values"] = [0.4, 0.6, 0.6, 0.1, 0.0, NAN, NAN]
+    rredcot["values"] = values + [NAN, NAN]
+    rredcot["segment_rewards"] = [b - a for a, b in zip(values, values[1:])] + [NAN, NAN]
     fallback = _row(tokenizer, "a", ONE_STEP_ONLY, 0.0, extra_info=extra, padding=1)
     fallback["seg_ends"] = _segment_ends_at_newlines(fallback, kmax=6)
     fallback["seg_raw_values"] = [0.5] * (sum(e >= 0 for e in fallback["seg_ends"]) + 1) + [NAN] * 2
@@ -181,11 +181,16 @@ def test_html_page_shows_every_trace_escaped_and_self_contained(report_files, ro
     assert "http" not in page and "<script" not in page and "<link" not in page and "src=" not in page
     assert page.count('class="trace"') == len(rows) and page.count('class="group"') == 2
     assert page.count("⚠ step 2") == 2 and "⚠ step 2 missing" in page
-    assert 'class="wrong"' in page and 'class="edited"' in page
-    assert "V1 0.600" in page and f"R1 {0.6 - 1 / 3:+.3f}" in page  # segment labels carry V_k and R_k
+    start, stop = records[1]["first_wrong_tokens"]
+    assert page.count('class="wrong" style') == stop - start == len("68-17=50")  # one token per character here
+    assert page.count('class="edited" style') == len(records[3]["edited_tokens"])
+    # segment labels carry V_k and R_k, and sit on their line, before its newline
+    label = f'<span class="seg">§3 · V3 0.100 · R3 {0.1 - 0.6:+.3f}</span>'  # the wrong line's value drop
+    assert label in page and page.index(">0</span>" + label) < page.index(label + '<span style="background')
     assert "<br>" in page
     scale = max(abs(a) for record in records for a in record["token_advantages"])
-    assert f"background:{report._colour(-scale, scale)}" in page and f"background:{report._colour(scale, scale)}" in page
+    for advantage in (-scale, scale):
+        assert f"background:{report._colour(advantage, scale)}" in page
 
 
 def test_colour_scale_is_symmetric_and_white_at_zero():
@@ -244,3 +249,5 @@ def test_malformed_rows_name_the_trace_and_field(rows):
     with pytest.raises(ValueError, match="must increase strictly"):
         report.build_report({"traces": [dict(rows[1], seg_ends=[5, 3])]})
     assert report.build_report({"traces": [rows[0]]})[0]["group_baseline"] == rows[0]["outcome"]
+    with pytest.raises(ValueError, match="max_traces must be >= 1"):
+        report.build_report({"traces": [rows[0]]}, max_traces=0)

@@ -135,8 +135,9 @@ def build(
         write_record(record, model_dir)
         kept = record["kept"]
         log(f"model: trained {record['total_steps']} steps in {record['total_seconds']:.0f} s; kept step "
-            f"{kept['step']}: sampled accuracy {kept['sampled']['accuracy']:.1%}, greedy {kept['greedy']['accuracy']:.1%}"
-            f" ({'inside' if record['in_target_band'] else 'outside'} the target band {sft.target_band})")
+            f"{kept['step']}: sampled accuracy {kept['sampled']['accuracy']:.1%}, greedy "
+            f"{kept['greedy']['accuracy']:.1%} ({'inside' if record['in_target_band'] else 'outside'} the target "
+            f"band {sft.target_band})")
         if update_artefact:
             if os.path.isdir(artefact_dir):
                 shutil.rmtree(artefact_dir)
@@ -161,7 +162,7 @@ def build(
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    parser = argparse.ArgumentParser(description="Build the embedded arithmetic task: parquet data + warm-started model.")
+    parser = argparse.ArgumentParser(description="Build the embedded task: parquet data + warm-started model.")
     parser.add_argument("--out", required=True, help="output folder (data/, model/, build.json)")
     parser.add_argument("--n-train", type=int, default=DEFAULT_N_TRAIN, help="training prompts")
     parser.add_argument("--n-val", type=int, default=DEFAULT_N_VAL, help="validation prompts")

@@ -5,9 +5,9 @@ Tokenizer: byte-level BPE trained on task text, with every digit pre-split into 
 trips any text exactly, which verl, vLLM and the probes rely on. It is trained with exactly the normalizer and
 pre-tokenizer of transformers' ``Qwen2Tokenizer`` (NFC, Qwen's split regex, which isolates every digit, then
 ByteLevel): ``AutoTokenizer`` ignores the saved tokenizer class for ``model_type=qwen2`` folders and rebuilds those
-stages from its own code, so any other choice would be silently replaced when verl or vLLM load the folder. ``<think>``/``</think>`` are added tokens that are
-*not* special, so ``decode(..., skip_special_tokens=True)`` (what verl hands the reward function) keeps them;
-``<|endoftext|>`` ends every response and is the eos that stops generation.
+stages from its own code, so any other choice would be silently replaced when verl or vLLM load the folder.
+``<think>``/``</think>`` are added tokens that are *not* special, so ``decode(..., skip_special_tokens=True)`` (what
+verl hands the reward function) keeps them; ``<|endoftext|>`` ends every response and is the eos that stops generation.
 
 Model: ``Qwen2ForCausalLM`` (hidden 128, 4 heads of 32, 3 layers, about 0.7M parameters), a shape verl and vLLM
 serve as they would any Qwen2 checkpoint.
@@ -187,7 +187,9 @@ def load_model_dir(path: str, with_model: bool = True):
 
     path = os.path.abspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"model folder {path} does not exist; build it with `python -m rredcot_verl.tasks.build`")
+        raise FileNotFoundError(
+            f"model folder {path} does not exist; build it with `python -m rredcot_verl.tasks.build`"
+        )
     missing = [
         name
         for name, present in (

@@ -2,7 +2,8 @@
 
 Recipe measured in ``research/embedded_task.md`` §1: AdamW (lr 2e-3, betas 0.9/0.98, weight decay 0.01), 30 warmup
 steps then cosine decay to 0.1x, gradient clipping at 1.0, batches of 64 fresh random problems, loss on the
-response tokens only (``<think>`` ... eos). About 17 core-minutes give 30% greedy / 20% sampled accuracy on 1..99.
+response tokens only (``<think>`` ... eos). Here one cosine spans ``max_steps``; the committed warm start reached
+57% greedy / 33% sampled accuracy after 1,600 steps (batch 64, one torch thread), where it stopped in the band.
 
 The run stops at ``max_steps``, at ``budget_s`` seconds of wall time, or as soon as a checkpoint's sampled (T=1)
 accuracy lies inside ``target_band``; the cosine follows whichever budget is closer to running out, so it ends at
@@ -94,7 +95,7 @@ class SFTConfig:
 
 
 def make_batch(tokenizer, problems: list[ArithmeticProblem]):
-    """Right-padded ``(input_ids, attention_mask, labels)``, each (batch, max_len); labels are -100 outside responses."""
+    """Right-padded ``(input_ids, attention_mask, labels)``, each (batch, max_len); labels -100 outside responses."""
     import torch
 
     sequences = []
