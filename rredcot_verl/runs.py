@@ -1,0 +1,93 @@
+"""Reading training runs back: verl's FileLogger ``metrics.jsonl``, per-run summaries and comparison curves.
+
+Used by the demo (``recipes/tiny_cpu/demo.py``) and the sample-efficiency benchmark. No verl/ray imports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+VAL_PREFIX = "val-core/"
+STEP_TIME = "timing_s/step"
+
+
+def load_metrics(path: str | Path) -> list[dict]:
+    """One dict per logged step: ``{"step": n, **metrics}``, in file order; missing file → []."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            rows.append({"step": int(record["step"]), **record["data"]})
+    return rows
+
+
+def validation_key(rows: list[dict]) -> str | None:
+    """The validation accuracy metric (``val-core/<data_source>/reward/mean@1``) of a run, if it logged one."""
+    keys = sorted({k for row in rows for k in row if k.startswith(VAL_PREFIX) and k.endswith("/mean@1")})
+    return keys[0] if keys else None
+
+
+def curve(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(row["step"], float(row[key])) for row in rows if key in row and math.isfinite(float(row[key]))]
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Initial / final / best validation accuracy, mean train reward of the last steps, wall time."""
+    key = validation_key(rows)
+    val = curve(rows, key) if key else []
+    reward = curve(rows, "critic/score/mean")
+    step_times = [t for _, t in curve(rows, STEP_TIME)]
+    tail = [r for _, r in reward[-5:]]
+    return {
+        "steps": max((row["step"] for row in rows), default=0),
+        "val_initial": val[0][1] if val else None,
+        "val_final": val[-1][1] if val else None,
+        "val_best": max(v for _, v in val) if val else None,
+        "train_reward_last5": sum(tail) / len(tail) if tail else None,
+        "train_time_s": sum(step_times),
+        "median_step_s": sorted(step_times)[len(step_times) // 2] if step_times else None,
+    }
+
+
+def plot_curves(runs: dict[str, list[dict]], path: str | Path) -> None:
+    """Validation accuracy and train reward against step, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_val, ax_reward) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rows in runs.items():
+        key = validation_key(rows)
+        if key:
+            steps, values = zip(*curve(rows, key)) if curve(rows, key) else ((), ())
+            ax_val.plot(steps, values, marker="o", label=name)
+        reward = curve(rows, "critic/score/mean")
+        if reward:
+            steps, values = zip(*reward)
+            ax_reward.plot(steps, values, label=name, alpha=0.8)
+    ax_val.set(title="validation accuracy (greedy)", xlabel="step", ylabel="accuracy")
+    ax_reward.set(title="train reward (sampled)", xlabel="step", ylabel="mean reward")
+    for ax in (ax_val, ax_reward):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(summaries: dict[str, dict]) -> str:
+    columns = ["steps", "val_initial", "val_final", "val_best", "train_reward_last5", "median_step_s", "train_time_s"]
+    lines = ["| run | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name, summary in summaries.items():
+        cells = []
+        for column in columns:
+            value = summary.get(column)
+            cells.append("—" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value)))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
