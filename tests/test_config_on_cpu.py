@@ -71,3 +71,39 @@ def test_cli_typo_in_rredcot_section_is_a_hydra_error(monkeypatch):
     with pytest.raises(Exception) as error:
         _compose(ROOT / "recipes" / "tiny_cpu", "rredcot", ["algorithm.rredcot.redistribution.mixx=0.5"])
     assert "mixx" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "recipe, model, budget, lr",
+    [
+        ("qwen3_4b_numina_rredcot", "Qwen/Qwen3-4B", 25000, 5e-7),
+        ("qwen3_4b_numina_grpo", "Qwen/Qwen3-4B", 25000, 1e-6),
+        ("r1_distill_1p5b_openrs_rredcot", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 1024, 5e-7),
+    ],
+)
+def test_paper_recipes_compose_and_validate(recipe, model, budget, lr, monkeypatch):
+    """Composed with verl's own config and checked by verl's validate_config (not run: they need GPUs)."""
+    from verl.utils.config import validate_config
+
+    monkeypatch.setenv("DATA_DIR", "/data")
+    monkeypatch.setenv("RREDCOT_HOME", str(ROOT))
+    config = _compose(ROOT / "recipes" / "paper", recipe)
+    OmegaConf.resolve(config)
+    assert config.actor_rollout_ref.model.path == model
+    assert config.actor_rollout_ref.rollout.n == 4
+    assert config.data.max_response_length == budget
+    assert config.actor_rollout_ref.actor.optim.lr == lr
+    assert Path(config.reward.custom_reward_function.path).is_file()
+    settings_from_config(config.algorithm)
+    validate_config(config=config, use_reference_policy=False, use_critic=False)
+
+
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [("so \\boxed{\\frac{1}{2}}", "0.5", 1.0), ("\\boxed{3} then \\boxed{4}", "4", 1.0), ("no answer", "4", 0.0),
+     ("\\boxed{5}", "4", 0.0)],
+)
+def test_math_reward_uses_math_verify_on_the_last_boxed(response, truth, expected):
+    from rredcot_verl.tasks.math_reward import compute_score
+
+    assert compute_score("numina", response, truth) == expected
