@@ -508,7 +508,8 @@ def values_from_probe_logp(
 ) -> torch.Tensor:
     """Aggregate probe log-probs into values, in probability space via logsumexp.
 
-    ``"raw"``: v_g = Σ_{correct probes of g} p. ``"self_normalized"``: v_g = Σ_correct p / Σ_{correct ∪ incorrect} p.
+    ``"raw"``: v_g = Σ_{correct probes of g} p.
+    ``"self_normalized"``: v_g = Σ_correct p / Σ_{correct ∪ incorrect} p.
     Sums of distinct, prefix-free sequences stay ≤ 1; overlapping bank entries could exceed it, so values are clamped.
 
     Args:

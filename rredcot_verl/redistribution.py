@@ -29,7 +29,7 @@ __all__ = [
     "redistribute",
 ]
 
-VALUE_MAPPINGS = ("affine", "raw")
+VALUE_MAPPINGS = ("affine", "log_affine", "raw")
 # Slack for probabilities that should lie in [0, 1] but come out of float sums of probabilities.
 _PROBABILITY_SLACK = 1e-4
 # Bisection steps for the clipping shift; float64 intervals shrink to rounding level well before this.
@@ -49,8 +49,10 @@ class RedistributionConfig:
             probe values as they are, with V_K = ζ (RUDDER's literal reading).
         value_mapping: how anchored runs treat intermediate probe values. ``"affine"`` (default) maps v̂ by the
             affine map sending v̂_0 to V_0 and ζ to ζ, then clamps into [0, 1]; if |ζ − v̂_0| < epsilon that map is
-            undefined and the values are interpolated linearly in k from V_0 to ζ. ``"raw"`` keeps them as they
-            are. Ignored when ``anchored`` is False.
+            undefined and the values are interpolated linearly in k from V_0 to ζ. ``"log_affine"`` maps log v̂
+            affinely, log v̂_0 to V_0 and log 1 to 1, then clamps (for values that are products over many tokens,
+            such as reference continuations; the same linear fallback when v̂_0 is 0 or 1). ``"raw"`` keeps them
+            as they are. Ignored when ``anchored`` is False.
         clip: c, bound on |K·σ_k| (σ_k = 1/K is a uniform share). Default 5.0. At least 1, or no coefficients in
             [−c/K, c/K] could sum to 1.
         epsilon: added to the group std as in verl, and the threshold below which an outcome gap counts as zero.
@@ -379,6 +381,16 @@ def _map_values(raw, num_segments, outcome, mean_outcome, cfg) -> tuple[torch.Te
         affine = (zeta + (raw - zeta) * scale.unsqueeze(1)).clamp(0.0, 1.0)
         linear = mean_outcome.unsqueeze(1) + (zeta - mean_outcome.unsqueeze(1)) * position / k.clamp(min=1)
         values = torch.where(flat.unsqueeze(1), linear, affine)
+    elif cfg.anchored and cfg.value_mapping == "log_affine":
+        # Log-probabilities of long continuations span orders of magnitude: map log v̂ affinely, v̂_0 -> V_0 and
+        # certainty (log 1 = 0) -> 1; states less likely than the start fall towards 0.
+        log_raw = raw.clamp(min=1e-30).log()
+        log_start = log_raw[:, :1]
+        flat = (log_start[:, 0].abs() < cfg.epsilon) | (raw[:, 0] <= 0.0)
+        progress = (log_raw - log_start) / (-log_start).where(~flat.unsqueeze(1), 1.0)
+        mapped = (mean_outcome.unsqueeze(1) + (1.0 - mean_outcome.unsqueeze(1)) * progress).clamp(0.0, 1.0)
+        linear = mean_outcome.unsqueeze(1) + (zeta - mean_outcome.unsqueeze(1)) * position / k.clamp(min=1)
+        values = torch.where(flat.unsqueeze(1), linear, mapped)
     if cfg.anchored:
         values[:, 0] = mean_outcome
     values = torch.where(position == k, zeta, values)

@@ -22,7 +22,7 @@ RUN = ROOT / "recipes" / "tiny_cpu" / "run.sh"
 pytestmark = pytest.mark.e2e
 
 # Two steps of 4 prompts x 4 samples, no validation: the smallest run that still has mixed groups.
-SMALL = ["data.train_batch_size=4", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+SMALL = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.val_before_train=false", "trainer.test_freq=-1"]
 
 
 @pytest.fixture(scope="module")

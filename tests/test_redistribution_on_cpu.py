@@ -360,3 +360,18 @@ def test_bad_batches_raise(change, message):
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RedistributionConfig(**kwargs)
+
+
+def test_log_affine_mapping_spreads_credit_and_blames_the_collapse():
+    """Reference-continuation values: rising log-probability on a correct trace, a collapse after a wrong step."""
+    cfg = RedistributionConfig(value_mapping="log_affine")
+    start = math.exp(-4.0)
+    correct = anchor_values(torch.tensor([start, math.exp(-3.0), math.exp(-2.0), math.exp(-1.0), 0.0]), 1.0, 0.5, cfg)
+    expected = [0.5, 0.5 + 0.5 * 0.25, 0.5 + 0.5 * 0.5, 0.5 + 0.5 * 0.75, 1.0]
+    assert torch.allclose(correct.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6)
+    wrong = anchor_values(torch.tensor([start, math.exp(-3.0), math.exp(-9.0), math.exp(-9.5), 0.0]), 0.0, 0.5, cfg)
+    rewards = segment_rewards(wrong)
+    assert rewards[0] > 0 and int(rewards.argmin()) == 1
+    assert float(rewards.sum()) == pytest.approx(0.0 - 0.5, abs=1e-6)
+    flat = anchor_values(torch.tensor([0.0, 0.2, 0.4, 0.0]), 1.0, 0.25, cfg)
+    assert torch.allclose(flat.double(), torch.tensor([0.25, 0.5, 0.75, 1.0], dtype=torch.float64), atol=1e-6)

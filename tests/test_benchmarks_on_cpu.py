@@ -1,0 +1,112 @@
+"""The benchmarks' smoke modes (seconds, no verl training) and the offline Monte-Carlo value tool."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import cost, sample_efficiency, value_quality
+from benchmarks.common import (
+    binomial_tolerance,
+    build_task,
+    exact_success_probability_two_tokens,
+    monte_carlo_values,
+    spearman,
+)
+from rredcot_verl.tasks import load_model_dir, parse_prompt, reference_response
+from rredcot_verl.tasks.model import chat_prompt_ids, response_ids
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_task(tmp_path_factory.mktemp("build"))
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(build):
+    model, tokenizer = load_model_dir(str(build / "model"))
+    return model.eval(), tokenizer
+
+
+def test_monte_carlo_matches_the_exact_probability_of_a_forced_answer(model_and_tokenizer):
+    """Prefix = the correct trace up to the last answer digit; two tokens of budget leave "}" + EOS (or an
+    equivalent) as the only successes. At temperature 3 the exact probability is moderate, so the check is sharp."""
+    model, tokenizer = model_and_tokenizer
+    problem = parse_prompt("Compute 96-79+5+97")
+    prompt = chat_prompt_ids(tokenizer, problem.prompt)
+    prefix = response_ids(tokenizer, reference_response(problem))[:-2]  # drop "}" and EOS
+    assert tokenizer.decode(prefix).endswith("\\boxed{119")
+    temperature, samples = 3.0, 400
+    exact = exact_success_probability_two_tokens(model, tokenizer, prompt, prefix, str(problem.answer), temperature)
+    assert 0.1 < exact < 0.9
+    estimate = monte_carlo_values(model, tokenizer, [prompt], [prefix], [str(problem.answer)], num_samples=samples,
+                                  max_response_tokens=len(prefix) + 2, temperature=temperature, seed=3)
+    assert abs(float(estimate.values[0]) - exact) <= binomial_tolerance(exact, samples)
+    assert 1.9 * samples <= estimate.generated_tokens <= 2 * samples  # two tokens unless EOS comes first
+
+    # One token of budget cannot hold "}" and EOS: every continuation is truncated and counts as a failure.
+    truncated = monte_carlo_values(model, tokenizer, [prompt], [prefix], [str(problem.answer)], num_samples=16,
+                                   max_response_tokens=len(prefix) + 1)
+    assert truncated.values.tolist() == [0.0]
+
+
+def test_monte_carlo_rejects_prefixes_without_room(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    with pytest.raises(ValueError, match="leave no room"):
+        monte_carlo_values(model, tokenizer, [[1, 2]], [[3, 4, 5]], ["1"], num_samples=2, max_response_tokens=3)
+
+
+def test_spearman_uses_average_ranks_and_rejects_constant_series():
+    assert spearman([1, 2, 2, 3], [10, 20, 20, 30]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+def test_value_quality_smoke(build, tmp_path):
+    result = value_quality.main(["--smoke", "--build", str(build), "--out", str(tmp_path / "vq.json")])
+    written = json.loads((tmp_path / "vq.json").read_text())
+    assert written["traces"]["n"] == 4 and written["traces"]["states"] > 4
+    assert set(written["states"]) == set(value_quality.STATE_SOURCES)
+    assert set(written["segments"]) == set(value_quality.SEGMENT_SOURCES)
+    for trace in result["per_trace"]:
+        assert len(trace["mc"]) == len(trace["segment_ends"]) == len(trace["loo"]) == len(trace["rule"])
+        assert all(0.0 <= v <= 1.0 for v in trace["mc"])
+        assert trace["rule"][0] == 1.0  # nothing written yet at S_0
+    # The reference continuation's bank holds only correct continuations: self-normalised it is 1 wherever defined.
+    values = [v for trace in result["per_trace"] for v in trace["reference_selfnorm"] if v is not None]
+    assert values and all(v == pytest.approx(1.0) for v in values)
+
+
+def test_cost_smoke(build, tmp_path):
+    result = cost.main(["--smoke", "--build", str(build), "--out", str(tmp_path / "cost.json")])
+    methods = result["values"]["methods"]
+    assert set(methods) == {"packed", "naive", "mc_k9"}
+    assert result["values"]["max_abs_logp_diff_packed_vs_naive"] < 1e-3  # same probes, same scores
+    assert methods["naive"]["tokens"] > methods["packed"]["tokens"]
+    assert methods["mc_k9"]["tokens"] > methods["naive"]["tokens"]
+    assert "training" not in result
+    assert json.loads((tmp_path / "cost.json").read_text())["values"]["states"] == result["values"]["states"]
+
+
+def test_step_times_skip_the_warm_up_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "data": {"timing_s/step": t}}) + "\n"
+                            for s, t in [(1, 50.0), (2, 4.0), (3, 6.0)]))
+    assert cost.step_seconds(cost.read_metrics(path)) == [4.0, 6.0]
+
+
+def test_sample_efficiency_smoke_reads_synthetic_runs(tmp_path):
+    result = sample_efficiency.main(["--smoke", "--out", str(tmp_path / "se.json")])
+    methods = result["methods"]
+    assert set(methods) == set(sample_efficiency.METHODS)
+    # Synthetic accuracy: 0.3 + 0.02·(m+1)·step + 0.001·seed, validated at steps 0, 2, 4, 6; GRPO is m = 0.
+    assert result["grpo_final_accuracy"] == pytest.approx(0.3 + 0.02 * 6 + 0.0015)
+    assert result["grpo_steps_to_final"] == 6
+    assert methods["rredcot"]["steps_to_grpo_final"] == 4
+    assert methods["rredcot"]["steps_ratio_to_grpo"] == pytest.approx(4 / 6)
+    assert methods["grpo"]["final_seconds"] == pytest.approx(6 * 5.0)  # cumulative timing_s/step
+    assert methods["grpo"]["median_step_s"] == pytest.approx(5.0)
+    assert methods["grpo"]["grad_norm_variance"] == pytest.approx(0.0025)
+    assert [p["step"] for p in methods["grpo"]["curve"]] == [0, 2, 4, 6]
+    assert (tmp_path / "curves.png").stat().st_size > 0
