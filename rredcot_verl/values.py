@@ -215,7 +215,11 @@ def _values_for_trace(model, tokenizer, trace, ends, bank, settings, max_positio
     scores = score_probes_packed(
         model, trace.prompt_ids, trace.response_ids, probes, return_trace_stats=False, max_positions=max_positions
     )
-    values = values_from_probe_logp(scores.probe_logp, probes, num_values, settings.probe.normalization)
+    # Self-normalisation divides by the mass of all the group's answers: it exists for exit probes only; a reference
+    # bank holds correct continuations alone, so its values are the raw (lower-bound) sums.
+    exit_probe = settings.probe.value_source == "exit_probe"
+    normalization = settings.probe.normalization if exit_probe else "raw"
+    values = values_from_probe_logp(scores.probe_logp, probes, num_values, normalization)
     return values, len(probes), scores.num_skipped
 
 
