@@ -1,0 +1,99 @@
+"""The registered estimators called through verl's own compute_advantage with a real DataProto."""
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from verl import DataProto
+from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, compute_grpo_outcome_advantage
+from verl.trainer.ppo.ray_trainer import compute_advantage
+
+import rredcot_verl
+from rredcot_verl.estimators import estimator_inputs
+
+UID = np.array(["a", "a", "a", "a", "b", "b"], dtype=object)
+LENGTHS = [6, 8, 5, 7, 4, 6]
+OUTCOMES = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+
+
+def _batch() -> DataProto:
+    mask = torch.zeros(len(LENGTHS), 8)
+    rewards = torch.zeros(len(LENGTHS), 8)
+    for i, (length, outcome) in enumerate(zip(LENGTHS, OUTCOMES)):
+        mask[i, :length] = 1
+        rewards[i, length - 1] = outcome
+    return DataProto.from_dict(
+        tensors={"token_level_rewards": rewards, "response_mask": mask}, non_tensors={"uid": UID.copy()}
+    )
+
+
+def _segments():
+    ends = torch.full((len(LENGTHS), 3), -1, dtype=torch.long)
+    values = torch.full((len(LENGTHS), 4), float("nan"))
+    for i, length in enumerate(LENGTHS):
+        ends[i, :2] = torch.tensor([length // 2, length])
+        values[i, :3] = torch.tensor([0.5, 0.9 if OUTCOMES[i] else 0.1, OUTCOMES[i]])
+    return {"seg_ends": ends, "seg_raw_values": values}
+
+
+def _algorithm(mix: float):
+    return OmegaConf.create(
+        {"adv_estimator": "rredcot", "norm_adv_by_std_in_grpo": True, "rredcot": {"redistribution": {"mix": mix}}}
+    )
+
+
+def test_import_registers_every_estimator_and_reimport_is_harmless():
+    import importlib
+
+    importlib.reload(rredcot_verl.estimators)
+    for name in ("rredcot", "ibpo", "segment_mc"):
+        assert name in ADV_ESTIMATOR_REGISTRY
+
+
+def test_rredcot_at_mix_zero_is_verls_grpo_through_compute_advantage():
+    data = _batch()
+    with estimator_inputs(UID, _segments()):
+        out = compute_advantage(data, adv_estimator="rredcot", config=_algorithm(0.0))
+    expected, _ = compute_grpo_outcome_advantage(_batch().batch["token_level_rewards"], _batch().batch["response_mask"], UID)
+    assert torch.equal(out.batch["advantages"], expected)
+
+
+def test_rredcot_redistributes_within_traces_through_compute_advantage():
+    data = _batch()
+    with estimator_inputs(UID, _segments()) as record:
+        out = compute_advantage(data, adv_estimator="rredcot", config=_algorithm(1.0))
+    advantages = out.batch["advantages"]
+    grpo, _ = compute_grpo_outcome_advantage(_batch().batch["token_level_rewards"], _batch().batch["response_mask"], UID)
+    for i, length in enumerate(LENGTHS[:4]):  # group "a" is mixed; group "b" is all correct (zero advantage)
+        first, second = advantages[i, 0], advantages[i, length - 1]
+        assert first != second
+        assert advantages[i, :length].sum() == pytest.approx(float(grpo[i, :length].sum()), rel=1e-5)
+    assert torch.all(advantages[4:] == 0)
+    assert record["metrics"]["rredcot/degenerate_groups"] == 1.0
+
+
+def test_missing_segment_data_names_the_switch():
+    with pytest.raises(KeyError, match="rredcot_verl.main"):
+        compute_advantage(_batch(), adv_estimator="rredcot", config=_algorithm(1.0))
+
+
+def test_misaligned_rows_are_rejected():
+    with estimator_inputs(UID[::-1].copy(), _segments()):
+        with pytest.raises(ValueError, match="uid order"):
+            compute_advantage(_batch(), adv_estimator="rredcot", config=_algorithm(1.0))
+
+
+def test_ibpo_through_compute_advantage_gives_all_wrong_groups_a_gradient():
+    outcomes = torch.zeros(4, 5)
+    mask = torch.ones(4, 5)
+    uid = np.array(["q"] * 4, dtype=object)
+    data = DataProto.from_dict(tensors={"token_level_rewards": outcomes, "response_mask": mask}, non_tensors={"uid": uid})
+    phi = torch.tensor([0.5, 0.0, 0.0, 0.0])
+    edited = torch.zeros(4, 5, dtype=torch.bool)
+    edited[0, 3] = True
+    config = OmegaConf.create({"adv_estimator": "ibpo", "norm_adv_by_std_in_grpo": True, "rredcot": {}})
+    with estimator_inputs(uid, {"ibpo_phi": phi, "ibpo_edited_mask": edited}):
+        out = compute_advantage(data, adv_estimator="ibpo", config=config)
+    advantages = out.batch["advantages"]
+    assert advantages.abs().sum() > 0  # plain GRPO gives all zeros here
+    assert torch.all(advantages[1:] < 0)
