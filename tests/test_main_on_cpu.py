@@ -1,0 +1,89 @@
+"""The launcher's checks: bad input ends with a clear message and exit code 2 before Ray starts."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from rredcot_verl.main import LaunchError, prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTEFACT = ROOT / "rredcot_verl" / "tasks" / "assets" / "warmstart"
+
+
+@pytest.fixture()
+def build(tmp_path, monkeypatch):
+    from rredcot_verl.tasks.arithmetic import write_parquet
+
+    write_parquet(str(tmp_path / "data"), n_train=8, n_val=4, seed=0)
+    shutil.copytree(ARTEFACT, tmp_path / "model")
+    monkeypatch.setenv("RREDCOT_BUILD", str(tmp_path))
+    monkeypatch.setenv("RREDCOT_REWARD_FILE", str(ROOT / "rredcot_verl/tasks/reward.py"))
+    return tmp_path
+
+
+def _config(overrides=()):
+    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "tiny_cpu"), version_base=None):
+        return compose(config_name="rredcot", overrides=list(overrides))
+
+
+def test_valid_config_is_prepared_for_cpu(build, monkeypatch):
+    monkeypatch.setenv("RREDCOT_CPU", "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = prepare(_config())
+    assert config.trainer.v1.trainer_mode == "rredcot"
+    assert config.actor_rollout_ref.actor.strategy == "fsdp2"
+    assert config.ray_kwargs.ray_init.address == "local" and config.ray_kwargs.ray_init.num_gpus == 1
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "rredcot_verl"
+
+
+def test_connecting_to_a_cluster_declares_no_local_resources(build, monkeypatch):
+    monkeypatch.setenv("RREDCOT_CPU", "1")
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    config = prepare(_config())
+    assert "num_gpus" not in config.ray_kwargs.ray_init and config.ray_kwargs.ray_init.get("address") is None
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        ("no_model", "does not exist (actor_rollout_ref.model.path)"),
+        ("no_weights", "is broken: missing *.safetensors weights"),
+        ("no_ground_truth", "lack reward_model.ground_truth"),
+        ("unknown_estimator", "unknown algorithm.adv_estimator 'rredcott'"),
+        ("unknown_key", "unknown key(s) ['mixx']"),
+    ],
+)
+def test_bad_input_is_refused_before_ray_starts(build, breakage, message):
+    overrides = []
+    if breakage == "no_model":
+        shutil.rmtree(build / "model")
+    elif breakage == "no_weights":
+        (build / "model" / "model.safetensors").unlink()
+    elif breakage == "no_ground_truth":
+        frame = pd.read_parquet(build / "data" / "train.parquet")
+        frame["reward_model"] = [{"style": "rule", "ground_truth": None}] * len(frame)
+        frame.to_parquet(build / "data" / "train.parquet")
+    elif breakage == "unknown_estimator":
+        overrides.append("algorithm.adv_estimator=rredcott")
+    elif breakage == "unknown_key":
+        overrides.append("+algorithm.rredcot.redistribution.mixx=0.5")
+    with pytest.raises(LaunchError) as error:
+        prepare(_config(overrides))
+    assert message in str(error.value)
+
+
+def test_cli_exits_with_code_2_and_one_line(build):
+    shutil.rmtree(build / "model")
+    env = {**os.environ, "RREDCOT_CPU": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "rredcot_verl.main", "--config-dir", str(ROOT / "recipes/tiny_cpu"), "--config-name", "grpo"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 2
+    assert "rredcot_verl: model folder" in result.stderr and "Traceback" not in result.stderr
