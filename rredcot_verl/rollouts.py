@@ -70,10 +70,13 @@ def _dataset_fields(traces: DataProto, i: int) -> tuple[Any, Any, Any]:
     return truth, extra, source
 
 
-def _question(tokenizer, prompt_ids: list[int]) -> str:
-    """The user's question text, recovered from the prompt (chat template stripped)."""
-    text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
-    return text.split("\n", 1)[1].rsplit("\n", 1)[0].strip() if text.startswith("user\n") else text.strip()
+def _question(traces: DataProto, i: int) -> str:
+    """The last user message of the dataset's chat prompt (verl's ``raw_prompt``)."""
+    messages = traces.non_tensor_batch["raw_prompt"][i]
+    user = [m["content"] for m in messages if m.get("role") == "user"]
+    if not user:
+        raise ValueError(f"trace {i}: raw_prompt has no user message to build a revision prompt from")
+    return str(user[-1])
 
 
 # ---------------------------------------------------------------------------------------------------------- IBPO
@@ -91,9 +94,9 @@ def ibpo_repairs(trainer, traces: DataProto) -> tuple[dict[str, torch.Tensor], d
     budget = int(config.data.max_prompt_length)
     requests, kept_pairs, over_budget = [], [], 0
     for i, j in plan.pairs:
-        prompt_ids, response = rows[i]
+        response = rows[i][1]
         text = ibpo.build_revision_prompt(
-            _question(tokenizer, prompt_ids), tokenizer.decode(response), tokenizer.decode(rows[j][1]), template
+            _question(traces, i), tokenizer.decode(response), tokenizer.decode(rows[j][1]), template
         )
         ids = list(
             tokenizer.apply_chat_template(

@@ -40,6 +40,14 @@ def _padded(value, padding=0):
     return value.to_padded_tensor(padding=padding) if getattr(value, "is_nested", False) else value
 
 
+def _object_array(values: list) -> np.ndarray:
+    """A 1-D object array, even when the elements are lists (chat messages) that numpy would broadcast."""
+    array = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        array[i] = value
+    return array
+
+
 def _non_tensor(data: TensorDict, key: str):
     if key not in data.keys():
         return None
@@ -81,7 +89,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
             batch,
             [
                 "prompts", "responses", "response_mask", "entropy", "rm_scores", "uid",
-                "reward_model", "extra_info", "data_source",
+                "reward_model", "extra_info", "data_source", "raw_prompt",
             ],
         )
         pad = self.tokenizer.pad_token_id
@@ -100,11 +108,11 @@ class SegmentCreditTrainer(PPOTrainerSync):
             "entropy": entropy,
             "outcome": _padded(data["rm_scores"]).float().sum(-1),
         }
-        non_tensors = {"uid": np.array(_non_tensor(data, "uid"), dtype=object)}
-        for key in ("reward_model", "extra_info", "data_source"):
+        non_tensors = {"uid": _object_array(_non_tensor(data, "uid"))}
+        for key in ("reward_model", "extra_info", "data_source", "raw_prompt"):
             values = _non_tensor(data, key)
             if values is not None:
-                non_tensors[key] = np.array(values, dtype=object)
+                non_tensors[key] = _object_array(values)
         return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
 
     def _compute_old_log_prob(self, batch, metrics: dict):

@@ -51,11 +51,13 @@ def credit_report(run_dir: Path, out: Path, suffix: str) -> None:
     if not snapshots.is_dir():
         return
     target = out / f"credit_report{suffix}"
-    subprocess.run(
+    result = subprocess.run(
         [sys.executable, "-m", "rredcot_verl.report", "--snapshot", str(snapshots), "--out", str(target)],
-        check=True,
-        stdout=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
     )
+    if result.returncode != 0:
+        sys.exit(f"credit report of {run_dir} failed:\n{result.stderr[-3000:]}")
     for name in ("credit_report.jsonl", "credit_report.html"):
         (target / name).replace(out / name.replace("credit_report", f"credit_report{suffix}"))
     target.rmdir()
