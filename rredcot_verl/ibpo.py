@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from rapidfuzz.distance import Levenshtein
 
-from rredcot_verl.redistribution import group_outcome_advantage
+from rredcot_verl.redistribution import check_outcome_batch, group_outcome_advantage
 
 __all__ = [
     "IBPOConfig",
@@ -539,13 +539,7 @@ def shaped_advantages(
             Ignored when ``cfg.use_mask`` is False.
         cfg: settings; uses ``shaping_weight``, ``epsilon``, ``norm_adv_by_std``, ``use_mask``.
     """
-    if scores.dim() != 1 or not scores.is_floating_point():
-        raise ValueError(f"scores must be a 1-D float tensor (bs,), got {scores.dtype} {tuple(scores.shape)}")
-    bs = scores.shape[0]
-    if response_mask.dim() != 2 or response_mask.shape[0] != bs:
-        raise ValueError(f"response_mask must be (bs={bs}, T), got shape {tuple(response_mask.shape)}")
-    if len(index) != bs:
-        raise ValueError(f"index has {len(index)} entries for a batch of {bs}")
+    bs = check_outcome_batch(scores, response_mask, index)
     if phi.shape != (bs,):
         raise ValueError(f"phi must have shape ({bs},), got {tuple(phi.shape)}")
     if not torch.isfinite(scores).all():

@@ -302,8 +302,12 @@ def _check_probabilities(name: str, values: torch.Tensor):
         raise ValueError(f"{name} must be probabilities in [0, 1]; found {values[outside][:5].tolist()}")
 
 
-def _check_batch(scores, response_mask, index, segment_ends, raw_values) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate a batch; returns response lengths (bs,) and segment counts (bs,), both int64."""
+def check_outcome_batch(scores: torch.Tensor, response_mask: torch.Tensor, index) -> int:
+    """Shape checks shared by the outcome-based estimators; returns the batch size.
+
+    Args:
+        scores: (bs,) float outcomes; response_mask: (bs, T); index: (bs,) group ids.
+    """
     if scores.dim() != 1 or not scores.is_floating_point():
         raise ValueError(f"scores must be a 1-D float tensor, got shape {tuple(scores.shape)} dtype {scores.dtype}")
     bsz = scores.shape[0]
@@ -311,6 +315,12 @@ def _check_batch(scores, response_mask, index, segment_ends, raw_values) -> tupl
         raise ValueError(f"response_mask must have shape (bs={bsz}, T), got {tuple(response_mask.shape)}")
     if len(index) != bsz:
         raise ValueError(f"index has {len(index)} entries but scores has {bsz}")
+    return bsz
+
+
+def _check_batch(scores, response_mask, index, segment_ends, raw_values) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate a batch; returns response lengths (bs,) and segment counts (bs,), both int64."""
+    bsz = check_outcome_batch(scores, response_mask, index)
     if segment_ends.dim() != 2 or segment_ends.shape[0] != bsz or segment_ends.dtype != torch.int64:
         raise ValueError(
             f"segment_ends must be int64 of shape (bs={bsz}, Kmax), "
