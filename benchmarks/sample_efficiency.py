@@ -4,8 +4,8 @@ Each (method, seed) is one ``recipes/tiny_cpu/run.sh <method>`` run of ``--steps
 ``--test-freq`` steps, in ``<runs-dir>/<method>_seed<seed>``; runs whose ``metrics.jsonl`` is already complete are
 read, not relaunched. From each run's ``metrics.jsonl`` (verl FileLogger lines):
 
-* validation accuracy (``val-core/rredcot_arithmetic/acc/mean@1``, greedy) against step and against wall-clock (the
-  cumulative ``timing_s/step``), averaged over seeds;
+* validation accuracy (``val-core/rredcot_arithmetic/acc/mean@1``, greedy) against step and against training
+  wall-clock (the cumulative ``timing_s/step``, which leaves out validation), averaged over seeds;
 * steps each method needs to reach GRPO's final accuracy (first validated step where the seed-mean accuracy is
   ≥ GRPO's seed-mean at the last step; None if never), and the ratio to GRPO's steps;
 * the spread of the per-token advantage (``critic/advantages/{max,min}`` range, and the variance from the snapshots'
@@ -80,8 +80,8 @@ def summarise_run(out: Path) -> dict:
                   if any(key in row for key in VAL_KEYS)]
     elapsed, seconds = {}, 0.0
     for row in rows:
-        if "timing_s/step" in row:
-            seconds += row["timing_s/step"]
+        # verl times validation separately (timing_s/testing, outside timing_s/step): training time only.
+        seconds += row.get("timing_s/step", 0.0)
         elapsed[row["step"]] = seconds
     ranges = [row["critic/advantages/max"] - row["critic/advantages/min"] for row in rows
               if "critic/advantages/max" in row and "critic/advantages/min" in row]
@@ -189,7 +189,8 @@ def print_table(result: dict) -> None:
 
 def write_synthetic_runs(runs_dir: Path, seeds=(1, 2), steps: int = 6, test_freq: int = 2) -> None:
     """Metrics files shaped like verl's FileLogger output (for ``--smoke`` and the tests): method m improves by
-    ``0.02·(m+1)`` per step from 0.3, with validation at step 0 and every ``test_freq`` steps."""
+    ``0.02·(m+1)`` per step from 0.3, ``5 + m`` training seconds per step, validation (1 s) at step 0 and every
+    ``test_freq`` steps."""
     for m, method in enumerate(METHODS):
         for seed in seeds:
             out = runs_dir / f"{method}_seed{seed}"
@@ -199,6 +200,7 @@ def write_synthetic_runs(runs_dir: Path, seeds=(1, 2), steps: int = 6, test_freq
                 data = {"timing_s/step": 5.0 + m, "actor/grad_norm": 0.1 * (seed + step % 2),
                         "critic/advantages/max": 1.0 + 0.1 * m, "critic/advantages/min": -1.0}
                 if step % test_freq == 0 or step == steps:
+                    data["timing_s/testing"] = 1.0  # outside timing_s/step, as in verl
                     data[VAL_KEYS[0]] = 0.3 + 0.02 * (m + 1) * step + 0.001 * seed
                 lines.append({"step": step, "data": data})
             (out / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -51,7 +51,7 @@ from rredcot_verl.attribution import gradient_times_input_attribution, leave_one
 from rredcot_verl.config import CandidateSettings, RRedCoTSettings
 from rredcot_verl.probes import ProbeSettings, trace_log_probs_and_entropy
 from rredcot_verl.segmentation import SegmentationConfig
-from rredcot_verl.tasks import first_wrong_step, load_model_dir, parse_prompt
+from rredcot_verl.tasks import ArithmeticProblem, first_wrong_step, load_model_dir, parse_prompt
 from rredcot_verl.tasks.model import chat_prompt_ids
 from rredcot_verl.tasks.reward import compute_score
 from rredcot_verl.values import TraceRecord, compute_segment_values
@@ -73,7 +73,7 @@ THIRDS = ("early", "middle", "late")
 
 @dataclasses.dataclass
 class Trace:
-    problem: object
+    problem: ArithmeticProblem
     prompt_ids: torch.Tensor
     response_ids: torch.Tensor
     text: str
@@ -150,8 +150,9 @@ def holder_segment(tokenizer, trace: Trace, ends: list[int], wrong: int) -> int:
     return next((j for j, end in enumerate(ends) if end > think_len), len(ends) - 1)
 
 
-def value_sources(model, tokenizer, traces: list[Trace]) -> tuple[list[list[int]], dict[str, list[np.ndarray]]]:
-    """Segment ends per trace and, per probe source, values v_0..v_{K-1} per trace (NaN: no estimate)."""
+def value_sources(model, tokenizer, traces: list[Trace]) -> tuple[list[list[int]], dict, dict]:
+    """Segment ends per trace; per probe source, values v_0..v_{K-1} per trace (NaN: no estimate); seconds per
+    source (``compute_segment_values`` over the whole batch)."""
     records = []
     for trace in traces:
         _, entropy = trace_log_probs_and_entropy(model, trace.prompt_ids, trace.response_ids)
@@ -211,10 +212,12 @@ def correlations(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
     }
 
 
-def analyse(traces, ends, state_values, segment_values, mc_values, holders) -> dict:
+def analyse(ends, state_values, segment_values, mc_values, holders) -> dict:
+    """Correlation tables (states and segments) and localisation; ``holders``: trace index → erroneous segment."""
     states, segments = {}, {}
+    num_traces = len(ends)
     for name in STATE_SOURCES:
-        pairs = [(state_values[name][i], mc_values[i]) for i in range(len(traces))]
+        pairs = [(state_values[name][i], mc_values[i]) for i in range(num_traces)]
         entry = correlations(pairs)
         for part in THIRDS:
             picked = [(v[[third(k, len(v)) == part for k in range(len(v))]],
@@ -228,7 +231,7 @@ def analyse(traces, ends, state_values, segment_values, mc_values, holders) -> d
         states[name] = entry
     mc_segments = segment_values["mc"]
     for name in SEGMENT_SOURCES:
-        entry = correlations([(segment_values[name][i], mc_segments[i]) for i in range(len(traces))]) \
+        entry = correlations([(segment_values[name][i], mc_segments[i]) for i in range(num_traces)]) \
             if name != "mc" else {}
         hits, judged = 0, 0
         for i, holder in holders.items():
@@ -287,7 +290,7 @@ def run(build: Path, num_prompts: int, samples_per_prompt: int, mc_samples: int,
         if trace.outcome == 0 and wrong is not None:
             holders[i] = holder_segment(tokenizer, trace, ends[i], wrong)
 
-    result = analyse(traces, ends, state_values, segment_values, mc_values, holders)
+    result = analyse(ends, state_values, segment_values, mc_values, holders)
     result["traces"] = {
         "n": len(traces), "correct": int(sum(t.outcome for t in traces)),
         "states": int(sum(len(b) for b in boundaries)), "mean_segments": float(np.mean([len(e) for e in ends])),

@@ -114,17 +114,21 @@ def test_ray_job_submit_to_a_running_head_node(build, tmp_path):
         "--include-dashboard=true", f"--dashboard-port={dashboard_port}", "--dashboard-host=127.0.0.1",
         f"--temp-dir={temp_dir}", "--disable-usage-stats",
     ]
-    head = subprocess.Popen(start, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    head_log = open(tmp_path / "ray_head.log", "w")
+    head = subprocess.Popen(start, env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_for_dashboard(dashboard_port, timeout_s=180)
         result = _train(
             "grpo", build, tmp_path, steps=1, env_extra={**env, "RAY_ADDRESS": f"http://127.0.0.1:{dashboard_port}"}
         )
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        assert result.returncode == 0, (
+            result.stdout[-4000:] + result.stderr[-4000:] + (tmp_path / "ray_head.log").read_text()[-2000:]
+        )
         assert "succeeded" in (result.stdout + result.stderr)
         _assert_finite_steps(tmp_path, 1)
     finally:
         _kill_session(head)
+        head_log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -9,6 +9,6 @@ RECIPE="${1:?usage: submit.sh <recipe name without .yaml> [overrides...]}"; shif
 : "${RAY_ADDRESS:?set RAY_ADDRESS to the cluster dashboard, e.g. http://head:8265}"
 : "${DATA_DIR:?set DATA_DIR to the prepared data folder}"
 export RREDCOT_HOME="$ROOT"
-ENV_JSON=$(python3 -c 'import json,os; print(json.dumps({"env_vars": {"DATA_DIR": os.environ["DATA_DIR"], "RREDCOT_HOME": os.environ["RREDCOT_HOME"], "RAY_ADDRESS": "auto"}}))')
+ENV_JSON=$(python3 -c 'import json,os; print(json.dumps({"env_vars": {"DATA_DIR": os.environ["DATA_DIR"], "RREDCOT_HOME": os.environ["RREDCOT_HOME"], "RAY_ADDRESS": "auto", "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}}))')
 exec ray job submit --address "$RAY_ADDRESS" --runtime-env-json "$ENV_JSON" -- \
   python -m rredcot_verl.main --config-dir "$ROOT/recipes/paper" --config-name "$RECIPE" "$@"

@@ -26,7 +26,9 @@ CMD=("$PY" -m rredcot_verl.main --config-dir "$ROOT/recipes/tiny_cpu" --config-n
      "algorithm.rredcot.snapshot_dir=$OUT/snapshots" "trainer.experiment_name=$EST" "$@")
 if [ -n "${RAY_ADDRESS:-}" ]; then
   # RAY_ADDRESS=auto inside the job: the driver joins the cluster it runs on instead of starting its own.
-  ENV_JSON=$("$PY" -c 'import json,os,sys; e={k: os.environ[k] for k in sys.argv[1:]}; e["RAY_ADDRESS"]="auto"
+  # RAY_OVERRIDE_JOB_RUNTIME_ENV=1: verl's ray.init passes its own runtime_env (with the same variables) to workers;
+  # Ray refuses overlapping keys between a job's and the driver's runtime_env unless told to merge them.
+  ENV_JSON=$("$PY" -c 'import json,os,sys; e={k: os.environ[k] for k in sys.argv[1:]}; e.update(RAY_ADDRESS="auto", RAY_OVERRIDE_JOB_RUNTIME_ENV="1")
 print(json.dumps({"env_vars": e}))' RREDCOT_BUILD RREDCOT_REWARD_FILE VERL_FILE_LOGGER_PATH RREDCOT_STEPS)
   exec timeout -k 30 "${RUN_TIMEOUT:-3600}" "$ROOT/.venv/bin/ray" job submit --address "$RAY_ADDRESS" \
     --runtime-env-json "$ENV_JSON" -- "${CMD[@]}"
