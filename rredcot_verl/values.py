@@ -180,12 +180,12 @@ def compute_segment_values(
             all_values.append(torch.empty(0))
             continue
         ends = segment_response(trace.response_ids, trace.entropy, vocab, settings.segmentation)
-        values = _values_for_trace(model, tokenizer, trace, ends, banks[trace.group], settings, max_positions)
-        num_probes += values[1]
-        num_skipped += values[2]
-        no_candidates += int(values[1] == 0 and settings.probe.value_source != "own_continuation")
+        values, probes, skipped = _values_for_trace(model, tokenizer, trace, ends, banks[trace.group], settings, max_positions)
+        num_probes += probes
+        num_skipped += skipped
+        no_candidates += int(probes == 0 and settings.probe.value_source != "own_continuation")
         all_ends.append(ends)
-        all_values.append(torch.cat([values[0], torch.tensor([float(trace.outcome)])]))
+        all_values.append(torch.cat([values, torch.tensor([float(trace.outcome)])]))
     # A fixed width (max_segments) so that batches computed on different data-parallel ranks concatenate.
     k_max = max([settings.segmentation.max_segments, *(len(e) for e in all_ends)])
     segment_ends = torch.full((len(traces), k_max), -1, dtype=torch.int64)
