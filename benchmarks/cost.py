@@ -48,17 +48,19 @@ from benchmarks.value_quality import (
     sample_traces,
     thinking_length,
 )
-from rredcot_verl.config import RRedCoTSettings
-from rredcot_verl.probes import (
+from rredcot_verl.core.settings import RRedCoTSettings
+from rredcot_verl.core.probes import (
     ProbeSettings,
     build_exit_probes,
     score_probes_naive,
     score_probes_packed,
     trace_log_probs_and_entropy,
 )
-from rredcot_verl.segmentation import BoundaryVocab, segment_response
+from rredcot_verl.core.segmentation import BoundaryVocab, segment_response
 from rredcot_verl.tasks import extract_boxed_answer, load_model_dir
-from rredcot_verl.values import TraceRecord, compute_segment_values
+from rredcot_verl.tasks.base import ARITHMETIC
+from rredcot_verl.core.planning import TraceRecord
+from rredcot_verl.core.values import compute_segment_values
 
 RESULTS_PATH = RESULTS_DIR / "cost.json"
 METHODS = ("grpo", "rredcot", "segment_mc", "ibpo")
@@ -68,7 +70,7 @@ def probe_batch(model, tokenizer, traces):
     """Per trace: (boundaries S_0..S_{K-1}, exit probes, entropy (L,)).
 
     The probes' answers: the ground truth (correct) and the group's other boxed answers (for self-normalising)."""
-    vocab = BoundaryVocab.from_tokenizer(tokenizer, RECIPE_SEGMENTATION)
+    vocab = BoundaryVocab.from_tokenizer(tokenizer, RECIPE_SEGMENTATION, think_end="</think>")
     exit_ids = tokenizer.encode(EXIT_TEXT, add_special_tokens=False)
     eos = [tokenizer.eos_token_id]
     answer = lambda text: tokenizer.encode("{" + text + "}", add_special_tokens=False) + eos  # noqa: E731
@@ -118,9 +120,9 @@ def measure_values(model, tokenizer, traces, mc_samples: int, repeats: int) -> d
     records = [TraceRecord(t.prompt_ids, t.response_ids, entropy, t.outcome, t.group, t.ground_truth,
                            t.reference_steps) for t, (_, _, entropy) in zip(traces, batch)]
     settings = RRedCoTSettings(segmentation=RECIPE_SEGMENTATION, probe=ProbeSettings(
-        value_source="reference_continuation", normalization="raw", exit_text=EXIT_TEXT))
+        value_source="reference_continuation", normalization="raw", profile="embedded"))
     recipe_seconds = statistics.median(
-        timed(lambda: compute_segment_values(model, tokenizer, records, settings))[0] for _ in range(repeats))
+        timed(lambda: compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC))[0] for _ in range(repeats))
     flat = [(t, b) for t, (boundaries, _, _) in zip(traces, batch) for b in boundaries]
     mc_seconds, mc = timed(lambda: monte_carlo_values(
         model, tokenizer, [t.prompt_ids.tolist() for t, _ in flat], [t.response_ids[:b].tolist() for t, b in flat],

@@ -6,7 +6,8 @@ log-probs and entropies, which verl runs anyway). The packed scorer runs the exi
 probes once, so with |C| > 1 it can come in below that limit. This script measures
 
 * plain:  ``trace_log_probs_and_entropy`` (the baseline pass),
-* packed: ``score_probes_packed`` (the same pass with a KV cache, plus one packed forward of all probes),
+* packed: ``score_probes_packed`` (one forward over the trace followed by all probes' tree tokens, with the
+  response's log-probs and entropies computed from hidden states in row chunks),
 * naive:  ``score_probes_naive`` (one forward per probe; only at L = 1024, it is slow),
 
 and reports packed/plain next to the limit (goal: packed/plain ≤ 1.15 × limit).
@@ -36,7 +37,7 @@ import torch
 import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rredcot_verl.probes import Probe, score_probes_naive, score_probes_packed, trace_log_probs_and_entropy
+from rredcot_verl.core.probes import Probe, score_probes_naive, score_probes_packed, trace_log_probs_and_entropy
 
 RESULTS_PATH = Path(__file__).resolve().parent / "results" / "probe_overhead.json"
 PROMPT_LENGTH = 32

@@ -8,11 +8,11 @@ value with ``--mc-samples`` continuations is the ground truth; S_K's value is th
 Compared (states: boundary values v_k; segments: R_k = v_k − v_{k−1}, k = 1..K, in probability space):
 
 * exit probe, raw and self-normalised; reference continuation (raw sums); own continuation
-  (``rredcot_verl.values.compute_segment_values``, i.e. what training computes on the actor);
-* leave-one-out and gradient × input (``rredcot_verl.attribution``; segment level only): the target is the
+  (``rredcot_verl.core.values.compute_segment_values``, i.e. what training computes on the actor);
+* leave-one-out and gradient × input (``rredcot_verl.core.attribution``; segment level only): the target is the
   ground-truth answer after the recipe's exit text, over the thinking part (the answer segment gets 0);
 * rule: the model-free "no wrong line yet" indicator (1 while the completed step lines are all right, checked
-  against the problem; DESIGN.md asks for it);
+  against the problem, so the privileged part of the reference's signal is visible);
 * MC itself for localisation (its own R_k).
 
 Reported: Spearman and Pearson with MC, pooled over (trace, state) and mean within trace (traces where both series
@@ -47,18 +47,21 @@ from benchmarks.common import (
     pearson,
     spearman,
 )
-from rredcot_verl.attribution import gradient_times_input_attribution, leave_one_out_attribution
-from rredcot_verl.config import CandidateSettings, RRedCoTSettings
-from rredcot_verl.probes import ProbeSettings, trace_log_probs_and_entropy
-from rredcot_verl.segmentation import SegmentationConfig
+from benchmarks.attribution import gradient_times_input_attribution, leave_one_out_attribution
+from rredcot_verl.core.profiles import PROFILE_PRESETS
+from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
+from rredcot_verl.core.probes import ProbeSettings, trace_log_probs_and_entropy
+from rredcot_verl.core.segmentation import SegmentationConfig
 from rredcot_verl.tasks import ArithmeticProblem, first_wrong_step, load_model_dir, parse_prompt
+from rredcot_verl.tasks.base import ARITHMETIC
 from rredcot_verl.tasks.model import chat_prompt_ids
 from rredcot_verl.tasks.reward import compute_score
-from rredcot_verl.values import TraceRecord, compute_segment_values
+from rredcot_verl.core.planning import TraceRecord
+from rredcot_verl.core.values import compute_segment_values
 
 RESULTS_PATH = RESULTS_DIR / "value_quality.json"
 MAX_RESPONSE_TOKENS = 96  # recipes/tiny_cpu/base.yaml data.max_response_length
-EXIT_TEXT = "</think>\n\\boxed"  # recipes/tiny_cpu/rredcot.yaml: step lines already end with a newline
+EXIT_TEXT = PROFILE_PRESETS["embedded"].exit_text  # recipes/tiny_cpu/rredcot.yaml: probe.profile=embedded
 RECIPE_SEGMENTATION = SegmentationConfig(strategy="hybrid", max_segments=8, min_segment_len=2)
 PROBE_SOURCES = {
     "exit_raw": ("exit_probe", "raw"),
@@ -162,9 +165,9 @@ def value_sources(model, tokenizer, traces: list[Trace]) -> tuple[list[list[int]
     ends, values, timings = None, {}, {}
     for name, (source, normalization) in PROBE_SOURCES.items():
         settings = dataclasses.replace(base, probe=ProbeSettings(value_source=source, normalization=normalization,
-                                                                 exit_text=EXIT_TEXT))
+                                                                 profile="embedded"))
         started = time.perf_counter()
-        result = compute_segment_values(model, tokenizer, records, settings,
+        result = compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC,
                                         max_positions=model.config.max_position_embeddings)
         timings[name] = time.perf_counter() - started
         trace_ends = [[e for e in row.tolist() if e >= 0] for row in result.segment_ends]

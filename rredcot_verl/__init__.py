@@ -1,17 +1,14 @@
 """rredcot-verl: segment-level credit assignment (RREDCoT, IBPO, segment MC) for stock verl.
 
-Importing the package registers the advantage estimators ``rredcot``, ``ibpo`` and ``segment_mc`` with verl's
-``register_adv_est`` and the trainer mode ``rredcot`` with verl's ``register_trainer``; importing twice is harmless.
-verl loads this package in every one of its processes through the ``verl.plugins`` entry point, which is also where
-the CPU accommodations (``rredcot_verl.compat``) are applied when ``RREDCOT_CPU=1``.
+Layers (each imports only the ones above it):
+
+- ``rredcot_verl.core``: the algorithms (segmentation, probes, values, redistribution, IBPO, Monte-Carlo aggregation).
+  torch, transformers and rapidfuzz only: importable where verl and ray are not installed.
+- ``rredcot_verl.tasks``: task adapters (answer extraction, step splitting, first wrong step) and the embedded task.
+- ``rredcot_verl.integration``: everything that knows verl's internals. ``rredcot_verl.integration.plugin`` is the
+  ``verl.plugins`` entry point that registers the estimators and the trainer.
+
+Importing this package itself is cheap and registers nothing.
 """
-
-from rredcot_verl.compat import cpu_mode_requested, enable_cpu_mode
-
-if cpu_mode_requested():
-    enable_cpu_mode()
-
-from rredcot_verl import estimators as _estimators  # noqa: E402,F401  (registers rredcot, ibpo, segment_mc)
-from rredcot_verl import trainer as _trainer  # noqa: E402,F401  (registers trainer mode "rredcot")
 
 __version__ = "0.1.0"

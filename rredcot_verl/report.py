@@ -7,7 +7,7 @@ The trainer writes one snapshot per step when ``algorithm.rredcot.snapshot_dir``
 A directory means its newest ``step_XXXXX.json``. The command writes ``OUT_DIR/credit_report.jsonl`` and
 ``OUT_DIR/credit_report.html`` (inline CSS, no scripts or external assets: token backgrounds show the advantage,
 red < 0 < green, scaled by the page's largest |A|; segment ends carry V_k and R_k; IBPO-edited tokens are underlined;
-the first wrong step of an arithmetic trace is framed and flagged ⚠).
+the first wrong step of a trace, for tasks that check steps, is framed and flagged ⚠).
 
 ``credit_report.jsonl``, one strict-JSON object per trace (non-finite numbers are written as ``null``):
 
@@ -34,14 +34,17 @@ key                     meaning
 ``token_advantages``    one advantage per response token
 ``edited_tokens``       IBPO: indices of the tokens the repair changed; null for other estimators
 ``ibpo_phi``            IBPO: the trace's shaped-reward coefficient φ; null for other estimators
-``first_wrong_step``    arithmetic task: 1-based index of the first wrong step line of the think block
-                        (``tasks.arithmetic.first_wrong_step``); null when every step is right or the row's
-                        ``extra_info`` lacks ``operands``/``ops``
+``first_wrong_step``    1-based index of the first wrong step, from the task's ``first_wrong_step``
+                        (arithmetic: the first wrong step line of the think block); null when every step is
+                        right, the task has no such check, or the row's ``extra_info`` lacks what it needs
 ``first_wrong_segment`` 1-based k of the segment holding the start of that step line (its reward is R_k,
                         i.e. ``segment_rewards[k-1]``); null when ``first_wrong_step`` is null
-``first_wrong_tokens``  ``[start, stop)`` token indices of that step line (``start == stop``: the line is
+``first_wrong_tokens``  ``[start, stop)`` token indices of that step (``start == stop``: the step is
                         missing and would start at token ``start``); null when ``first_wrong_step`` is null
 ======================  ==================================================================================
+
+The task (``--task``, else the snapshot's ``task`` field, else ``arithmetic``: snapshots that do not record it
+come from the embedded task) is a name or ``module:attr`` of ``rredcot_verl.tasks.resolve_task``.
 
 Padding in the snapshot is stripped: ``seg_ends`` entries < 0, value/reward entries beyond K, mask entries beyond
 the response, and response tokens after the last segment end (then ``response`` is the join of the kept tokens).
@@ -60,7 +63,7 @@ import re
 import sys
 import tempfile
 
-from rredcot_verl.tasks.arithmetic import THINK_CLOSE, THINK_OPEN, ArithmeticProblem, first_wrong_step
+from rredcot_verl.tasks.base import Task, resolve_task
 
 SNAPSHOT_FILE = re.compile(r"step_(\d+)\.json")
 REQUIRED_KEYS = ("uid", "prompt", "response", "response_tokens", "outcome", "token_advantages")
@@ -84,14 +87,16 @@ def _json_safe(value):
     return str(value)  # a snapshot must never stop training over an exotic extra_info field
 
 
-def write_snapshot(directory: str, step: int, estimator: str, rows: list[dict]) -> str:
-    """Write ``directory/step_<step:05d>.json`` = ``{"step", "estimator", "traces": rows}``; return its path.
+def write_snapshot(directory: str, step: int, estimator: str, rows: list[dict], task: str | None = None) -> str:
+    """Write ``directory/step_<step:05d>.json`` = ``{"step", "estimator", "task", "traces": rows}``; return its path.
+
+    ``task``: the run's ``algorithm.rredcot.task``, which the report reads to locate first wrong steps.
 
     Atomic (temp file + rename), so a report never reads a half-written step. NaN/inf become null.
     """
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"step_{step:05d}.json")
-    payload = _json_safe({"step": step, "estimator": estimator, "traces": rows})
+    payload = _json_safe({"step": step, "estimator": estimator, "task": task, "traces": rows})
     handle, tmp_path = tempfile.mkstemp(dir=directory, prefix=".step_", suffix=".tmp")
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as f:
@@ -156,28 +161,6 @@ def _segment_ends(row: dict, n_tokens: int, what: str) -> list[int] | None:
     return ends
 
 
-def _step_line_span(text: str, step: int) -> tuple[int, int]:
-    """Characters [start, stop) of step line ``step`` (1-based) of the think block, without its indentation.
-
-    A missing line gives an empty span where it would start (the ``</think>`` or the end of the text).
-    """
-    start = text.find(THINK_OPEN)
-    if start < 0:  # no think block: first_wrong_step blames step 1, i.e. the first line
-        newline = text.find("\n")
-        return 0, len(text) if newline < 0 else newline
-    offset = start + len(THINK_OPEN)
-    close = text.find(THINK_CLOSE, offset)
-    body_end = close if close >= 0 else len(text)
-    seen = 0
-    for line in text[offset:body_end].split("\n"):
-        if line.strip():
-            seen += 1
-            if seen == step:
-                return offset + len(line) - len(line.lstrip()), offset + len(line.rstrip())
-        offset += len(line) + 1
-    return body_end, body_end
-
-
 def _tokens_in_span(tokens: list[str], start: int, stop: int) -> range:
     """Indices of the tokens overlapping characters [start, stop); an empty span gives an empty range at the token
     holding ``start`` (``len(tokens)`` past the end of the text)."""
@@ -188,19 +171,14 @@ def _tokens_in_span(tokens: list[str], start: int, stop: int) -> range:
     return range(first, bisect.bisect_left(ends, stop) + 1)
 
 
-def _wrong_step(extra_info, tokens: list[str]) -> tuple[int | None, range]:
-    """(first wrong step, token indices of its line); (None, empty range) when all steps are right or unknown."""
-    if not isinstance(extra_info, dict) or "operands" not in extra_info or "ops" not in extra_info:
+def _wrong_step(task: Task, extra_info, tokens: list[str]) -> tuple[int | None, range]:
+    """(first wrong step, token indices of its text); (None, empty range) when all steps are right or unknown."""
+    check = getattr(task, "first_wrong_step", None)
+    found = None if check is None else check(extra_info, "".join(tokens))
+    if found is None:
         return None, range(0)
-    try:
-        problem = ArithmeticProblem(tuple(int(x) for x in extra_info["operands"]), tuple(extra_info["ops"]))
-    except (TypeError, ValueError):
-        return None, range(0)
-    text = "".join(tokens)
-    step = first_wrong_step(problem, text)
-    if step is None:
-        return None, range(0)
-    return step, _tokens_in_span(tokens, *_step_line_span(text, step))
+    step, (start, stop) = found
+    return step, _tokens_in_span(tokens, start, stop)
 
 
 def _segment_vector(row: dict, key: str, size: int | None, what: str) -> list[float] | None:
@@ -221,7 +199,7 @@ def _ibpo_phi(row: dict, what: str) -> float | None:
     return None if phi is None else float(phi)
 
 
-def _record(row: dict, index: int, snapshot: dict, baselines: dict[str, float]) -> dict:
+def _record(row: dict, index: int, snapshot: dict, baselines: dict[str, float], task: Task) -> dict:
     what = f"trace {index}"
     tokens, advantages = row["response_tokens"], _floats(row["token_advantages"], f"{what}: token_advantages")
     if len(advantages) != len(tokens):
@@ -240,7 +218,7 @@ def _record(row: dict, index: int, snapshot: dict, baselines: dict[str, float]) 
             raise ValueError(f"{what}: ibpo_edited_mask must be a list of 0/1 flags")
         mask = _prefix(mask, len(tokens), f"{what}: ibpo_edited_mask")
         edited = [i for i, flag in enumerate(mask) if flag]
-    step, wrong_tokens = _wrong_step(row.get("extra_info"), tokens)
+    step, wrong_tokens = _wrong_step(task, row.get("extra_info"), tokens)
     wrong_segment = None
     if step is not None and tokens and segment_ends:
         token = min(wrong_tokens.start, len(tokens) - 1)
@@ -285,8 +263,14 @@ def _check_row(row, index: int) -> None:
         raise ValueError(f"trace {index}: outcome must be a finite number, got {row['outcome']!r}")
 
 
-def build_report(snapshot: dict, max_traces: int | None = None) -> list[dict]:
-    """One record per trace, with the keys of the JSONL schema above.
+def snapshot_task(snapshot: dict, name: str | None = None) -> Task:
+    """The task named by ``name``, else by the snapshot's ``task`` field, else ``arithmetic`` (module docstring)."""
+    recorded = snapshot.get("task") if isinstance(snapshot, dict) else None
+    return resolve_task(name or recorded or "arithmetic")
+
+
+def build_report(snapshot: dict, task: Task, max_traces: int | None = None) -> list[dict]:
+    """One record per trace, with the keys of the JSONL schema above; ``task`` locates first wrong steps.
 
     Group baselines use every trace of the snapshot, also when ``max_traces`` keeps only the first ones.
     Raises ValueError naming the trace and field when the snapshot is malformed or holds no traces.
@@ -303,7 +287,7 @@ def build_report(snapshot: dict, max_traces: int | None = None) -> list[dict]:
         outcomes.setdefault(row["uid"], []).append(float(row["outcome"]))
     baselines = {uid: sum(values) / len(values) for uid, values in outcomes.items()}
     kept = traces if max_traces is None else traces[:max_traces]
-    return [_record(row, index, snapshot, baselines) for index, row in enumerate(kept)]
+    return [_record(row, index, snapshot, baselines, task) for index, row in enumerate(kept)]
 
 
 # --------------------------------------------------------------------------------------------------------------- html
@@ -438,7 +422,7 @@ def render_html(records: list[dict], title: str) -> str:
         "R<sub>k</sub> = V<sub>k</sub> − V<sub>k−1</sub>. "
         '<span class="edited">underlined</span> = token changed by the IBPO repair. '
         '<span class="badge">⚠ step k</span><span class="wrong">framed</span> = first wrong step line '
-        "(arithmetic task).</div>"
+        "(tasks with a step check, e.g. arithmetic).</div>"
     )
     sections = []
     for uid, members in groups.items():
@@ -454,9 +438,9 @@ def render_html(records: list[dict], title: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------- cli
 
 
-def write_report(snapshot: dict, out_dir: str, max_traces: int | None = None) -> tuple[str, str]:
+def write_report(snapshot: dict, out_dir: str, task: Task, max_traces: int | None = None) -> tuple[str, str]:
     """Write ``credit_report.jsonl`` and ``credit_report.html`` into ``out_dir``; return their paths."""
-    records = build_report(snapshot, max_traces)
+    records = build_report(snapshot, task, max_traces)
     os.makedirs(out_dir, exist_ok=True)
     jsonl_path = os.path.join(out_dir, "credit_report.jsonl")
     html_path = os.path.join(out_dir, "credit_report.html")
@@ -474,10 +458,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--snapshot", required=True, help="a step_XXXXX.json file, or a directory (its newest one)")
     parser.add_argument("--out", required=True, help="output directory for credit_report.jsonl and .html")
     parser.add_argument("--max-traces", type=int, default=None, help="report only the first N traces")
+    parser.add_argument("--task", default=None,
+                        help="task name or module:attr (default: the snapshot's task, else arithmetic)")
     args = parser.parse_args(argv)
     try:
         path = latest_snapshot(args.snapshot)
-        jsonl_path, html_path = write_report(load_snapshot(path), args.out, args.max_traces)
+        snapshot = load_snapshot(path)
+        jsonl_path, html_path = write_report(snapshot, args.out, snapshot_task(snapshot, args.task), args.max_traces)
     except (OSError, ValueError) as error:
         parser.error(str(error))
     print(f"{path} -> {jsonl_path}, {html_path}")

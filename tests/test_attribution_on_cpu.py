@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rredcot_verl.attribution import gradient_times_input_attribution, leave_one_out_attribution
+from benchmarks.attribution import gradient_times_input_attribution, leave_one_out_attribution
 
 VOCAB = 50
 

@@ -41,6 +41,23 @@ def test_cpu_mode_registers_platform_in_a_fresh_process():
     assert result.stdout.split()[-4:] == ["cpu", "gloo", "GPU", "cpu"]
 
 
+def test_checkpoint_rng_state_round_trips_through_the_cpu_device_module():
+    """verl's checkpoint manager saves and restores ``get_torch_device().get_rng_state()``: resume needs both."""
+    result = _run(
+        "import torch\n"
+        "from verl.utils.device import get_torch_device\n"
+        "from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager\n"
+        "state = BaseCheckpointManager.get_rng_state()\n"
+        "first = torch.rand(3)\n"
+        "BaseCheckpointManager.load_rng_state(state)\n"
+        "print(torch.equal(first, torch.rand(3)), torch.equal(get_torch_device().get_rng_state(), torch.get_rng_state()))",
+        RREDCOT_CPU="1",
+        VERL_PLATFORM="cpu",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-2:] == ["True", "True"]
+
+
 def test_torch_rejects_verls_cpu_backend_string_and_the_rewrite_accepts_it(tmp_path):
     """verl builds f"cpu:gloo,{device}:{backend}"; with a CPU platform torch refuses the duplicate device."""
     code = (

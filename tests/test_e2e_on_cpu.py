@@ -2,6 +2,8 @@
 
 Each run is a subprocess under a hard timeout in its own process group (recipes/tiny_cpu/run.sh uses setsid +
 timeout), on the committed warm-started model, so a hang ends as a failure and Ray/vLLM are torn down with it.
+Runs serve several assertions where they can: one uninterrupted 3-step grpo run is the reference both for verl's own
+sync trainer and for a stopped-and-resumed segment_mc run; the rredcot run uses two actor ranks.
 """
 
 import json
@@ -21,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "recipes" / "tiny_cpu" / "run.sh"
 pytestmark = pytest.mark.e2e
 
-# Two steps of 4 prompts x 4 samples, no validation: the smallest run that still has mixed groups.
+# Steps of 4 prompts x 4 samples, no validation: the smallest run that still has mixed groups.
 SMALL = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.val_before_train=false", "trainer.test_freq=-1"]
 
 
@@ -34,18 +36,71 @@ def build(tmp_path_factory) -> Path:
     return out
 
 
+RUN_TIMEOUT_S = 900
+
+
 def _train(estimator: str, build: Path, out: Path, steps: int = 2, extra=(), env_extra=None) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
         "RREDCOT_BUILD": str(build),
         "OUT": str(out),
         "RREDCOT_STEPS": str(steps),
-        "RUN_TIMEOUT": "900",
+        "RUN_TIMEOUT": str(RUN_TIMEOUT_S),
         **(env_extra or {}),
     }
-    result = subprocess.run(["bash", str(RUN), estimator, *SMALL, *extra], env=env, capture_output=True, text=True, timeout=1000)
+    result = subprocess.run(
+        ["bash", str(RUN), estimator, *SMALL, *extra], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 100
+    )
     (out / "stdout.log").write_text(result.stdout + result.stderr)
     return result
+
+
+# verl's own sync trainer (PPOTrainerSync, trainer.v1.trainer_mode=sync) on the config and environment our launcher
+# prepares: the same recipe, CPU accommodations and Ray cluster; only the trainer class differs.
+VERL_SYNC_DRIVER = """
+import sys
+from hydra import compose, initialize_config_dir
+from rredcot_verl.integration.launcher import launch, prepare
+
+with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
+    config = prepare(compose(config_name=sys.argv[2], overrides=sys.argv[3:]))
+config.trainer.v1.trainer_mode = "sync"
+launch(config)
+"""
+
+
+def _train_verl_sync(estimator: str, build: Path, out: Path, steps: int, extra=()) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "RREDCOT_BUILD": str(build),
+        "RREDCOT_REWARD_FILE": str(ROOT / "rredcot_verl" / "tasks" / "reward.py"),
+        "RREDCOT_STEPS": str(steps),
+        "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl"),
+    }
+    # timeout + setsid as in run.sh: on expiry the whole process group (Ray, vLLM) ends with the driver.
+    command = [
+        "timeout", "-k", "30", str(RUN_TIMEOUT_S), "setsid", sys.executable, "-c", VERL_SYNC_DRIVER,
+        str(ROOT / "recipes" / "tiny_cpu"), estimator, *SMALL, f"trainer.experiment_name={estimator}_verl_sync", *extra,
+    ]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 100)
+    (out / "stdout.log").write_text(result.stdout + result.stderr)
+    return result
+
+
+def _prompts_per_step(rollout_data_dir: Path) -> dict[int, list[tuple[str, str]]]:
+    """verl's rollout dump (trainer.rollout_data_dir, one ``<step>.jsonl`` per step, one row per trace): the step's
+    (prompt text, ground truth) pairs, sorted (the row order follows random uids)."""
+    steps = {}
+    for path in rollout_data_dir.glob("*.jsonl"):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        steps[int(path.stem)] = sorted((row["input"], str(row["gts"])) for row in rows)
+    return steps
+
+
+def _ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 
 def _latest_snapshot(out: Path) -> dict:
@@ -61,12 +116,32 @@ def _assert_finite_steps(out: Path, steps: int) -> list[dict]:
     return rows
 
 
-def test_rredcot_trains_and_redistributes(build, tmp_path):
-    result = _train("rredcot", build, tmp_path)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+def test_rredcot_dp2_trains_and_redistributes(build, tmp_path):
+    """Two FSDP2 actor ranks over gloo (two fake Ray GPUs, two vLLM replicas): the driver's probe plans are split
+    across the ranks by verl's DP_COMPUTE_PROTO dispatch and the segment data comes back in batch order."""
+    # Each rank holds 16 / 2 = 8 traces; verl's engine needs micro-batches that divide them.
+    dp2 = [
+        "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+    ]
+    result = _train("rredcot", build, tmp_path, extra=dp2)
+    _ok(result)
+    assert "'num_gpus': 2" in result.stdout + result.stderr  # the local cluster follows trainer.n_gpus_per_node
     rows = _assert_finite_steps(tmp_path, 2)
+    # verl balances each step's tokens over the actor's dp ranks: the mean per rank is half the total with two.
+    assert all(row["perf/total_num_tokens"] == 2 * row["global_seqlen/mean"] for row in rows)
     assert any(row["rredcot/redistributed_frac"] > 0 for row in rows)
     assert all(row["rredcot/fallback/nonfinite"] == 0 for row in rows)
+    # Each rank's segment data landed on its own traces: segments end at the trace's own length (lengths differ
+    # between traces) and the value column after the last segment is the trace's own outcome.
+    for snapshot in sorted((tmp_path / "snapshots").glob("step_*.json")):
+        for trace in json.loads(snapshot.read_text())["traces"]:
+            ends = [e for e in trace["seg_ends"] if e >= 0]
+            if not trace["response_tokens"]:
+                continue
+            assert ends and ends[-1] == len(trace["response_tokens"]), (snapshot.name, ends, len(trace["response_tokens"]))
+            assert trace["seg_raw_values"][len(ends)] == pytest.approx(trace["outcome"]), snapshot.name
     traces = _latest_snapshot(tmp_path)["traces"]
     differing = 0
     for trace in traces:
@@ -94,6 +169,54 @@ def test_ibpo_generates_repairs_and_localises_blame(build, tmp_path):
         t for t in traces if t["outcome"] == 0 and len({round(a, 6) for a in t["token_advantages"]}) > 1
     ]
     assert non_uniform_incorrect, "no incorrect trace got a localised (non-uniform) advantage"
+
+
+@pytest.fixture(scope="module")
+def grpo_reference(build, tmp_path_factory) -> Path:
+    """Three uninterrupted grpo steps through our launcher (the rredcot trainer), rollouts dumped per step."""
+    out = tmp_path_factory.mktemp("grpo_reference")
+    _ok(_train("grpo", build, out, steps=3, extra=[f"trainer.rollout_data_dir={out / 'rollouts'}"]))
+    _assert_finite_steps(out, 3)
+    return out
+
+
+def test_grpo_through_the_launcher_sees_the_prompts_of_verls_sync_trainer(build, grpo_reference, tmp_path):
+    """Same seed and config: verl's PPOTrainerSync and our trainer draw the same prompts at every step (the sync
+    replay buffer on train_batch_size dataloader fetches). Compared: per step, the sorted (prompt, ground truth) pairs
+    of all 16 traces in verl's rollout dump."""
+    dumps = [f"trainer.rollout_data_dir={tmp_path / 'rollouts'}", f"algorithm.rredcot.snapshot_dir={tmp_path / 'snapshots'}"]
+    _ok(_train_verl_sync("grpo", build, tmp_path, steps=3, extra=dumps))
+    _assert_finite_steps(tmp_path, 3)
+    # Two different trainer classes ran: only ours writes snapshots.
+    assert (grpo_reference / "snapshots").is_dir() and not (tmp_path / "snapshots").exists()
+    ours, verls = _prompts_per_step(grpo_reference / "rollouts"), _prompts_per_step(tmp_path / "rollouts")
+    assert sorted(ours) == sorted(verls) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert len(ours[step]) == 16 and len(set(ours[step])) == 4  # 4 prompts x 4 samples
+        assert ours[step] == verls[step], f"step {step}: the trainers drew different prompts"
+    assert ours[1] != ours[2] != ours[3]
+
+
+def test_segment_mc_two_steps_then_resume_trains_step_3_on_the_uninterrupted_batch(build, grpo_reference, tmp_path):
+    """segment_mc end to end for two steps with a checkpoint after step 2 (verl's sync checkpoint: no TransferQueue
+    state), then a fresh process resumes from it and trains step 3. Compared: step 3's sorted (prompt, ground truth)
+    pairs with step 3 of the uninterrupted grpo run (the prompt order depends on the data seed, not the estimator)."""
+    checkpoints = tmp_path / "checkpoints"
+    common = [f"trainer.default_local_dir={checkpoints}", "trainer.save_freq=2", "trainer.resume_mode=auto"]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    _ok(_train("segment_mc", build, first, steps=2, extra=[*common, f"trainer.rollout_data_dir={first / 'rollouts'}"]))
+    rows = _assert_finite_steps(first, 2)
+    assert all(row["segment_mc/continuations"] > 0 for row in rows)
+    assert any(row["segment_mc/redistributed_frac"] > 0 for row in rows)
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (checkpoints / "global_step_2" / "data.pt").is_file()
+    assert not (checkpoints / "global_step_2" / "transfer_queue").exists(), "an async-mode checkpoint was written"
+
+    _ok(_train("segment_mc", build, resumed, steps=3, extra=[*common, f"trainer.rollout_data_dir={resumed / 'rollouts'}"]))
+    assert [row["step"] for row in load_metrics(resumed / "metrics.jsonl")] == [3]
+    reference = _prompts_per_step(grpo_reference / "rollouts")
+    assert _prompts_per_step(first / "rollouts") == {1: reference[1], 2: reference[2]}
+    assert _prompts_per_step(resumed / "rollouts") == {3: reference[3]}
 
 
 def _free_port() -> int:

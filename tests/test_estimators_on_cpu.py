@@ -8,8 +8,8 @@ from verl import DataProto
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, compute_grpo_outcome_advantage
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
-import rredcot_verl
-from rredcot_verl.estimators import estimator_inputs
+import rredcot_verl.integration.plugin
+from rredcot_verl.integration.estimators import estimator_inputs
 
 UID = np.array(["a", "a", "a", "a", "b", "b"], dtype=object)
 LENGTHS = [6, 8, 5, 7, 4, 6]
@@ -45,7 +45,7 @@ def _algorithm(mix: float):
 def test_import_registers_every_estimator_and_reimport_is_harmless():
     import importlib
 
-    importlib.reload(rredcot_verl.estimators)
+    importlib.reload(rredcot_verl.integration.estimators)
     for name in ("rredcot", "ibpo", "segment_mc"):
         assert name in ADV_ESTIMATOR_REGISTRY
 
@@ -97,3 +97,28 @@ def test_ibpo_through_compute_advantage_gives_all_wrong_groups_a_gradient():
     advantages = out.batch["advantages"]
     assert advantages.abs().sum() > 0  # plain GRPO gives all zeros here
     assert torch.all(advantages[1:] < 0)
+
+
+def test_degenerate_groups_setting_reaches_the_estimator():
+    config = OmegaConf.create(
+        {
+            "adv_estimator": "rredcot",
+            "norm_adv_by_std_in_grpo": True,
+            "rredcot": {"redistribution": {"degenerate_groups": "value_differences"}},
+        }
+    )
+    with estimator_inputs(UID, _segments()) as record:
+        out = compute_advantage(_batch(), adv_estimator="rredcot", config=config)
+    advantages = out.batch["advantages"]
+    # Group "b" is all correct; its probes rise 0.5 -> 0.9 -> 1, so the first half of each trace gets the most.
+    for i, length in ((4, 4), (5, 6)):
+        assert advantages[i, 0] > advantages[i, length - 1] > 0
+    assert record["metrics"]["rredcot/degenerate_groups_with_signal"] == 1.0
+    assert torch.isfinite(advantages).all()
+
+
+def test_bad_reward_range_is_a_settings_error_naming_the_key():
+    config = OmegaConf.create({"adv_estimator": "rredcot", "rredcot": {"reward_range": [1.0, -1.0]}})
+    with estimator_inputs(UID, _segments()):
+        with pytest.raises(ValueError, match="reward_range"):
+            compute_advantage(_batch(), adv_estimator="rredcot", config=config)

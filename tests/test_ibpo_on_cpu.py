@@ -7,24 +7,32 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
+from verl import DataProto
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+from verl.trainer.ppo.ray_trainer import compute_advantage
 
-from rredcot_verl.ibpo import (
+import rredcot_verl.integration.plugin  # noqa: F401  registers the ibpo estimator
+
+from rredcot_verl.core.ibpo import (
     DEFAULT_REVISION_TEMPLATE,
     EMBEDDED_TASK_TEMPLATE,
     IBPOConfig,
     align_tokens,
     build_revision_prompt,
+    correct_outcomes,
     evaluate_repair,
-    fits_prompt_budget,
+    fits_engine,
     localisation_mask,
     plan_revisions,
     repair_metrics,
     repair_signal,
+    revision_budget,
     select_references,
     shaped_advantages,
     stack_edited_masks,
 )
+from rredcot_verl.integration.estimators import estimator_inputs
 
 torch.set_num_threads(1)
 
@@ -41,6 +49,9 @@ def test_config_defaults_are_the_transcribed_values():
     cfg = IBPOConfig()
     assert (cfg.shaping_weight, cfg.repair_bonus, cfg.num_references, cfg.max_edit_ratio) == (0.6, 0.5, 3, 0.5)
     assert cfg.rewrite_counts_as_repair is False and cfg.use_mask is True and cfg.aggregate == "mean"
+    # length defaults: uncapped revisions, a repair budget that grows with the trace, the kept-prefix guard
+    assert cfg.max_revisions is None and cfg.min_kept_prefix == 0.25
+    assert (cfg.revision_length_factor, cfg.revision_slack_tokens) == (1.2, 128)
     assert IBPOConfig(max_edit_ratio=math.inf).max_edit_ratio == math.inf
 
 
@@ -53,7 +64,11 @@ def test_config_defaults_are_the_transcribed_values():
         ({"repair_bonus": float("nan")}, "repair_bonus"),
         ({"num_references": 0}, "num_references"),
         ({"max_revisions": True}, "max_revisions"),
-        ({"max_revision_tokens": 1.5}, "max_revision_tokens"),
+        ({"max_revisions": 0}, "max_revisions"),
+        ({"revision_slack_tokens": 1.5}, "revision_slack_tokens"),
+        ({"revision_length_factor": 0.9}, "revision_length_factor"),
+        ({"revision_length_factor": float("inf")}, "revision_length_factor"),
+        ({"min_kept_prefix": -0.1}, "min_kept_prefix"),
         ({"max_edit_ratio": 0.0}, "max_edit_ratio"),
         ({"max_edit_ratio": float("nan")}, "max_edit_ratio"),
         ({"epsilon": 0.0}, "epsilon"),
@@ -149,37 +164,40 @@ def test_alignment_properties(trace, repair):
 
 
 def test_evaluate_repair_failures_and_rewrites():
-    cfg = IBPOConfig(max_revision_tokens=6, max_edit_ratio=0.5)
+    cfg = IBPOConfig(revision_slack_tokens=1, max_edit_ratio=0.5)  # budget for 4 tokens: ceil(4.8) + 1 = 6
     trace = [1, 2, 3, 4]
     local = evaluate_repair(trace, [1, 2, 9, 4], verified_correct=True, truncated=False, cfg=cfg)
     assert local.correct and not local.rewrite and local.failure is None
     assert local.alignment.edited_mask.tolist() == [False, False, True, False]
     rewrite = evaluate_repair(trace, [7, 8, 9, 4], verified_correct=True, truncated=False, cfg=cfg)
     assert rewrite.correct and rewrite.rewrite and rewrite.alignment.edit_ratio == 0.75
+    assert rewrite.alignment.kept_prefix == 0 and local.alignment.kept_prefix == 2
+    assert evaluate_repair(trace, [1] * 6, True, False, cfg).failure is None  # exactly the budget is allowed
     failed = []
     for repair, truncated, failure in [([], False, "empty"), ([1, 2, 9, 4], True, "truncated"), ([1] * 7, False, "too_long")]:
         failed.append(evaluate_repair(trace, repair, verified_correct=True, truncated=truncated, cfg=cfg))
         assert failed[-1].failure == failure and not failed[-1].correct
     # a trace whose repairs all failed that way gets no bonus, even though the verifier accepted them
-    assert repair_signal(False, [e.correct for e in failed], [e.alignment.edit_ratio for e in failed], cfg) == 0.0
+    assert repair_signal(False, failed, cfg) == 0.0
     wrong = evaluate_repair(trace, [1, 2, 8, 4], verified_correct=False, truncated=False, cfg=cfg)
     assert not wrong.correct and wrong.failure is None
 
 
 def test_repair_signal_aggregation_and_rewrite_switch():
-    cfg = IBPOConfig()  # ρ = 0.5, δ = 0.5
-    assert repair_signal(True, [True, True], [0.1, 0.1], cfg) == 0.0  # correct traces are never shaped
-    assert repair_signal(False, [], [], cfg) == 0.0  # no revision generated: GRPO treatment
-    assert repair_signal(False, [True, False, True], [0.1, 0.2, 0.3], cfg) == pytest.approx(0.5 * 2 / 3)
-    assert repair_signal(False, [True, False, False], [0.1, 0.2, 0.3], IBPOConfig(aggregate="max")) == 0.5
-    # the third repair is a verified rewrite (ratio 0.9 > δ): no credit by default, credit with the switch
-    assert repair_signal(False, [True, False, True], [0.1, 0.0, 0.9], cfg) == pytest.approx(0.5 / 3)
+    cfg = IBPOConfig()  # ρ = 0.5, δ = 0.5, π = 0.25
+    trace = [1, 2, 3, 4, 5, 6, 7, 8]
+    local_ok = evaluate_repair(trace, [1, 2, 3, 4, 5, 6, 7, 9], True, False, cfg)
+    wrong = evaluate_repair(trace, [1, 2, 3, 4, 5, 6, 7, 0], False, False, cfg)
+    rewrite_ok = evaluate_repair(trace, [9, 9, 9, 9, 9, 9, 7, 8], True, False, cfg)  # ratio 0.75, no kept prefix
+    assert not local_ok.rewrite and rewrite_ok.rewrite
+    assert repair_signal(True, [local_ok, local_ok], cfg) == 0.0  # correct traces are never shaped
+    assert repair_signal(False, [], cfg) == 0.0  # no revision generated: GRPO treatment
+    assert repair_signal(False, [local_ok, wrong, local_ok], cfg) == pytest.approx(0.5 * 2 / 3)
+    assert repair_signal(False, [local_ok, wrong, wrong], IBPOConfig(aggregate="max")) == 0.5
+    # the third repair is a verified rewrite: no credit by default, credit with the switch
+    assert repair_signal(False, [local_ok, wrong, rewrite_ok], cfg) == pytest.approx(0.5 / 3)
     switched = IBPOConfig(rewrite_counts_as_repair=True)
-    assert repair_signal(False, [True, False, True], [0.1, 0.0, 0.9], switched) == pytest.approx(1.0 / 3)
-    with pytest.raises(ValueError, match="entries"):
-        repair_signal(False, [True], [0.1, 0.2], cfg)
-    with pytest.raises(ValueError, match="NaN"):
-        repair_signal(False, [True], [float("nan")], cfg)
+    assert repair_signal(False, [local_ok, wrong, rewrite_ok], switched) == pytest.approx(1.0 / 3)
 
 
 def test_localisation_mask_prefers_the_most_local_successful_repair():
@@ -199,7 +217,7 @@ def test_localisation_mask_prefers_the_most_local_successful_repair():
 
 
 def test_repair_metrics_counts():
-    cfg = IBPOConfig(max_revision_tokens=8)
+    cfg = IBPOConfig()
     trace = [1, 2, 3, 4]
     evaluations = [
         evaluate_repair(trace, [1, 2, 9, 4], True, False, cfg),  # local success, ratio 0.25
@@ -214,6 +232,7 @@ def test_repair_metrics_counts():
     assert metrics["ibpo/local_repair_rate"] == pytest.approx(1 / 5)
     assert metrics["ibpo/rewrite_frac"] == pytest.approx(0.5)
     assert metrics["ibpo/edit_ratio_mean"] == pytest.approx(0.5)
+    assert metrics["ibpo/kept_prefix_frac_mean"] == pytest.approx((2 / 4 + 0) / 2)
     assert (metrics["ibpo/failed_empty"], metrics["ibpo/failed_truncated"], metrics["ibpo/failed_too_long"]) == (1, 1, 0)
     assert all(v == 0.0 for k, v in repair_metrics([]).items())
 
@@ -323,9 +342,10 @@ def test_lambda_zero_matches_verl_grpo_bit_for_bit(seed):
     verl_adv, _ = compute_grpo_outcome_advantage(
         token_level_rewards, response_mask, index, epsilon=epsilon, norm_adv_by_std_in_grpo=norm_by_std
     )
-    phi = torch.tensor(rng.uniform(0, 0.5, size=bs), dtype=torch.float32)
-    edited = torch.tensor(rng.random((bs, T)) < 0.4) & response_mask.bool()
     scores = token_level_rewards.sum(dim=-1)
+    # repairs exist only for incorrect traces (outcome below 1, the top of the default reward range)
+    phi = torch.tensor(rng.uniform(0, 0.5, size=bs), dtype=torch.float32) * ~correct_outcomes(scores)
+    edited = torch.tensor(rng.random((bs, T)) < 0.4) & response_mask.bool()
     for cfg, masks in [
         (IBPOConfig(shaping_weight=0.0, epsilon=epsilon, norm_adv_by_std=norm_by_std, use_mask=False), edited),
         (IBPOConfig(shaping_weight=0.0, epsilon=epsilon, norm_adv_by_std=norm_by_std), None),
@@ -333,11 +353,11 @@ def test_lambda_zero_matches_verl_grpo_bit_for_bit(seed):
         ours = shaped_advantages(scores, response_mask, index, phi, masks, cfg).advantages
         assert ours.dtype == verl_adv.dtype and torch.equal(ours, verl_adv)
 
-    # with λ > 0 and no mask, IBPO is verl's GRPO run on the shaped rewards R' = R + λφ
+    # with λ > 0 and no mask, IBPO is verl's GRPO run on the shaped rewards R' = R + λφ(1 − R)
     shaping = IBPOConfig(epsilon=epsilon, norm_adv_by_std=norm_by_std, use_mask=False)
     result = shaped_advantages(scores, response_mask, index, phi, None, shaping)
     shaped_token_rewards = token_level_rewards.clone()
-    shaped_token_rewards[:, 0] += shaping.shaping_weight * phi  # verl sums rows; any single slot carries R'
+    shaped_token_rewards[:, 0] += shaping.shaping_weight * phi * (1 - scores)  # verl sums rows; any slot carries R'
     verl_shaped, _ = compute_grpo_outcome_advantage(
         shaped_token_rewards, response_mask, index, epsilon=epsilon, norm_adv_by_std_in_grpo=norm_by_std
     )
@@ -368,6 +388,10 @@ def test_shaped_advantages_rejects_bad_input():
         shaped_advantages(torch.zeros(2), mask, index, torch.tensor([0.0, -0.1]), None, cfg)
     with pytest.raises(ValueError, match="phi"):
         shaped_advantages(torch.zeros(2), mask, index, torch.tensor([float("nan"), 0.0]), None, cfg)
+    with pytest.raises(ValueError, match=r"correct traces .* rows \[1\]"):
+        shaped_advantages(torch.tensor([0.0, 1.0]), mask, index, torch.tensor([0.5, 0.5]), None, cfg)
+    with pytest.raises(ValueError, match="reward_range"):
+        shaped_advantages(torch.zeros(2), mask, index, phi, None, cfg, reward_range=(1.0, 1.0))
     with pytest.raises(ValueError, match="index"):
         shaped_advantages(torch.zeros(2), mask, index[:1], phi, None, cfg)
     with pytest.raises(ValueError, match="bool"):
@@ -409,15 +433,53 @@ def test_plan_revisions_round_robin_cap_and_fallbacks():
     correct = [False, False, True, False, True, False]
     index = np.array(["a", "a", "a", "b", "b", "lone"], dtype=object)
     full = plan_revisions(correct, index, IBPOConfig(num_references=2), np.random.default_rng(0))
-    assert full.traces_without_reference == 1 and full.skipped_by_cap == 0
+    assert full.incorrect_traces == 4 and full.traces_without_reference == 1
+    assert full.skipped_by_cap == 0 and full.traces_skipped_by_cap == 0
     assert len(full.pairs) == 5  # traces 0 and 1 get two references each, trace 3 has one sibling
-    assert {(0, 2), (1, 2), (3, 4)} <= set(full.pairs[:3])  # every first reference (a correct one) comes first
+    assert {(0, 2), (1, 2), (3, 4)} == set(full.pairs[:3])  # every first reference (a correct one) comes first
     assert all(index[t] == index[r] and t != r and not correct[t] for t, r in full.pairs)
 
     capped = plan_revisions(correct, index, IBPOConfig(num_references=2, max_revisions=3), np.random.default_rng(0))
     assert sorted(capped.pairs) == [(0, 2), (1, 2), (3, 4)] and capped.skipped_by_cap == 2
+    assert capped.traces_skipped_by_cap == 0  # the cap cost second references only
     with pytest.raises(ValueError, match="index"):
         plan_revisions(correct, index[:2], IBPOConfig(), np.random.default_rng(0))
+
+
+def test_a_tight_cap_reaches_every_group_over_seeds_and_reports_what_it_skipped():
+    # 12 groups of 4 with one correct trace: 36 incorrect traces, 108 candidate revisions, cap 20
+    index = np.array([f"g{g}" for g in range(12) for _ in range(4)], dtype=object)
+    correct = [k % 4 == 0 for k in range(48)]
+    cfg = IBPOConfig(max_revisions=20)
+    revised_groups = set()
+    for seed in range(10):
+        plan = plan_revisions(correct, index, cfg, np.random.default_rng(seed))
+        traces = [t for t, _ in plan.pairs]
+        assert len(plan.pairs) == 20 and len(set(traces)) == 20  # no trace gets a second before all get a first
+        assert all(correct[r] for _, r in plan.pairs)  # first references are the correct siblings
+        assert plan.skipped_by_cap == 108 - 20 and plan.traces_skipped_by_cap == 36 - 20
+        revised_groups |= {index[t] for t in traces}
+    assert revised_groups == set(index)  # random order within a rank: late groups are not always dropped
+
+
+def test_plan_revisions_replaces_references_whose_prompt_does_not_fit():
+    correct = [False, True, False, False, False]
+    index = np.array(["a", "a", "a", "a", "b"], dtype=object)
+    long_reference = 1  # say, a 20k-token correct sibling that cannot fit beside the trace
+    calls = []
+
+    def usable(trace, reference):
+        calls.append((trace, reference))
+        return reference != long_reference
+
+    plan = plan_revisions(correct, index, IBPOConfig(num_references=2), np.random.default_rng(0), usable=usable)
+    assert all(r != long_reference for _, r in plan.pairs)
+    assert sorted(t for t, _ in plan.pairs) == [0, 0, 2, 2, 3, 3]  # each still gets two references
+    assert plan.rejected_pairs == 3 and plan.traces_without_usable_reference == 0
+    assert plan.traces_without_reference == 1  # trace 4 is alone
+    assert all(c[0] in (0, 2, 3) for c in calls)  # usable is asked about incorrect traces only
+    nothing_fits = plan_revisions(correct, index, IBPOConfig(), np.random.default_rng(0), usable=lambda t, r: False)
+    assert nothing_fits.pairs == [] and nothing_fits.traces_without_usable_reference == 3
 
 
 # ------------------------------------------------------------------ prompts
@@ -436,9 +498,20 @@ def test_embedded_template_is_the_bare_question_and_bad_templates_fail():
         build_revision_prompt("q", "t", "r", "fix {trace}")
     with pytest.raises(ValueError, match="unknown placeholder"):
         build_revision_prompt("q", "t", "r", "{question} {answer}")
-    assert fits_prompt_budget(512, 512) and not fits_prompt_budget(513, 512)
-    with pytest.raises(ValueError, match="max_prompt_tokens"):
-        fits_prompt_budget(1, 0)
+
+
+
+def test_revision_budget_grows_with_the_trace_and_bounds_the_prompt():
+    cfg = IBPOConfig()
+    assert revision_budget(0, cfg) == 128 and revision_budget(2000, cfg) == 2528
+    assert revision_budget(25_000, cfg) == 30_128
+    # the prompt budget is the engine's context minus the repair budget, not data.max_prompt_length
+    assert fits_engine(32_768 - 2528, 2000, 32_768, cfg) and not fits_engine(32_768 - 2527, 2000, 32_768, cfg)
+    assert not fits_engine(0, 25_000, 16_384, cfg)  # the repair alone does not fit the engine
+    with pytest.raises(ValueError, match="max_model_length"):
+        fits_engine(1, 1, 0, cfg)
+    with pytest.raises(ValueError, match="trace_length"):
+        revision_budget(-1, cfg)
 
 
 # ------------------------------------------------------------------ one step end to end
@@ -450,7 +523,7 @@ def test_one_step_from_repairs_to_token_credit():
     traces = [
         "23+45=68\n68-17=52\n\\boxed{52}",  # wrong in the second result
         "23+45=69\n69-17=52\n\\boxed{52}",  # wrong in the first result
-        "23+45=60\n\\boxed{60}",  # gave up early: only a rewrite fixes it
+        "no idea\n\\boxed{60}",  # nothing to keep: only a rewrite fixes it
         "23+45=68\n68-17=50\n\\boxed{50}",  # no repair succeeds
     ]
     solution = "23+45=68\n68-17=51\n\\boxed{51}"
@@ -461,9 +534,10 @@ def test_one_step_from_repairs_to_token_credit():
     for i, trace in enumerate(traces):
         evals = [evaluate_repair(ids(trace), ids(text), ok, False, cfg) for text, ok in attempts[i]]
         all_evals += evals
-        phi.append(repair_signal(False, [e.correct for e in evals], [e.alignment.edit_ratio for e in evals], cfg))
+        phi.append(repair_signal(False, evals, cfg))
         masks.append(localisation_mask(evals, len(trace)))
-    assert phi == [0.5, 0.25, 0.0, 0.0]  # trace 2's success is a rewrite (ratio > 0.5), so it earns nothing
+    # trace 2's success is a rewrite (ratio > 0.5 and no kept prefix), so it earns nothing
+    assert phi == [0.5, 0.25, 0.0, 0.0]
     response_mask = torch.tensor([[1.0] * len(t) + [0.0] * (T - len(t)) for t in traces])
     result = shaped_advantages(
         torch.zeros(4), response_mask, np.array(["q"] * 4, dtype=object), torch.tensor(phi), stack_edited_masks(masks, T), cfg
@@ -476,3 +550,173 @@ def test_one_step_from_repairs_to_token_credit():
     # traces 2 and 3 are below the mean with no localisation: negative on every token
     assert (adv[2, : len(traces[2])] < 0).all() and (adv[3, : len(traces[3])] < 0).all()
     assert repair_metrics(all_evals)["ibpo/rewrite_frac"] == pytest.approx(1 / 3)
+
+
+def test_stopping_after_a_wrong_first_result_is_repaired_locally():
+    # Changed with the kept-prefix guard: the repair keeps "23+45=6" (7 of 19 tokens, over π = 0.25) and continues
+    # from the wrong digit, so it is a repair of that digit even though it edits more than half of the trace.
+    trace, repair = ids("23+45=60\n\\boxed{60}"), ids("23+45=68\n68-17=51\n\\boxed{51}")
+    evaluation = evaluate_repair(trace, repair, True, False, IBPOConfig())
+    assert evaluation.alignment.edit_ratio > 0.5 and evaluation.alignment.kept_prefix == 7
+    assert not evaluation.rewrite and evaluation.alignment.edited_mask[7]  # the wrong digit carries the blame
+    assert not evaluation.alignment.edited_mask[:7].any()
+    assert evaluate_repair(trace, repair, True, False, IBPOConfig(min_kept_prefix=2.0)).rewrite  # ratio test only
+
+
+# ------------------------------------------------------------------ traces at length
+
+
+def _long_trace(rng: np.random.Generator, length: int = 2000, vocab: int = 5000) -> list[int]:
+    return rng.integers(10, vocab, size=length).tolist()
+
+
+def test_a_local_edit_of_a_2k_token_trace_is_a_localised_repair():
+    """Before the length-aware budget (a fixed 128-token cap) this repair was a failure ("too_long"/truncated), and
+    any repair of a trace over 256 tokens that fitted the cap was a rewrite: IBPO degraded to GRPO at length."""
+    rng = np.random.default_rng(0)
+    trace = _long_trace(rng)
+    repair = list(trace)
+    repair[1200:1212] = rng.integers(5000, 6000, size=15).tolist()  # a 12-token step rewritten as 15 tokens
+    cfg = IBPOConfig()
+    evaluation = evaluate_repair(trace, repair, True, False, cfg)
+    assert evaluation.failure is None and evaluation.correct and not evaluation.rewrite
+    assert evaluation.alignment.kept_prefix == 1200
+    edited = torch.nonzero(evaluation.alignment.edited_mask).flatten().tolist()
+    assert edited[0] == 1200 and edited[-1] <= 1212 and len(edited) >= 12  # only the rewritten step
+    assert repair_signal(False, [evaluation], cfg) == 0.5
+
+    # through the estimator arithmetic: a repaired trace below its group mean is blamed on those tokens only
+    T = 2000
+    scores = torch.tensor([0.0, 1.0, 1.0, 0.0])
+    phi = torch.tensor([0.5, 0.0, 0.0, 0.0])
+    masks = stack_edited_masks([localisation_mask([evaluation], T)] + [torch.zeros(T, dtype=torch.bool)] * 3, T)
+    result = shaped_advantages(scores, torch.ones(4, T), np.array(["q"] * 4, dtype=object), phi, masks, cfg)
+    nonzero = torch.nonzero(result.advantages[0]).flatten().tolist()
+    assert nonzero == edited and (result.advantages[0, edited] < 0).all()
+    assert (result.advantages[3] < 0).all()  # the unrepaired failure keeps the broadcast
+
+
+def test_a_repair_that_keeps_the_prefix_and_rewrites_the_tail_is_local_at_length():
+    # A faithful repair of an error at 40% of a 2k trace: verbatim up to the error, a new tail after it. Its edit
+    # ratio is far over δ = 0.5, yet it is the repair IBPO wants; the kept prefix (800 ≥ 0.25 · 2000) says so.
+    rng = np.random.default_rng(1)
+    trace = _long_trace(rng)
+    repair = trace[:800] + _long_trace(rng, 1300)
+    evaluation = evaluate_repair(trace, repair, True, False, IBPOConfig())
+    assert evaluation.alignment.edit_ratio > 0.5 and evaluation.alignment.kept_prefix == 800
+    assert not evaluation.rewrite and not evaluation.alignment.edited_mask[:800].any()
+    assert evaluation.alignment.edited_mask[800:].float().mean() > 0.5
+
+
+def test_a_copy_of_the_reference_is_a_rewrite_at_length():
+    # Two samples of one prompt share their opening (here 40 tokens restating the problem) and little else; a
+    # "repair" that copies the reference keeps no more of the trace than that, so it earns no φ and no mask.
+    rng = np.random.default_rng(2)
+    opening = _long_trace(rng, 40)
+    trace = opening + _long_trace(rng, 1960)
+    reference = opening + _long_trace(rng, 2100)
+    cfg = IBPOConfig()
+    copy = evaluate_repair(trace, reference, True, False, cfg)
+    assert copy.correct and copy.rewrite and copy.alignment.kept_prefix == 40
+    assert repair_signal(False, [copy], cfg) == 0.0 and not localisation_mask([copy], 2000).any()
+    assert repair_signal(False, [copy], IBPOConfig(rewrite_counts_as_repair=True)) == 0.5
+
+
+def test_a_repair_longer_than_its_budget_fails_at_length():
+    rng = np.random.default_rng(3)
+    trace = _long_trace(rng)
+    cfg = IBPOConfig()
+    too_long = trace + _long_trace(rng, revision_budget(2000, cfg) - 2000 + 1)
+    assert evaluate_repair(trace, too_long, True, False, cfg).failure == "too_long"
+    assert evaluate_repair(trace, too_long[:-1], True, False, cfg).failure is None
+    assert evaluate_repair(trace, trace[:1500], True, True, cfg).failure == "truncated"
+
+
+# ------------------------------------------------------------------ reward scales, through verl's compute_advantage
+
+
+def _ibpo_through_verl(outcomes, phi, edited, reward_range, use_mask=True):
+    bs, T = edited.shape
+    rewards = torch.zeros(bs, T)
+    rewards[:, -1] = torch.tensor(outcomes)
+    uid = np.array(["q"] * bs, dtype=object)
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": rewards, "response_mask": torch.ones(bs, T)}, non_tensors={"uid": uid}
+    )
+    config = OmegaConf.create(
+        {
+            "adv_estimator": "ibpo",
+            "norm_adv_by_std_in_grpo": True,
+            "rredcot": {"reward_range": list(reward_range), "ibpo": {"use_mask": use_mask}},
+        }
+    )
+    with estimator_inputs(uid, {"ibpo_phi": torch.tensor(phi), "ibpo_edited_mask": edited}) as record:
+        out = compute_advantage(data, adv_estimator="ibpo", config=config)
+    return out.batch["advantages"], record["metrics"]
+
+
+def _grpo_on(shaped, T):
+    rewards = torch.zeros(len(shaped), T)
+    rewards[:, -1] = torch.tensor(shaped)
+    advantages, _ = compute_grpo_outcome_advantage(rewards, torch.ones(len(shaped), T), np.array(["q"] * len(shaped)))
+    return advantages
+
+
+def test_ibpo_reward_scale_plus_minus_one():
+    # −1/+1: a wrong trace is −1; a repaired one moves by λφ(high − R) = 0.6 · 0.5 · 2 = 0.6, to −0.4 < +1
+    outcomes, phi = [1.0, -1.0, -1.0, -1.0], [0.0, 0.5, 0.0, 0.0]
+    edited = torch.zeros(4, 5, dtype=torch.bool)
+    edited[1, 2] = True
+    shaping_only, _ = _ibpo_through_verl(outcomes, phi, edited, (-1.0, 1.0), use_mask=False)
+    torch.testing.assert_close(shaping_only, _grpo_on([1.0, -0.4, -1.0, -1.0], 5))
+    masked, metrics = _ibpo_through_verl(outcomes, phi, edited, (-1.0, 1.0))
+    assert masked[0, 0] > 0 > masked[1, 2] > masked[2, 0]  # correct > repaired > hopeless
+    assert masked[1].ne(0).tolist() == [False, False, True, False, False]  # blame on the edited token only
+    assert metrics["ibpo/incorrect_repaired_frac"] == pytest.approx(1 / 3)
+    # on the 0/1 reading, −1 and +1 would both sit outside the scale and the +1 trace would be shaped: refused
+    with pytest.raises(ValueError, match="correct traces"):
+        _ibpo_through_verl([1.0, -1.0], [0.5, 0.0], torch.zeros(2, 3, dtype=torch.bool), (-1.0, 1.0))
+
+
+def test_ibpo_reward_scale_partial_credit():
+    # {0, 0.5, 1}: partial credit is incorrect (below high), so it can be repaired, shaped and masked
+    outcomes, phi = [1.0, 0.5, 0.5, 0.0], [0.0, 0.5, 0.0, 0.5]
+    edited = torch.zeros(4, 5, dtype=torch.bool)
+    edited[1, 1] = True
+    shaped = [1.0, 0.5 + 0.3 * 0.5, 0.5, 0.0 + 0.3 * 1.0]  # R + λφ(1 − R)
+    shaping_only, _ = _ibpo_through_verl(outcomes, phi, edited, (0.0, 1.0), use_mask=False)
+    torch.testing.assert_close(shaping_only, _grpo_on(shaped, 5))
+    order = shaping_only[:, 0].tolist()
+    assert order[0] > order[1] > order[2] > order[3]  # correct > repaired partial > partial > repaired wrong
+    masked, metrics = _ibpo_through_verl(outcomes, phi, edited, (0.0, 1.0))
+    # the repaired partial trace sits above the group mean: credit only on the tokens its repair kept
+    assert masked[1].ne(0).tolist() == [True, False, True, True, True] and masked[1, 0] > 0
+    assert metrics["ibpo/masked_traces"] == 1.0 and metrics["ibpo/incorrect_repaired_frac"] == pytest.approx(2 / 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.floats(-10, 10),
+    st.floats(0.01, 20),
+    st.floats(0, 0.999),
+    st.floats(0, 1),
+)
+def test_reward_scale_shaping_keeps_incorrect_below_correct(low, width, below, phi_share):
+    # any scale, any incorrect outcome in it, any φ ≤ ρ: the shaped reward stays under the correct outcome
+    high = low + width
+    cfg = IBPOConfig()
+    reward = low + below * width
+    scores = torch.tensor([high, reward], dtype=torch.float64)
+    if correct_outcomes(scores, (low, high))[1]:
+        return  # within tolerance of high: correct, never shaped
+    phi = torch.tensor([0.0, phi_share * cfg.repair_bonus], dtype=torch.float64)
+    result = shaped_advantages(scores, torch.ones(2, 1), np.array(["q", "q"], dtype=object), phi, None, cfg, (low, high))
+    assert result.shaped_rewards[1] < high and result.shaped_rewards[1] >= reward
+    assert result.advantages[0, 0] > result.advantages[1, 0]
+
+
+def test_correctness_is_reaching_the_top_of_the_scale():
+    assert correct_outcomes(torch.tensor([1.0, 0.5, 0.0, 1.0 - 1e-9]), (0.0, 1.0)).tolist() == [True, False, False, True]
+    assert correct_outcomes([1.0, -1.0, 0.0], (-1.0, 1.0)).tolist() == [True, False, False]
+    with pytest.raises(ValueError, match="reward_range"):
+        correct_outcomes([0.0], (1.0, 0.0))

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from rredcot_verl.main import LaunchError, prepare
+from rredcot_verl.integration.launcher import LaunchError, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTEFACT = ROOT / "rredcot_verl" / "tasks" / "assets" / "warmstart"
@@ -39,7 +39,20 @@ def test_valid_config_is_prepared_for_cpu(build, monkeypatch):
     assert config.trainer.v1.trainer_mode == "rredcot"
     assert config.actor_rollout_ref.actor.strategy == "fsdp2"
     assert config.ray_kwargs.ray_init.address == "local" and config.ray_kwargs.ray_init.num_gpus == 1
-    assert config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "rredcot_verl"
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "rredcot_verl.integration.plugin"
+
+
+def test_local_cluster_declares_one_fake_gpu_per_actor_rank(build, monkeypatch):
+    monkeypatch.setenv("RREDCOT_CPU", "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = prepare(_config(["trainer.n_gpus_per_node=2"]))
+    assert config.ray_kwargs.ray_init.num_gpus == 2
+
+
+@pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])
+def test_verls_async_trainer_modes_are_refused(build, mode):
+    with pytest.raises(LaunchError, match=f"trainer.v1.trainer_mode={mode} is not supported"):
+        prepare(_config([f"trainer.v1.trainer_mode={mode}"]))
 
 
 def test_connecting_to_a_cluster_declares_no_local_resources(build, monkeypatch):

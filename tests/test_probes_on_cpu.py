@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rredcot_verl.probes import (
+from rredcot_verl.core.probes import (
     KIND_CORRECT,
     KIND_INCORRECT,
     Probe,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
-from rredcot_verl.redistribution import (
+from rredcot_verl.core.redistribution import (
     RedistributionConfig,
     anchor_values,
     group_outcome_advantage,
@@ -180,9 +180,13 @@ def test_anchor_values_mappings():
     # Stretching (0.9 -> 0.25, 1 -> 1 is a factor 7.5) can leave [0, 1]: 1 + (0 - 1) * 7.5 = -6.5 is clamped to 0.
     clamped = anchor_values(torch.tensor([0.9, 0.0, 0.5], dtype=torch.float64), 1.0, 0.25, RedistributionConfig())
     assert clamped.tolist() == [0.25, 0.0, 1.0]
-    # ζ == v̂_0: the affine map is undefined, values interpolate linearly in k from V_0 to ζ.
-    flat = anchor_values(torch.tensor([1.0, 0.3, 0.8, 0.0], dtype=torch.float64), 1.0, 0.4, RedistributionConfig())
+    # ζ == v̂_0: the affine map is undefined, values interpolate in token position from V_0 to ζ (equally long
+    # segments when no ends are given).
+    probes = torch.tensor([1.0, 0.3, 0.8, 0.0], dtype=torch.float64)
+    flat = anchor_values(probes, 1.0, 0.4, RedistributionConfig())
     assert torch.allclose(flat, torch.tensor([0.4, 0.6, 0.8, 1.0], dtype=torch.float64))
+    by_tokens = anchor_values(probes, 1.0, 0.4, RedistributionConfig(), segment_ends=torch.tensor([1, 4, 10]))
+    assert torch.allclose(by_tokens, torch.tensor([0.4, 0.46, 0.64, 1.0], dtype=torch.float64))
 
 
 def test_anchor_values_rejects_bad_input():
@@ -260,6 +264,7 @@ def test_all_correct_and_all_wrong_groups_give_zero():
     assert torch.all(result.advantages == 0)
     assert result.fallback.all()
     assert result.metrics["degenerate_groups"] == 2.0
+    assert result.metrics["degenerate_groups_with_signal"] == 0.0
     assert result.metrics["fallback/zero_return"] == 4.0
     assert result.metrics["redistributed_frac"] == 0.0
     assert "segments_per_trace" not in result.metrics  # no redistributed trace to average over
@@ -291,6 +296,7 @@ def test_fallback_reasons_are_counted_and_keep_grpo():
     assert counts == {
         "fallback/empty": 1.0,
         "fallback/singleton_group": 1.0,
+        "fallback/outside_reward_range": 0.0,
         "fallback/zero_return": 0.0,
         "fallback/missing_segments": 2.0,
         "fallback/nonfinite": 2.0,
@@ -329,7 +335,6 @@ def _valid_batch():
         (lambda b: (*b[:2], b[2][:1], *b[3:]), "index has 1 entries"),
         (lambda b: (*b[:3], b[3].int(), b[4]), "segment_ends must be int64"),
         (lambda b: (*b[:4], b[4][:, :2]), "raw_values must be float of shape"),
-        (lambda b: (b[0] * 2, *b[1:]), "scores must be probabilities"),
         (lambda b: (*b[:4], b[4] + 1.0), "raw_values must be probabilities"),
         (lambda b: (b[0], torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]]), *b[2:]), "right-padded"),
         (lambda b: (b[0], b[1] * 2, *b[2:]), "only 0 and 1"),
@@ -355,6 +360,9 @@ def test_bad_batches_raise(change, message):
         (dict(clip=0.5), "clip must be >= 1"),
         (dict(epsilon=0.0), "epsilon"),
         (dict(anchored=1), "anchored must be a bool"),
+        (dict(max_token_advantage_ratio=0.9), "max_token_advantage_ratio must be >= 1"),
+        (dict(max_affine_gain=0.0), "max_affine_gain must be > 0"),
+        (dict(degenerate_groups="zero"), "degenerate_groups must be one of"),
     ],
 )
 def test_config_validation(kwargs, message):
@@ -375,3 +383,164 @@ def test_log_affine_mapping_spreads_credit_and_blames_the_collapse():
     assert float(rewards.sum()) == pytest.approx(0.0 - 0.5, abs=1e-6)
     flat = anchor_values(torch.tensor([0.0, 0.2, 0.4, 0.0]), 1.0, 0.25, cfg)
     assert torch.allclose(flat.double(), torch.tensor([0.25, 0.5, 0.75, 1.0], dtype=torch.float64), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- uninformative values
+
+
+def test_flat_values_give_verls_grpo_exactly_whatever_the_segment_lengths():
+    """A wrong trace whose probes sit at its outcome (v̂ ≈ 0) says nothing about its segments: GRPO, not the same
+    total per segment (which gave −23.4 per token on its 32-token segment and −0.77 on the 968-token one)."""
+    batch = _batch([0.0, 1.0, 0.0, 1.0], [1000] * 4, ["q"] * 4, [[32, 1000]] * 4,
+                   [[0.0, 0.0, NAN], [0.4, 0.8, NAN], [0.3, 0.1, NAN], [0.5, 0.7, NAN]])  # fmt: skip
+    grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
+    result = redistribute(*batch, RedistributionConfig())
+    assert not result.fallback.any() and result.metrics["affine_flat_traces"] == 1.0
+    # torch.equal, not allclose: the interpolated trace takes GRPO's own row, so any difference is a bug.
+    assert torch.equal(result.advantages[0], grpo[0])
+    assert not torch.equal(result.advantages[1], grpo[1])  # the informative traces are redistributed
+    # V(b) = V_0 + (ζ − V_0)·b/L with V_0 = 0.5, ζ = 0.
+    assert torch.allclose(result.values[0], torch.tensor([0.5, 0.5 - 0.5 * 32 / 1000, 0.0], dtype=torch.float64))
+    # Same with λ < 1 and for log_affine's undefined case (v̂_0 = 0).
+    for cfg in (RedistributionConfig(mix=0.5), RedistributionConfig(value_mapping="log_affine")):
+        assert torch.equal(redistribute(*batch, cfg).advantages[0], grpo[0])
+
+
+def test_affine_gain_beyond_the_bound_interpolates_in_token_position():
+    # Self-normalised probes that barely move on a correct trace, group mean 0.75: gain (1 − .75)/(1 − .995) = 50.
+    probes = torch.tensor([0.995, 0.990, 0.985, 0.999, NAN], dtype=torch.float64)
+    ends = torch.tensor([10, 20, 30, 100])
+    loose = anchor_values(probes, 1.0, 0.75, RedistributionConfig(max_affine_gain=100.0), segment_ends=ends)
+    assert torch.allclose(loose, torch.tensor([0.75, 0.5, 0.25, 0.95, 1.0], dtype=torch.float64))  # noise amplified
+    guarded = anchor_values(probes, 1.0, 0.75, RedistributionConfig(), segment_ends=ends)
+    assert torch.allclose(guarded, torch.tensor([0.75, 0.775, 0.8, 0.825, 1.0], dtype=torch.float64))
+
+    others = [[0.5, 0.4, 0.1, 0.1, NAN], [0.5, 0.6, 0.2, 0.1, NAN], [0.5, 0.6, 0.7, 0.8, NAN]]
+    batch = _batch([1.0, 0.0, 0.0, 1.0], [100] * 4, ["q"] * 4, [[10, 20, 30, 100]] * 4, [probes.tolist()] + others)
+    grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
+    result = redistribute(*batch, RedistributionConfig())
+    assert result.metrics["affine_gain_traces"] == 1.0 and result.metrics["affine_flat_traces"] == 0.0
+    assert torch.equal(result.advantages[0], grpo[0])
+    assert not result.fallback[0]
+    assert not torch.equal(result.advantages[1], grpo[1])
+    loose = redistribute(*batch, RedistributionConfig(max_affine_gain=1000.0))  # this group's gain is 100
+    assert loose.metrics["affine_gain_traces"] == 0.0 and not torch.equal(loose.advantages[0], grpo[0])
+
+
+def test_negative_affine_gain_from_partial_credit_interpolates():
+    # ζ = 0.5 between v̂_0 = 0.6 and the group mean 1/3: the affine map would reverse the probes' order.
+    batch = _batch([0.5, 0.0, 0.5], [6] * 3, ["q"] * 3, [[3, 6]] * 3,
+                   [[0.6, 0.9, NAN], [0.5, 0.2, NAN], [0.2, 0.4, NAN]])  # fmt: skip
+    result = redistribute(*batch, RedistributionConfig())
+    grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
+    assert result.metrics["affine_gain_traces"] == 1.0
+    assert torch.equal(result.advantages[0], grpo[0])
+
+
+# ---------------------------------------------------------------------------------------------- token bound
+
+
+def test_token_bound_caps_a_short_segment_at_the_clip_and_keeps_the_token_sum():
+    """L ≈ 25k, K = 40, all credit on a 32-token segment: the clip leaves 97.6·Â per token there."""
+    ends = torch.tensor(np.cumsum([640] * 39 + [32])).tolist()
+    length = ends[-1]
+    raw = [[0.5] * 40 + [NAN], [0.5] * 40 + [NAN]]  # flat probes: everything happens in the last segment
+    batch = _batch([1.0, 0.0], [length] * 2, ["q", "q"], [ends] * 2, raw)
+    grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
+    unbounded = redistribute(*batch, RedistributionConfig(value_mapping="raw", max_token_advantage_ratio=math.inf))
+    ratio = unbounded.advantages.double() / grpo.double()
+    assert ratio.max().item() == pytest.approx(length * (5 / 40) / 32, rel=1e-5)  # 97.6
+    assert unbounded.metrics["token_bound_trace_frac"] == 0.0
+    result = redistribute(*batch, RedistributionConfig(value_mapping="raw"))  # default bound 10
+    ratio = result.advantages.double() / grpo.double()
+    assert ratio.abs().max().item() == pytest.approx(10.0, rel=1e-6)
+    assert torch.allclose(result.advantages.double().sum(1), grpo.double().sum(1), rtol=1e-6)
+    assert (ratio[:, -1] > ratio[:, 0]).all()  # the short segment keeps the most credit per token
+    assert result.metrics["token_bound_trace_frac"] == 1.0
+
+
+@PROPERTY_SETTINGS
+@given(
+    batch=batches(any_float_scores=False),
+    bound=st.sampled_from([1.0, 1.5, 3.0]),
+    mix=st.sampled_from([0.5, 1.0]),
+    mapping=st.sampled_from(["affine", "raw"]),
+)
+def test_token_bound_holds_on_every_token_and_keeps_the_token_sum(batch, bound, mix, mapping):
+    scores, mask, index, ends, raw = batch
+    cfg = RedistributionConfig(mix=mix, value_mapping=mapping, max_token_advantage_ratio=bound)
+    result = redistribute(scores, mask, index, ends, raw, cfg)
+    grpo, _ = _verl_grpo(scores, mask, index)
+    assert torch.isfinite(result.advantages).all()
+    assert (result.advantages.double().abs() <= bound * grpo.double().abs() * (1 + 1e-5) + 1e-6).all()
+    assert torch.allclose(result.advantages.double().sum(1), grpo.double().sum(1), rtol=1e-5, atol=1e-4)
+    if bound == 1.0:  # the only allowed factors are 1: GRPO
+        assert torch.allclose(result.advantages, grpo, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- degenerate groups
+
+
+def _all_wrong_group():
+    # 4 wrong traces of 16 tokens, 4 segments of 4: trace 0 was on track, then collapsed in its 3rd segment.
+    raw = [[0.6, 0.7, 0.8, 0.1, NAN], [0.2, 0.2, 0.1, 0.1, NAN], [0.0, 0.0, 0.0, 0.0, NAN], [0.3, 0.2, 0.2, 0.1, NAN]]
+    return _batch([0.0] * 4 + [1.0], [16] * 5, ["w"] * 4 + ["solo"], [[4, 8, 12, 16]] * 5, raw + [[0.5] * 4 + [NAN]])
+
+
+def test_value_differences_blame_the_collapse_in_an_all_wrong_group():
+    batch = _all_wrong_group()
+    grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
+    plain = redistribute(*batch, RedistributionConfig())
+    assert torch.equal(plain.advantages, grpo)  # default: GRPO's zeros (and the singleton's score)
+    assert plain.metrics["degenerate_groups_with_signal"] == 0.0
+
+    result = redistribute(*batch, RedistributionConfig(degenerate_groups="value_differences"))
+    per_segment = result.advantages[0].view(4, 4)[:, 0]
+    assert int(per_segment.argmin()) == 2 and per_segment[2] < 0  # the collapse carries the blame
+    assert per_segment[0] > 0 and per_segment[1] > 0  # the rises before it are pushed up
+    # A_t = R_k · (L / n_k) / s with s = 0.5 (GRPO normalisation): R = [.1, .1, -.7, -.1], L / n_k = 4.
+    assert torch.allclose(per_segment.double(), torch.tensor([0.8, 0.8, -5.6, -0.8], dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(result.segment_rewards[0], torch.tensor([0.1, 0.1, -0.7, -0.1], dtype=torch.float64))
+    assert torch.all(result.advantages[2] == 0)  # probes at the outcome throughout: nothing to learn
+    assert torch.equal(result.advantages[4], grpo[4])  # a group of one keeps GRPO
+    assert result.metrics["degenerate_groups"] == 1.0 and result.metrics["degenerate_groups_with_signal"] == 1.0
+    assert result.fallback.tolist() == [False, False, False, False, True]
+    dr_grpo = redistribute(*batch, RedistributionConfig(degenerate_groups="value_differences", norm_adv_by_std=False))
+    assert torch.allclose(dr_grpo.advantages[0], result.advantages[0] / 2, atol=1e-6)  # s = 1 without the std
+    assert torch.equal(redistribute(*batch, RedistributionConfig(degenerate_groups="value_differences", mix=0.0))
+                       .advantages, grpo)  # fmt: skip
+
+
+def test_value_differences_respect_the_token_bound():
+    batch = _all_wrong_group()
+    result = redistribute(
+        *batch, RedistributionConfig(degenerate_groups="value_differences", max_token_advantage_ratio=3.0)
+    )
+    # The bound on |A_t| is B times the advantage unit (1 here, a 50/50 group's |Â|), at an unchanged token sum.
+    assert result.advantages[:4].abs().max().item() == pytest.approx(3.0, rel=1e-6)
+    assert result.advantages[0].double().sum().item() == pytest.approx(16 * (0.0 - 0.6) / 0.5, rel=1e-6)
+    assert result.metrics["token_bound_trace_frac"] == pytest.approx(1 / 4)
+
+
+@PROPERTY_SETTINGS
+@given(batch=batches(any_float_scores=False), mix=st.sampled_from([0.5, 1.0]), norm=st.booleans())
+def test_value_differences_are_finite_bounded_and_leave_mixed_groups_alone(batch, mix, norm):
+    scores, mask, index, ends, raw = batch
+    cfg = RedistributionConfig(mix=mix, norm_adv_by_std=norm)
+    plain = redistribute(scores, mask, index, ends, raw, cfg)
+    result = redistribute(scores, mask, index, ends, raw, RedistributionConfig(
+        mix=mix, norm_adv_by_std=norm, degenerate_groups="value_differences"))  # fmt: skip
+    assert torch.isfinite(result.advantages).all() and torch.all(result.advantages[mask == 0] == 0)
+    degenerate = torch.tensor([
+        bool((index == uid).sum() > 1) and bool((scores[torch.tensor(index == uid)] == scores[i]).all())
+        for i, uid in enumerate(index)
+    ])  # fmt: skip
+    assert torch.equal(result.advantages[~degenerate], plain.advantages[~degenerate])
+    unit = 1.0 if norm else 0.5
+    assert (result.advantages[degenerate].abs() <= 10.0 * unit + 1e-5).all()
+    live = degenerate & ~result.fallback
+    telescoped = result.segment_rewards[live].double().nan_to_num(0.0).sum(1)
+    assert torch.allclose(telescoped, scores[live].double() - result.values[live, 0].double(), atol=1e-6)
+    if mix == 1.0:  # bound 10 >= 2 always leaves room for the token sum L · (ζ − v̂_0) / s
+        expected = mask[live].sum(1).double() * telescoped / 0.5 * unit
+        assert torch.allclose(result.advantages[live].double().sum(1), expected, rtol=1e-5, atol=1e-4)

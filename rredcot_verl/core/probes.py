@@ -1,0 +1,877 @@
+"""Values of segment-boundary states of one trace, scored with the policy model itself (no grad).
+
+A *probe* is a token sequence appended after the prefix ``prompt + response[:b]``; its ``scored_ids`` are
+scored by the model's log-probability and its ``forced_ids`` (e.g. the exit text ``"\\n</think>\\n\\\\boxed"``) only
+condition them. Probes feed three value sources (``ProbeSettings.value_source``):
+
+* ``exit_probe``: probability of the correct answer(s) after a forced exit from thinking at the boundary;
+* ``reference_continuation``: probability of a bank of known continuations (reference solution remainder,
+  group's correct traces) from the boundary;
+* ``own_continuation``: ζ times the probability of the trace's own remainder, read from the trace log-probs
+  (no probes; a baseline).
+
+Scoring has two paths with the same result:
+
+* ``score_probes_naive``: one forward per probe over ``prompt + response[:b] + forced + scored`` (the reference);
+* ``score_batch_packed`` (and ``score_probes_packed`` for one trace): traces are packed into micro-batches by a token
+  budget, and each micro-batch is ONE forward over every row's trace followed by its probes' tokens, merged into a
+  token tree per boundary. The trace tokens attend causally; the probe tokens attend with a (probe tokens ×
+  (trace + probe tokens)) mask from ``build_probe_mask`` and per-probe position ids restarting at the probe's prefix
+  length. Log-probs are computed from the final hidden states only where they are read. The same forward gives the
+  per-token log-probs and entropies of the response (verl's log-prob pass) when asked.
+
+Position convention: ``P`` = prompt length (≥ 1), ``L`` = response length (≥ 0), a probe at boundary ``b``
+(0 ≤ b ≤ L) continues the prefix of length ``P + b``. Probes whose ``P + b + len(forced) + len(scored)`` exceeds
+``max_positions`` are skipped: their log-prob is NaN and they are counted, so the caller can fall back.
+
+This module imports neither verl nor ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from rredcot_verl.core.profiles import PROFILE_KEYS, ProbeProfile, resolve_profile
+
+VALUE_SOURCES = ("exit_probe", "reference_continuation", "own_continuation")
+NORMALIZATIONS = ("raw", "self_normalized")
+KIND_CORRECT = "correct"
+KIND_INCORRECT = "incorrect"  # scored only for the self-normalising denominator
+PROBE_KINDS = (KIND_CORRECT, KIND_INCORRECT)
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """How segment-boundary values are estimated, and the probe text of the model family.
+
+    Attributes:
+        value_source: one of ``VALUE_SOURCES``. Default ``"exit_probe"`` (the paper's answer-forcing probe). On small
+            models and tasks with steps, ``"reference_continuation"`` was measured to be far more informative
+            (docs/choices.md, "Value source"); the task's recipe picks it.
+        normalization: ``"self_normalized"`` (default; probability of the correct answers divided by the mass of all
+            answers the group produced, a calibrated value in [0, 1]) or ``"raw"`` (the plain sum, a lower bound).
+        profile: the model family's probe text, a preset of ``profiles.PROFILE_PRESETS``: ``"qwen3"`` (default),
+            ``"r1_distill"``, ``"embedded"`` (the tiny task).
+        think_start, think_end, think_opener, exit_text, answer_prefix, answer_closings, answer_eos: null (default)
+            takes the preset's value, anything else overrides it (meanings in ``core/profiles.py``). ``think_end``
+            is also the marker the segmentation cuts the answer segment at.
+    """
+
+    value_source: str = "exit_probe"
+    normalization: str = "self_normalized"
+    profile: str = "qwen3"
+    think_start: str | None = None
+    think_end: str | None = None
+    think_opener: str | None = None
+    exit_text: str | None = None
+    answer_prefix: str | None = None
+    answer_closings: tuple[str, ...] | None = None
+    answer_eos: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.value_source not in VALUE_SOURCES:
+            raise ValueError(f"value_source must be one of {VALUE_SOURCES}, got {self.value_source!r}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+        if isinstance(self.answer_closings, list):
+            object.__setattr__(self, "answer_closings", tuple(self.answer_closings))
+        self.profile_values  # validates the preset name and the overrides now, not at the first training step
+
+    @property
+    def profile_values(self) -> ProbeProfile:
+        """The preset with this section's explicit keys applied."""
+        overrides = {name: getattr(self, name) for name in PROFILE_KEYS}
+        return resolve_profile(self.profile, overrides)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One scored continuation of the prefix ``prompt + response[:boundary]``.
+
+    Attributes:
+        boundary: number of response tokens in the prefix, 0 ≤ boundary ≤ L.
+        forced_ids: conditioning tokens placed after the prefix, not scored (may be empty).
+        scored_ids: tokens whose log-probability is summed (non-empty).
+        group: index of the value this probe contributes to (e.g. the boundary index k).
+        kind: ``"correct"`` (counted in the value) or ``"incorrect"`` (only in the self-normalising denominator).
+    """
+
+    boundary: int
+    forced_ids: tuple[int, ...]
+    scored_ids: tuple[int, ...]
+    group: int
+    kind: str = KIND_CORRECT
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "forced_ids", tuple(int(t) for t in self.forced_ids))
+        object.__setattr__(self, "scored_ids", tuple(int(t) for t in self.scored_ids))
+        if not self.scored_ids:
+            raise ValueError(f"Probe.scored_ids must be non-empty (boundary={self.boundary}, group={self.group})")
+        if self.boundary < 0:
+            raise ValueError(f"Probe.boundary must be >= 0, got {self.boundary}")
+        if self.group < 0:
+            raise ValueError(f"Probe.group must be >= 0, got {self.group}")
+        if self.kind not in PROBE_KINDS:
+            raise ValueError(f"Probe.kind must be one of {PROBE_KINDS}, got {self.kind!r}")
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """forced + scored, the text appended after the prefix."""
+        return self.forced_ids + self.scored_ids
+
+
+@dataclass
+class PackedScores:
+    """Output of ``score_probes_packed`` for one trace.
+
+    Attributes:
+        probe_logp: (n_probes,) fp32, Σ log π(scored | prefix, forced, earlier scored); NaN for skipped probes.
+        trace_log_probs: (L,) fp32, log π(response[t] | prompt, response[:t]); None if not requested.
+        trace_entropy: (L,) fp32, entropy of the next-token distribution predicting response[t]; None if not requested.
+        num_skipped: number of probes skipped because they exceed ``max_positions``.
+    """
+
+    probe_logp: torch.Tensor
+    trace_log_probs: torch.Tensor | None
+    trace_entropy: torch.Tensor | None
+    num_skipped: int
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input checks
+
+
+def _check_ids(name: str, ids: torch.Tensor, *, allow_empty: bool) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"{name} must be a 1D tensor of token ids, got {shape}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    if not allow_empty and ids.numel() == 0:
+        raise ValueError(f"{name} must be non-empty")
+
+
+def _check_inputs(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor, probes: Sequence[Probe]) -> None:
+    _check_ids("prompt_ids", prompt_ids, allow_empty=False)  # the first response token needs a predictor
+    _check_ids("response_ids", response_ids, allow_empty=True)
+    response_len = response_ids.numel()
+    for index, probe in enumerate(probes):
+        if not isinstance(probe, Probe):
+            raise ValueError(f"probes[{index}] must be a Probe, got {type(probe).__name__}")
+        if probe.boundary > response_len:
+            raise ValueError(
+                f"probes[{index}].boundary={probe.boundary} is out of range for a response of {response_len} tokens"
+            )
+    layer_types = getattr(model.config, "layer_types", None) or ()
+    if any(layer_type != "full_attention" for layer_type in layer_types):
+        # The probe mask is passed to every layer; sliding-window layers would need their own mask.
+        raise ValueError(f"probe scoring supports full-attention models only, got layer_types={layer_types}")
+
+
+def _fits(probe: Probe, prompt_len: int, max_positions: int | None) -> bool:
+    return max_positions is None or prompt_len + probe.boundary + len(probe.tokens) <= max_positions
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference path
+
+
+@torch.no_grad()
+def score_probes_naive(
+    model,
+    prompt_ids: torch.Tensor,
+    response_ids: torch.Tensor,
+    probes: Sequence[Probe],
+    *,
+    max_positions: int | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Score each probe with its own forward pass over ``prompt + response[:b] + forced + scored``.
+
+    Args:
+        model: a causal LM returning ``.logits`` (B, T, V).
+        prompt_ids: (P,) token ids, P ≥ 1.
+        response_ids: (L,) token ids, L ≥ 0.
+        probes: n_probes probes with 0 ≤ boundary ≤ L.
+        max_positions: position budget (the model's max_position_embeddings); longer probes are skipped.
+        temperature: log-probs under softmax(logits / temperature).
+
+    Returns:
+        (n_probes,) fp32: Σ log π(scored tokens | everything before); NaN for skipped probes.
+    """
+    _check_inputs(model, prompt_ids, response_ids, probes)
+    device = model.get_input_embeddings().weight.device
+    prompt_len = prompt_ids.numel()
+    scores = torch.full((len(probes),), float("nan"), dtype=torch.float32)
+    for index, probe in enumerate(probes):
+        if not _fits(probe, prompt_len, max_positions):
+            continue
+        tokens = torch.cat(
+            [prompt_ids.long(), response_ids[: probe.boundary].long(), torch.tensor(probe.tokens, dtype=torch.long)]
+        ).to(device)
+        log_probs = (model(input_ids=tokens[None]).logits[0].float() / temperature).log_softmax(-1)
+        first_scored = tokens.numel() - len(probe.scored_ids)
+        positions = torch.arange(first_scored, tokens.numel(), device=device)
+        scores[index] = log_probs[positions - 1, tokens[positions]].sum().cpu()
+    return scores
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packed path
+#
+# One forward per micro-batch of traces. Row r of a micro-batch holds its trace (prompt + response, right-padded to
+# T) followed by its probe-tree tokens (right-padded to Tp): input (B, T + Tp). The value-pass attention function
+# (registered below) attends the first T queries causally (the trace: padding sits after every real token, so it is
+# never seen) and the last Tp queries with the probe mask (B, 1, Tp, T + Tp). No KV cache is kept (memory ≈ a plain
+# forward over T + Tp tokens), and the model is called once per micro-batch, which is what FSDP2's per-forward
+# all-gathers need to be counted (``score_batch_packed(synchronize=True)``).
+
+VALUE_PASS_ATTENTION = "rredcot_value_pass"
+# Rows of logits computed at once when log-probs are read from hidden states: (rows, V) fp32 stays ≤ 64 MiB.
+LOGIT_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class ValuePassSettings:
+    """``algorithm.rredcot.value_pass``: how the actor's value pass is split into forwards.
+
+    Attributes:
+        max_token_len: padded tokens (trace + probe tokens, summed over a micro-batch's rows) per forward, the
+            value pass's ``log_prob_max_token_len_per_gpu``; a trace longer than this runs alone.
+    """
+
+    max_token_len: int = 16384
+
+    def __post_init__(self) -> None:
+        if int(self.max_token_len) < 1:
+            raise ValueError(f"value_pass.max_token_len must be >= 1, got {self.max_token_len}")
+
+
+def _probe_allowed(prefix_lengths: torch.Tensor, parents: torch.Tensor, cache_length: int) -> torch.Tensor:
+    """(T, cache_length + T) bool: what each probe-tree token may attend to (see ``build_probe_mask``)."""
+    device = prefix_lengths.device
+    total = parents.numel()
+    sees_cache = torch.arange(cache_length, device=device)[None, :] < prefix_lengths[:, None]
+    sees_probe = torch.eye(total, dtype=torch.bool, device=device)
+    # Depth by depth (a handful of levels for answer probes), each token inherits its parent's ancestors.
+    depth = []
+    for parent in parents.tolist():
+        depth.append(depth[parent] + 1 if parent >= 0 else 0)
+    depth = torch.tensor(depth, dtype=torch.long, device=device)
+    for level in range(1, int(depth.max()) + 1 if total else 0):
+        children = torch.nonzero(depth == level)[:, 0]
+        sees_probe[children] |= sees_probe[parents[children]]
+    return torch.cat([sees_cache, sees_probe], dim=1)
+
+
+def build_probe_mask(
+    prefix_lengths: torch.Tensor, parents: torch.Tensor, cache_length: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive attention mask for the probe-tree tokens run after a trace of ``cache_length`` positions.
+
+    Probe tokens form a forest (probes at the same boundary share their common leading tokens, e.g. the exit
+    text). Token i sees the trace positions < prefix_lengths[i] and its ancestors in the forest and itself.
+
+    Args:
+        prefix_lengths: (T,) long, P + b of the probe tree token i belongs to.
+        parents: (T,) long, index of token i's parent token, -1 for a tree root; a parent precedes its child.
+        cache_length: number of trace positions before the probe tokens.
+        dtype: the model's activation dtype.
+
+    Returns:
+        (1, 1, T, cache_length + T): 0 where attention is allowed, the dtype's minimum elsewhere.
+    """
+    allowed = _probe_allowed(prefix_lengths, parents, cache_length)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def _value_pass_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Attention of a value-pass forward, whatever backend the model was configured with.
+
+    Args:
+        query: (B, H, T + Tp, D); key, value: (B, H_kv, T + Tp, D).
+        attention_mask: None (no probe tokens: Tp = 0) or (B, 1, Tp, T + Tp) bool, True where a probe token may
+            attend (``_probe_allowed``).
+
+    Returns:
+        ((B, T + Tp, H, D), None), as transformers' attention functions.
+    """
+    if attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, is_causal=True)
+    trace_len = query.shape[2] - attention_mask.shape[-2]
+    # The trace part is plain causal attention (sdpa's fastest kernels); only the few probe queries need the mask.
+    trace_out, _ = sdpa_attention_forward(
+        module, query[:, :, :trace_len], key[:, :, :trace_len], value[:, :, :trace_len], None,
+        scaling=scaling, is_causal=True,
+    )
+    probe_out, _ = sdpa_attention_forward(
+        module, query[:, :, trace_len:], key, value, attention_mask, scaling=scaling, is_causal=False
+    )
+    return torch.cat([trace_out, probe_out], dim=1), None
+
+
+AttentionInterface.register(VALUE_PASS_ATTENTION, _value_pass_attention)
+
+
+@contextmanager
+def value_pass_attention(model):
+    """Run ``model``'s attention through ``_value_pass_attention`` inside the block, then restore its backend.
+
+    verl may load the actor with ``flash_attention_2``, which would read the probe mask as a padding mask; every
+    value-pass forward therefore uses this function, which calls torch's sdpa itself.
+    """
+    configs = {id(m.config): m.config for m in model.modules() if isinstance(m, PreTrainedModel)}
+    saved = {key: config._attn_implementation_internal for key, config in configs.items()}
+    model.set_attn_implementation(VALUE_PASS_ATTENTION)
+    try:
+        if model.config._attn_implementation != VALUE_PASS_ATTENTION:
+            raise ValueError(
+                f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, "
+                "so the value pass cannot give it the probe mask"
+            )
+        yield model
+    finally:
+        # Written back as found: re-validating e.g. flash_attention_2 would need its package even where the
+        # model was never going to run it.
+        for key, config in configs.items():
+            config._attn_implementation_internal = saved[key]
+
+
+def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(N, V) logits, (N,) targets → (N,) fp32 log-probs, without materialising the full log-softmax."""
+    logits = logits.float()
+    return logits.gather(-1, targets[:, None])[:, 0] - logits.logsumexp(-1)
+
+
+def _log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L, V) logits, (L,) targets → per-token log-prob and entropy (L,), fp32 (what verl's log-prob pass gives)."""
+    logits = logits.float()
+    log_norm = logits.logsumexp(-1)
+    log_probs = logits.gather(-1, targets[:, None])[:, 0] - log_norm
+    entropy = log_norm - (logits.softmax(-1) * logits).sum(-1)
+    return log_probs, entropy
+
+
+def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor, *, entropy: bool):
+    """Log-probs (and entropies) of ``targets`` from hidden states, a bounded number of logit rows at a time.
+
+    Args:
+        head: the output projection (``model.get_output_embeddings()``), called inside its own forward so that a
+            sharded weight is gathered.
+        hidden: (N, d) final hidden states; targets: (N,) token ids.
+
+    Returns:
+        (N,) fp32 log-probs, and (N,) fp32 entropies or None.
+    """
+    rows = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
+    log_probs, entropies = [], []
+    for start in range(0, hidden.shape[0], rows):
+        logits = torch.nn.functional.linear(hidden[start : start + rows], head.weight, head.bias)
+        if entropy:
+            chunk_log_probs, chunk_entropy = _log_probs_and_entropy(logits, targets[start : start + rows])
+            entropies.append(chunk_entropy)
+        else:
+            chunk_log_probs = _token_log_probs(logits, targets[start : start + rows])
+        log_probs.append(chunk_log_probs)
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    log_probs = torch.cat(log_probs) if log_probs else empty
+    return log_probs, (torch.cat(entropies) if entropies else empty) if entropy else None
+
+
+@dataclass
+class _Row:
+    """One trace of a micro-batch: its tokens, its probe tree and what is read from its hidden states.
+
+    ``tree_*`` hold the probe-tree tokens (see ``_probe_tree``); ``reads`` are (position, target, kept probe) of the
+    first scored tokens predicted by the trace itself; ``nodes`` are (tree node, target, kept probe).
+    """
+
+    tokens: torch.Tensor
+    prompt_len: int
+    response_len: int
+    kept: list[int]
+    tree_ids: list[int]
+    tree_positions: list[int]
+    tree_prefix_lengths: list[int]
+    tree_parents: list[int]
+    reads: list[tuple[int, int, int]]
+    nodes: list[tuple[int, int, int]]
+    trace_stats: bool
+
+    @property
+    def width(self) -> int:
+        return self.tokens.numel() + len(self.tree_ids)
+
+    @property
+    def needs_forward(self) -> bool:
+        return bool(self.kept) or (self.trace_stats and self.response_len > 0)
+
+
+def _build_row(prompt_ids, response_ids, probes: Sequence[Probe], max_positions, trace_stats: bool) -> _Row:
+    """Merge the probes that fit into a token forest (probes at the same boundary share their common leading
+    tokens, so K·|C| exit probes cost K·(|exit| + |C|·(|answer| - 1)) tokens instead of K·|C|·(a - 1)).
+
+    A probe's text ``forced + scored`` (length n) enters as its first n-1 tokens at positions P+b .. P+b+n-2 (the
+    last token is only predicted). Its first token is predicted by the trace at position P+b-1, so a probe with
+    empty ``forced_ids`` reads its first scored log-prob there.
+    """
+    prompt_len = prompt_ids.numel()
+    tokens = torch.cat([prompt_ids.long(), response_ids.long()])
+    kept = [i for i, probe in enumerate(probes) if _fits(probe, prompt_len, max_positions)]
+    node_of = {}  # (boundary, parent node, token) → node index
+    row = _Row(tokens, prompt_len, response_ids.numel(), kept, [], [], [], [], [], [], trace_stats)
+    for j, index in enumerate(kept):
+        probe = probes[index]
+        text, start = probe.tokens, prompt_len + probe.boundary
+        if not probe.forced_ids:
+            row.reads.append((start - 1, text[0], j))
+        parent = -1
+        for i, token in enumerate(text[:-1]):
+            key = (probe.boundary, parent, token)
+            if key not in node_of:
+                node_of[key] = len(row.tree_ids)
+                row.tree_ids.append(token)
+                row.tree_positions.append(start + i)
+                row.tree_prefix_lengths.append(start)
+                row.tree_parents.append(parent)
+            parent = node_of[key]
+            # Node i predicts text[i + 1]; it counts when that token is scored (index ≥ len(forced)).
+            if i + 1 >= len(probe.forced_ids):
+                row.nodes.append((parent, text[i + 1], j))
+    return row
+
+
+def plan_micro_batches(widths: Sequence[int], max_token_len: int) -> list[list[int]]:
+    """Group rows into micro-batches of at most ``max_token_len`` padded tokens (rows × widest row).
+
+    Rows are taken longest first so that rows of similar width share a micro-batch; a row wider than the budget
+    runs alone.
+
+    Args:
+        widths: (n,) tokens of each row (trace + probe-tree tokens).
+
+    Returns:
+        Lists of row indices, one per micro-batch.
+    """
+    batches: list[list[int]] = []
+    for index in sorted(range(len(widths)), key=lambda i: -widths[i]):
+        # Sorted descending: the batch's first row is its widest.
+        if batches and (len(batches[-1]) + 1) * widths[batches[-1][0]] <= max_token_len:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
+
+
+def _forward_micro_batch(model, rows: Sequence[_Row], temperature: float = 1.0) -> list[dict]:
+    """One forward over ``rows`` (trace then probe tokens per row); returns per row the log-probs it reads, under
+    the sampling distribution softmax(logits / temperature).
+
+    Returns:
+        Per row: ``reads`` (len(row.reads),), ``nodes`` (len(row.nodes),) and, with trace stats, ``log_probs``
+        and ``entropy`` (L,), all fp32 on CPU.
+    """
+    device = model.get_input_embeddings().weight.device
+    trace_len = max(row.tokens.numel() for row in rows)
+    tree_len = max(len(row.tree_ids) for row in rows)
+    input_ids = torch.zeros(len(rows), trace_len + tree_len, dtype=torch.long)
+    position_ids = torch.zeros_like(input_ids)
+    position_ids[:, :trace_len] = torch.arange(trace_len)
+    allowed = torch.zeros(len(rows), 1, tree_len, trace_len + tree_len, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        input_ids[r, : row.tokens.numel()] = row.tokens
+        n = len(row.tree_ids)
+        input_ids[r, trace_len : trace_len + n] = torch.tensor(row.tree_ids, dtype=torch.long)
+        position_ids[r, trace_len : trace_len + n] = torch.tensor(row.tree_positions, dtype=torch.long)
+        # Padding tokens of the tree: prefix 0 and no parent, so they see only themselves (no empty softmax row).
+        prefix = torch.tensor(row.tree_prefix_lengths + [0] * (tree_len - n), dtype=torch.long)
+        parents = torch.tensor(row.tree_parents + [-1] * (tree_len - n), dtype=torch.long)
+        allowed[r, 0] = _probe_allowed(prefix, parents, trace_len)
+
+    # Where each row reads: (row, position, target) triples of the point reads, then the trace-stat spans.
+    point_rows, point_positions, point_targets = [], [], []
+    span_rows, span_positions, span_targets = [], [], []
+    for r, row in enumerate(rows):
+        for position, target, _ in row.reads:
+            point_rows.append(r), point_positions.append(position), point_targets.append(target)
+        for node, target, _ in row.nodes:
+            point_rows.append(r), point_positions.append(trace_len + node), point_targets.append(target)
+        if row.trace_stats:
+            span_rows += [r] * row.response_len
+            span_positions += range(row.prompt_len - 1, row.prompt_len - 1 + row.response_len)
+            span_targets += row.tokens[row.prompt_len :].tolist()
+
+    head = model.get_output_embeddings()
+    results = {}
+
+    def read_log_probs(module, args):
+        # Inside the model's forward (so a sharded head weight is gathered), the final hidden states (B, T + Tp, d)
+        # give exactly the log-probs that are read; the head itself then projects one position per row.
+        (hidden,) = args
+        # logits / T = W (h / T) for a bias-free head (checked in score_batch_packed_with_stats).
+        scaled = hidden / temperature if temperature != 1.0 else hidden
+        as_index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        results["points"], _ = _chunked_head(
+            module, scaled[as_index(point_rows), as_index(point_positions)], as_index(point_targets), entropy=False
+        )
+        results["span"] = _chunked_head(
+            module, scaled[as_index(span_rows), as_index(span_positions)], as_index(span_targets), entropy=True
+        )
+        return (hidden[:, -1:],)
+
+    handle = head.register_forward_pre_hook(read_log_probs)
+    try:
+        model(
+            input_ids=input_ids.to(device),
+            position_ids=position_ids.to(device),
+            attention_mask=allowed.to(device) if tree_len else None,
+            use_cache=False,
+            logits_to_keep=0,
+        )
+    finally:
+        handle.remove()
+
+    points, (span_log_probs, span_entropy) = results["points"].cpu(), results["span"]
+    span_log_probs, span_entropy = span_log_probs.cpu(), span_entropy.cpu()
+    outputs, point, span = [], 0, 0
+    for row in rows:
+        out = {"reads": points[point : point + len(row.reads)]}
+        point += len(row.reads)
+        out["nodes"] = points[point : point + len(row.nodes)]
+        point += len(row.nodes)
+        if row.trace_stats:
+            out["log_probs"] = span_log_probs[span : span + row.response_len]
+            out["entropy"] = span_entropy[span : span + row.response_len]
+            span += row.response_len
+        outputs.append(out)
+    return outputs
+
+
+def _dummy_forward(model) -> None:
+    """A one-token forward: its only purpose is to join the parameter all-gathers of the other ranks."""
+    device = model.get_input_embeddings().weight.device
+    model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1)
+
+
+def _forwards_on_every_rank(model, local: int) -> int:
+    """The largest number of forwards any data-parallel rank makes (``local`` without torch.distributed)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return local
+    count = torch.tensor([local], dtype=torch.long, device=model.get_input_embeddings().weight.device)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    return int(count.item())
+
+
+@dataclass
+class BatchStats:
+    """Forwards of one ``score_batch_packed`` call: ``micro_batches`` with data, ``dummy_forwards`` to match the
+    other ranks' count."""
+
+    micro_batches: int
+    dummy_forwards: int
+
+
+@torch.no_grad()
+def score_batch_packed_with_stats(
+    model,
+    prompt_ids: Sequence[torch.Tensor],
+    response_ids: Sequence[torch.Tensor],
+    probes: Sequence[Sequence[Probe]],
+    *,
+    return_trace_stats: bool | Sequence[bool] = True,
+    max_positions: int | None = None,
+    max_token_len: int = ValuePassSettings.max_token_len,
+    synchronize: bool = False,
+    temperature: float = 1.0,
+) -> tuple[list[PackedScores], BatchStats]:
+    """``score_batch_packed``, also returning how many forwards it made."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if temperature != 1.0 and model.get_output_embeddings().bias is not None:
+        raise ValueError("probe scoring at a temperature other than 1 needs an output projection without bias")
+    if not len(prompt_ids) == len(response_ids) == len(probes):
+        raise ValueError(
+            f"batch sizes differ: {len(prompt_ids)} prompts, {len(response_ids)} responses, {len(probes)} probe lists"
+        )
+    if isinstance(return_trace_stats, bool):
+        return_trace_stats = [return_trace_stats] * len(prompt_ids)
+    if len(return_trace_stats) != len(prompt_ids):
+        raise ValueError(f"return_trace_stats has {len(return_trace_stats)} entries for {len(prompt_ids)} traces")
+    if max_token_len < 1:
+        raise ValueError(f"max_token_len must be >= 1, got {max_token_len}")
+    for name in ("final_logit_softcapping", "logit_scale"):
+        # Log-probs are computed from the hidden states with the head's weight alone.
+        if getattr(model.config, name, None) not in (None, 1.0):
+            raise ValueError(f"probe scoring does not support models with config.{name}={getattr(model.config, name)}")
+    rows = []
+    for prompt, response, trace_probes, stats in zip(prompt_ids, response_ids, probes, return_trace_stats):
+        _check_inputs(model, prompt, response, trace_probes)
+        rows.append(_build_row(prompt, response, trace_probes, max_positions, bool(stats)))
+
+    active = [i for i, row in enumerate(rows) if row.needs_forward]
+    widths = [rows[i].width for i in active]
+    batches = [[active[i] for i in batch] for batch in plan_micro_batches(widths, max_token_len)]
+    total = _forwards_on_every_rank(model, len(batches)) if synchronize else len(batches)
+    outputs: dict[int, dict] = {}
+    with value_pass_attention(model):
+        for batch in batches:
+            outputs.update(zip(batch, _forward_micro_batch(model, [rows[i] for i in batch], temperature)))
+        for _ in range(total - len(batches)):
+            _dummy_forward(model)
+
+    results = []
+    for i, (trace_probes, row) in enumerate(zip(probes, rows)):
+        out = outputs.get(i, {})
+        kept_logp = torch.zeros(len(row.kept), dtype=torch.float32)
+        for values, entries in ((out.get("reads"), row.reads), (out.get("nodes"), row.nodes)):
+            if entries:
+                kept_logp.index_add_(0, torch.tensor([owner for _, _, owner in entries]), values)
+        probe_logp = torch.full((len(trace_probes),), float("nan"), dtype=torch.float32)
+        probe_logp[row.kept] = kept_logp
+        log_probs = entropy = None
+        if row.trace_stats:
+            empty = torch.zeros(0, dtype=torch.float32)
+            log_probs, entropy = out.get("log_probs", empty), out.get("entropy", empty)
+        results.append(PackedScores(probe_logp, log_probs, entropy, num_skipped=len(trace_probes) - len(row.kept)))
+    return results, BatchStats(len(batches), total - len(batches))
+
+
+def score_batch_packed(
+    model,
+    prompt_ids: Sequence[torch.Tensor],
+    response_ids: Sequence[torch.Tensor],
+    probes: Sequence[Sequence[Probe]],
+    *,
+    return_trace_stats: bool | Sequence[bool] = True,
+    max_positions: int | None = None,
+    max_token_len: int = ValuePassSettings.max_token_len,
+    synchronize: bool = False,
+    temperature: float = 1.0,
+) -> list[PackedScores]:
+    """Score the probes of a batch of traces, one forward per micro-batch of at most ``max_token_len`` tokens.
+
+    Log-probs are computed only where they are read (probe tokens, and the response when trace stats are asked
+    for), from the final hidden states a bounded number of rows at a time: no (T, V) logits tensor.
+
+    Args:
+        model: a transformers causal LM with full attention that dispatches attention through transformers'
+            AttentionInterface (any configured backend: the value pass uses its own, see ``value_pass_attention``).
+        prompt_ids: n tensors (P_i,), P_i ≥ 1.
+        response_ids: n tensors (L_i,), L_i ≥ 0.
+        probes: n probe lists, 0 ≤ boundary ≤ L_i.
+        return_trace_stats: per trace (or one bool for all): also return the response's log-probs and entropies.
+        max_positions: position budget; probes with P + b + len(forced) + len(scored) > max_positions are skipped.
+        max_token_len: padded tokens per forward (``plan_micro_batches``).
+        synchronize: under torch.distributed, make as many forwards as the rank with the most micro-batches
+            (one-token dummy forwards), so that FSDP's per-forward all-gathers pair up across ranks whatever the
+            data. Uses the default process group: the ranks that shard the model.
+        temperature: log-probs under softmax(logits / temperature), the rollout's sampling distribution.
+
+    Returns:
+        n PackedScores: probe_logp (n_probes_i,), trace_log_probs / trace_entropy (L_i,) or None, num_skipped.
+    """
+    return score_batch_packed_with_stats(
+        model, prompt_ids, response_ids, probes, return_trace_stats=return_trace_stats,
+        max_positions=max_positions, max_token_len=max_token_len, synchronize=synchronize, temperature=temperature,
+    )[0]
+
+
+def score_probes_packed(
+    model,
+    prompt_ids: torch.Tensor,
+    response_ids: torch.Tensor,
+    probes: Sequence[Probe],
+    *,
+    return_trace_stats: bool = True,
+    max_positions: int | None = None,
+) -> PackedScores:
+    """``score_batch_packed`` for one trace: one forward over prompt + response + the probe-tree tokens.
+
+    Args:
+        prompt_ids: (P,) token ids, P ≥ 1; response_ids: (L,) token ids, L ≥ 0.
+        probes: n_probes probes with 0 ≤ boundary ≤ L.
+
+    Returns:
+        PackedScores with probe_logp (n_probes,), trace_log_probs (L,), trace_entropy (L,), num_skipped.
+    """
+    return score_batch_packed(
+        model, [prompt_ids], [response_ids], [probes], return_trace_stats=return_trace_stats,
+        max_positions=max_positions, max_token_len=prompt_ids.numel() + response_ids.numel() + 1,
+    )[0]
+
+
+@torch.no_grad()
+def trace_log_probs_and_entropy(
+    model, prompt_ids: torch.Tensor, response_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain log-prob pass over one trace, as verl runs it (full logits at the response positions, no cache):
+    the baseline the probe cost is measured against.
+
+    Returns:
+        log_probs (L,), entropy (L,), fp32.
+    """
+    _check_inputs(model, prompt_ids, response_ids, ())
+    device = model.get_input_embeddings().weight.device
+    tokens = torch.cat([prompt_ids.long(), response_ids.long()]).to(device)
+    logits = model(input_ids=tokens[None], use_cache=False, logits_to_keep=response_ids.numel() + 1).logits[0]
+    log_probs, entropy = _log_probs_and_entropy(logits[:-1], response_ids.long().to(device))
+    return log_probs.cpu(), entropy.cpu()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Value sources
+
+
+def _distinct(sequences: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """Exact-duplicate removal keeping order: each distinct sequence is counted once in a sum of probabilities."""
+    return list(dict.fromkeys(tuple(int(t) for t in sequence) for sequence in sequences))
+
+
+def build_exit_probes(
+    boundaries: Sequence[int],
+    exit_ids: Sequence[int],
+    correct_answers: Sequence[Sequence[int]],
+    *,
+    thinking_length: int,
+    all_answers: Sequence[Sequence[int]] = (),
+) -> list[Probe]:
+    """Exit probes: at each boundary inside the thinking part, force the exit text and score each answer.
+
+    Value k is Σ_{y ∈ correct} p(y | prefix_k, exit) (``"raw"``, a lower bound on the exit accuracy) or that sum
+    divided by the mass of all distinct answers (``"self_normalized"``); see ``values_from_probe_logp``.
+
+    Args:
+        boundaries: (K,) response-token counts b_k; probe group k belongs to boundaries[k].
+        exit_ids: tokenization of the exit text (e.g. "\\n</think>\\n\\\\boxed"), non-empty.
+        correct_answers: token lists of the distinct correct answers (e.g. "{59}" + EOS), at least one.
+        thinking_length: number of response tokens before the exit; boundaries beyond it get no probes
+            (their value is NaN: the caller anchors or falls back there).
+        all_answers: token lists of every distinct answer the group produced, for self-normalisation; answers not
+            in ``correct_answers`` become ``"incorrect"`` probes (the denominator is correct ∪ all).
+
+    Returns:
+        Probes grouped by boundary index.
+    """
+    if not exit_ids:
+        raise ValueError("exit_ids must be non-empty")
+    correct = _distinct(correct_answers)
+    if not correct:
+        raise ValueError("correct_answers must hold at least one answer")
+    incorrect = [answer for answer in _distinct(all_answers) if answer not in set(correct)]
+    labelled = [(answer, KIND_CORRECT) for answer in correct] + [(answer, KIND_INCORRECT) for answer in incorrect]
+    return [
+        Probe(boundary=int(b), forced_ids=tuple(exit_ids), scored_ids=answer, group=k, kind=kind)
+        for k, b in enumerate(boundaries)
+        if b <= thinking_length
+        for answer, kind in labelled
+    ]
+
+
+def build_reference_probes(
+    boundaries: Sequence[int],
+    continuations: Sequence[Sequence[Sequence[int]]],
+    *,
+    forced_ids: Sequence[int] = (),
+) -> list[Probe]:
+    """Reference-continuation probes: score the bank of known continuations from each boundary.
+
+    Value k is Σ over the distinct bank entries of p(continuation | prefix_k, forced): a lower bound on the
+    probability of reaching a correct answer, since the bank holds only some of the correct continuations.
+
+    Args:
+        boundaries: (K,) response-token counts b_k.
+        continuations: per boundary k, the token lists of its bank (e.g. the reference solution's remaining steps
+            and answer aligned to the step prefix k reached, and/or remainders of the group's correct traces).
+            An empty bank gives that value NaN.
+        forced_ids: optional conditioning text before every continuation (e.g. an exit text).
+
+    Returns:
+        Probes grouped by boundary index.
+    """
+    if len(continuations) != len(boundaries):
+        raise ValueError(f"got {len(continuations)} continuation banks for {len(boundaries)} boundaries")
+    return [
+        Probe(boundary=int(b), forced_ids=tuple(forced_ids), scored_ids=continuation, group=k)
+        for k, (b, bank) in enumerate(zip(boundaries, continuations))
+        for continuation in _distinct(bank)
+    ]
+
+
+def values_from_probe_logp(
+    probe_logp: torch.Tensor, probes: Sequence[Probe], num_values: int, normalization: str
+) -> torch.Tensor:
+    """Aggregate probe log-probs into values, in probability space via logsumexp.
+
+    ``"raw"``: v_g = Σ_{correct probes of g} p.
+    ``"self_normalized"``: v_g = Σ_correct p / Σ_{correct ∪ incorrect} p.
+    Sums of distinct, prefix-free sequences stay ≤ 1; overlapping bank entries could exceed it, so values are clamped.
+
+    Args:
+        probe_logp: (n_probes,) from a scorer; NaN marks a skipped probe.
+        probes: the n_probes probes.
+        num_values: number of groups (values) V.
+        normalization: ``"raw"`` or ``"self_normalized"``.
+
+    Returns:
+        (V,) fp32 in [0, 1]. NaN where a group has no correct probe or any of its probes was skipped: there is no
+        estimate and the caller must fall back (e.g. to the anchored endpoint values).
+    """
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    if probe_logp.shape != (len(probes),):
+        raise ValueError(f"probe_logp has shape {tuple(probe_logp.shape)}, expected ({len(probes)},)")
+    if any(probe.group >= num_values for probe in probes):
+        raise ValueError(f"a probe's group is >= num_values={num_values}")
+    logp = probe_logp.float().cpu()
+    groups = torch.tensor([probe.group for probe in probes], dtype=torch.long)
+    is_correct = torch.tensor([probe.kind == KIND_CORRECT for probe in probes], dtype=torch.bool)
+    in_denominator = is_correct if normalization == "raw" else torch.ones_like(is_correct)
+
+    def group_logsumexp(selected: torch.Tensor) -> torch.Tensor:
+        per_group = torch.full((num_values, max(len(probes), 1)), float("-inf"))
+        index = torch.nonzero(selected)[:, 0]
+        per_group[groups[index], index] = logp[index].nan_to_num(nan=float("-inf"))
+        return per_group.logsumexp(-1)
+
+    log_values = group_logsumexp(is_correct)
+    if normalization == "self_normalized":
+        log_values = log_values - group_logsumexp(in_denominator)
+    values = log_values.exp().clamp(max=1.0)
+    has_correct = torch.zeros(num_values, dtype=torch.bool)
+    has_correct[groups[is_correct]] = True
+    skipped = torch.zeros(num_values, dtype=torch.bool)
+    skipped[groups[logp.isnan() & in_denominator]] = True
+    return values.masked_fill(~has_correct | skipped, float("nan"))
+
+
+def own_continuation_values(trace_log_probs: torch.Tensor, boundaries: Sequence[int], outcome: float) -> torch.Tensor:
+    """Own-continuation baseline: v_k = ζ · Π_{n ≥ b_k} π(o_n | o_<n), from the trace log-probs alone.
+
+    A one-sample lower bound; ~0 for long traces and 0 for every incorrect trace, so it pushes credit to the last segments.
+
+    Args:
+        trace_log_probs: (L,) log π(response[n] | prompt, response[:n]).
+        boundaries: (K,) response-token counts, 0 ≤ b_k ≤ L.
+        outcome: ζ ∈ [0, 1], the trace's verified reward.
+
+    Returns:
+        (K,) fp32 in [0, 1].
+    """
+    if trace_log_probs.dim() != 1:
+        raise ValueError(f"trace_log_probs must be 1D (L,), got shape {tuple(trace_log_probs.shape)}")
+    if not 0.0 <= outcome <= 1.0:
+        raise ValueError(f"outcome must be in [0, 1], got {outcome}")
+    response_len = trace_log_probs.numel()
+    bounds = torch.as_tensor(list(boundaries), dtype=torch.long)
+    if bounds.numel() and (bounds.min() < 0 or bounds.max() > response_len):
+        raise ValueError(f"boundaries must lie in [0, {response_len}], got {bounds.tolist()}")
+    # suffix[n] = Σ_{m ≥ n} log p_m, with suffix[L] = 0.
+    suffix = torch.cat([trace_log_probs.float().flip(0).cumsum(0).flip(0), torch.zeros(1)])
+    return outcome * suffix[bounds].exp()

@@ -1,0 +1,676 @@
+"""Segment values -> segment rewards -> token advantages (RREDCoT §4.2), on top of verl's GRPO advantage.
+
+Outcomes ζ lie on a declared scale [low, high] (``reward_range``, high = correct; (0, 1) by default). Probe values
+v̂ ∈ [0, 1] are probabilities of success; on the outcome scale a probe value stands for the expectation
+low + (high − low)·v̂. For trace i with outcome ζ_i, GRPO advantage Â_i, L_i response tokens and segments
+k = 1..K of n_k tokens (boundary b_k = end of segment k, b_0 = 0, b_K = L_i):
+
+1. values V_0..V_K from the probe values v̂_0..v̂_K (``anchor_values``). Anchored: V_0 = group mean of ζ, V_K = ζ_i,
+   so the redistribution sums to what GRPO's baseline already credits.
+2. segment rewards R_k = V_k − V_{k−1} (``segment_rewards``); they telescope: Σ_k R_k = V_K − V_0.
+3. coefficients σ_k = R_k / Σ_k' R_k' (Σ σ = 1), with K·σ_k kept in [−c, c] (see ``_clip_coefficients``).
+4. token advantage A_t = Â_i · f_t, f_t = (1 − λ) + λ · L_i · σ_k / n_k for t in segment k, then |f_t| kept within
+   ``max_token_advantage_ratio`` at constant Σ_t f_t = L_i (see ``_bound_token_factors``). Uniform σ_k = n_k / L_i,
+   or λ = 0, gives GRPO; for any σ the trace's token mean of A is Â_i.
+
+Where the values carry no usable information about the trace (the affine map is undefined, or its gain is out of
+bounds) they are interpolated in token position, V(b) = V_0 + (ζ_i − V_0)·b / L_i; then σ_k = n_k / L_i and the trace
+gets exactly its GRPO advantage. Traces where the redistribution is undefined keep their GRPO advantage and are
+counted (``RedistributionResult.metrics``); all-correct and all-wrong groups can optionally learn from unanchored
+value differences instead (``degenerate_groups``).
+Imports only torch; ``group_outcome_advantage`` mirrors verl's ``compute_grpo_outcome_advantage`` bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "RedistributionConfig",
+    "RedistributionResult",
+    "group_outcome_advantage",
+    "anchor_values",
+    "segment_rewards",
+    "redistribute",
+]
+
+VALUE_MAPPINGS = ("affine", "log_affine", "raw")
+DEGENERATE_GROUPS = ("grpo", "value_differences")
+# Slack for probabilities that should lie in [0, 1] but come out of float sums of probabilities (and for outcomes,
+# as a share of the reward range).
+_PROBABILITY_SLACK = 1e-4
+# Bisection steps for the clipping shifts; float64 intervals shrink to rounding level well before this.
+_BISECTION_STEPS = 100
+# Segment positions whose mean |R_k| is logged, plus the last segment.
+_LOGGED_POSITIONS = 4
+
+
+@dataclass(frozen=True)
+class RedistributionConfig:
+    """Settings of the redistribution (the outcome scale is ``algorithm.rredcot.reward_range``, passed separately).
+
+    Attributes:
+        mix: λ ∈ [0, 1], weight of the redistributed token advantage against GRPO's uniform one. 0 returns verl's
+            GRPO advantage tensor unchanged. Default 1.0.
+        anchored: pin V_0 to the group mean outcome and V_K to the trace's outcome (default True). False uses the
+            probe values as they are (as expectations on the outcome scale), with V_K = ζ (RUDDER's literal reading).
+        value_mapping: how anchored runs treat intermediate probe values. ``"affine"`` (default) maps v̂ by the
+            affine map sending v̂_0 to V_0 and ζ to ζ (on the probability scale), then clamps into the reward range;
+            if |ζ − v̂_0| < epsilon that map is undefined, and if its gain is out of bounds (``max_affine_gain``) it
+            would amplify probe noise: in both cases the values are interpolated in token position from V_0 to ζ,
+            which gives the trace exactly its GRPO advantage. ``"log_affine"`` maps log v̂ affinely, log v̂_0 to V_0
+            and log 1 to the top of the range, then clamps (for values that are products over many tokens, such as
+            reference continuations; the same interpolation when v̂_0 is 0 or 1). ``"raw"`` keeps them as they are.
+            Ignored when ``anchored`` is False.
+        clip: c, bound on |K·σ_k| (σ_k = 1/K is a uniform share). Default 5.0. At least 1, or no coefficients in
+            [−c/K, c/K] could sum to 1.
+        max_token_advantage_ratio: B, bound on |A_t| / |Â| (|f_t| above), applied after ``clip`` by a shift that
+            keeps Σ_t A_t = L·Â. The clip alone bounds a segment's share, not its tokens': at L = 25k, K = 40, a
+            32-token segment at the clip gets 97.7·Â per token. Default 10.0: a segment half the average length
+            (L/2K) at the default clip reaches it exactly, so the bound only binds on segments shorter than that.
+            At least 1 (f_t = 1 everywhere, GRPO, must be allowed).
+        max_affine_gain: bound on the gain g = (ζ − V_0)/(ζ − v̂_0) of the ``affine`` map. A large gain means the
+            probes moved little over the trace compared with the outcome gap, so their noise would decide the
+            credit split (probes [.995, .990, .985, .999] on a correct trace, V_0 = .75: g = 50, V = [.75, .5, .25,
+            .95]). A negative gain (possible with partial credit: ζ between v̂_0 and V_0) would reverse the order of
+            the values. Outside [0, max_affine_gain] the values are interpolated in token position (GRPO for that
+            trace), counted in ``affine_gain_traces``. Default 10.0: the probes must move at least a tenth of the
+            outcome gap. Used only by anchored ``affine`` runs; must be > 0.
+        degenerate_groups: all-correct and all-wrong groups (every outcome equal, Â = 0). ``"grpo"`` (default):
+            they keep GRPO's zero advantage. ``"value_differences"``: their traces get unanchored value differences
+            R_k = v̂_k − v̂_{k−1} (v̂_K = ζ, on the outcome scale), spread as for mixed groups:
+            A_t = λ · R_k · (L / n_k) / s, bounded by B·(high − low)/2 / s as above. s = (high − low)/2 with
+            ``norm_adv_by_std`` (the std a group split evenly between low and high would have: a mixed group's
+            A_t is the same expression with s = its std), 1 without it (Dr.GRPO, where Â is ζ − mean itself). A
+            fixed s keeps these magnitudes those of a 50/50 group's traces, whatever the rest of the batch holds.
+            Their token sum is L·λ·(ζ − v̂_0)/s, the push of a baseline at the probe's start value. Groups of one
+            keep GRPO's advantage either way.
+        epsilon: added to the group std as in verl, and the threshold below which an outcome gap counts as zero
+            (as a share of the reward range). Default 1e-6.
+        norm_adv_by_std: divide the GRPO advantage by the group std (GRPO) or not (Dr.GRPO). Default True.
+    """
+
+    mix: float = 1.0
+    anchored: bool = True
+    value_mapping: str = "affine"
+    clip: float = 5.0
+    max_token_advantage_ratio: float = 10.0
+    max_affine_gain: float = 10.0
+    degenerate_groups: str = "grpo"
+    epsilon: float = 1e-6
+    norm_adv_by_std: bool = True
+
+    def __post_init__(self):
+        if not 0.0 <= self.mix <= 1.0:
+            raise ValueError(f"mix (lambda) must lie in [0, 1], got {self.mix}")
+        if self.value_mapping not in VALUE_MAPPINGS:
+            raise ValueError(f"value_mapping must be one of {VALUE_MAPPINGS}, got {self.value_mapping!r}")
+        if not self.clip >= 1.0:
+            raise ValueError(
+                f"clip must be >= 1 (K coefficients bounded by clip/K must be able to sum to 1), got {self.clip}"
+            )
+        if not self.max_token_advantage_ratio >= 1.0:
+            raise ValueError(
+                "max_token_advantage_ratio must be >= 1 (GRPO's uniform advantage has ratio 1), "
+                f"got {self.max_token_advantage_ratio}"
+            )
+        if not self.max_affine_gain > 0.0:
+            raise ValueError(f"max_affine_gain must be > 0, got {self.max_affine_gain}")
+        if self.degenerate_groups not in DEGENERATE_GROUPS:
+            raise ValueError(f"degenerate_groups must be one of {DEGENERATE_GROUPS}, got {self.degenerate_groups!r}")
+        if not self.epsilon > 0.0:
+            raise ValueError(f"epsilon must be > 0, got {self.epsilon}")
+        for name in ("anchored", "norm_adv_by_std"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+@dataclass
+class RedistributionResult:
+    """Output of ``redistribute``.
+
+    Attributes:
+        advantages: (bs, T) token advantages, zero on padding.
+        returns: (bs, T) the same tensor, as verl's GRPO returns it.
+        values: (bs, Kmax + 1) V_0..V_K per trace on the outcome scale, NaN beyond K and on traces that fell back.
+        segment_rewards: (bs, Kmax) R_1..R_K per trace, NaN beyond K and on traces that fell back.
+        fallback: (bs,) bool, the redistribution was not applicable and the trace kept its GRPO advantage.
+        metrics: scalar diagnostics, see ``redistribute``.
+    """
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    values: torch.Tensor
+    segment_rewards: torch.Tensor
+    fallback: torch.Tensor
+    metrics: dict[str, float]
+
+
+def group_outcome_advantage(
+    scores: torch.Tensor, index, epsilon: float = 1e-6, norm_adv_by_std: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's group-normalised outcome advantage, with the arithmetic of verl 0.9.1's
+    ``compute_grpo_outcome_advantage`` (so ``adv[:, None] * response_mask`` equals verl's output bit for bit).
+
+    Args:
+        scores: (bs,) float, outcome per trace (verl: ``token_level_rewards.sum(-1)``).
+        index: (bs,) hashables, the prompt (group) id of each trace.
+        epsilon: added to the group std.
+        norm_adv_by_std: divide by the group std (GRPO) or not (Dr.GRPO).
+
+    Returns:
+        adv: (bs,) advantage. As in verl, a group of one has mean 0 and std 1, so its advantage is its score.
+        group_mean: (bs,) true mean score of each trace's group (for a group of one, its own score).
+    """
+    if scores.dim() != 1 or not scores.is_floating_point():
+        raise ValueError(f"scores must be a 1-D float tensor, got shape {tuple(scores.shape)} dtype {scores.dtype}")
+    bsz = scores.shape[0]
+    if len(index) != bsz:
+        raise ValueError(f"index has {len(index)} entries but scores has {bsz}")
+    if bsz == 0:
+        return scores.clone(), scores.clone()
+    adv = scores.clone()  # verl overwrites its scores in place
+    id2score = defaultdict(list)
+    id2mean, id2std, true_mean = {}, {}, {}
+    with torch.no_grad():
+        for i in range(bsz):
+            id2score[index[i]].append(adv[i])
+        for idx, group in id2score.items():
+            if len(group) == 1:
+                id2mean[idx] = torch.tensor(0.0)
+                id2std[idx] = torch.tensor(1.0)
+                true_mean[idx] = group[0].clone()
+            else:
+                scores_tensor = torch.stack(group)
+                id2mean[idx] = torch.mean(scores_tensor)
+                id2std[idx] = torch.std(scores_tensor)
+                true_mean[idx] = id2mean[idx]
+        group_mean = torch.stack([true_mean[index[i]] for i in range(bsz)])
+        for i in range(bsz):
+            if norm_adv_by_std:
+                adv[i] = (adv[i] - id2mean[index[i]]) / (id2std[index[i]] + epsilon)
+            else:
+                adv[i] = adv[i] - id2mean[index[i]]
+    return adv, group_mean
+
+
+def anchor_values(
+    raw_values: torch.Tensor,
+    outcome: float,
+    group_mean: float,
+    cfg: RedistributionConfig,
+    segment_ends: torch.Tensor | None = None,
+    reward_range: tuple[float, float] = (0.0, 1.0),
+) -> torch.Tensor:
+    """Values V_0..V_K of one trace from its probe values (see ``RedistributionConfig``).
+
+    Args:
+        raw_values: (K+1,) probe values v̂_0..v̂_K, probabilities in [0, 1]. v̂_K is replaced by the outcome and
+            not read.
+        outcome: ζ in ``reward_range``, the trace's terminal outcome.
+        group_mean: mean outcome of the trace's group, V_0 when anchored.
+        cfg: settings (``anchored``, ``value_mapping``, ``max_affine_gain``, ``epsilon``).
+        segment_ends: (K,) int exclusive segment ends (the last is the response length), where the token-position
+            interpolation puts the values; None treats the segments as equally long.
+        reward_range: (low, high), the outcome scale; v̂ stands for low + (high − low)·v̂.
+
+    Returns:
+        (K+1,) values on the outcome scale, V_K = ζ; V_0 = group_mean when anchored, the expectation of v̂_0
+        otherwise.
+    """
+    low, high = _check_reward_range(reward_range)
+    if raw_values.dim() != 1 or raw_values.numel() < 2 or not raw_values.is_floating_point():
+        raise ValueError(
+            f"raw_values must be a 1-D float tensor of K+1 >= 2 values, got shape {tuple(raw_values.shape)}"
+        )
+    num_segments = raw_values.numel() - 1
+    used = raw_values[:-1].double()
+    if not torch.isfinite(used).all():
+        raise ValueError(f"raw_values contain NaN or inf: {raw_values.tolist()}")
+    _check_probabilities("raw_values", used)
+    ends = torch.tensor([float(outcome), float(group_mean)], dtype=torch.float64)
+    if not ((ends >= low) & (ends <= high)).all():
+        raise ValueError(f"outcome and group_mean must lie in reward_range {reward_range}; got {ends.tolist()}")
+    if segment_ends is None:
+        fraction = torch.arange(num_segments + 1, dtype=torch.float64) / num_segments
+    else:
+        bounds = torch.cat([torch.zeros(1, dtype=torch.int64), segment_ends.long()])
+        if bounds.shape != (num_segments + 1,) or not (bounds[1:] > bounds[:-1]).all():
+            raise ValueError(
+                f"segment_ends must hold K = {num_segments} positive, strictly increasing ends, "
+                f"got {segment_ends.tolist()}"
+            )
+        fraction = bounds.double() / float(bounds[-1])
+    width = high - low
+    values, _, _ = _map_values(
+        raw_values.double().unsqueeze(0),
+        torch.tensor([num_segments]),
+        fraction.unsqueeze(0),
+        torch.tensor([(float(outcome) - low) / width], dtype=torch.float64),
+        torch.tensor([(float(group_mean) - low) / width], dtype=torch.float64),
+        cfg,
+    )
+    values = low + width * values[0]
+    values[-1] = float(outcome)  # exact endpoints: the rewards telescope to ζ − V_0 without a rescaling error
+    if cfg.anchored:
+        values[0] = float(group_mean)
+    return values.to(raw_values.dtype)
+
+
+def segment_rewards(values: torch.Tensor) -> torch.Tensor:
+    """R_k = V_k − V_{k−1}.
+
+    Args:
+        values: (..., K+1) values; NaN padding stays NaN.
+
+    Returns:
+        (..., K) segment rewards.
+    """
+    return values[..., 1:] - values[..., :-1]
+
+
+def redistribute(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    segment_ends: torch.Tensor,
+    raw_values: torch.Tensor,
+    cfg: RedistributionConfig,
+    reward_range: tuple[float, float] = (0.0, 1.0),
+) -> RedistributionResult:
+    """Token advantages from outcome scores and per-segment probe values.
+
+    Args:
+        scores: (bs,) float outcome ζ per trace, on ``reward_range``.
+        response_mask: (bs, T) 0/1, right-padded (responses start at column 0, verl's layout).
+        index: (bs,) hashables, group (prompt) id of each trace.
+        segment_ends: (bs, Kmax) int64 exclusive segment ends, strictly increasing, padded with -1 at the end.
+            A trace has segment data when its last end equals its response length.
+        raw_values: (bs, Kmax + 1) float probe values v̂_0..v̂_K in [0, 1] (column K is replaced by ζ and not read),
+            NaN-padded.
+        cfg: settings.
+        reward_range: (low, high) with low < high, the scale of the outcomes (high = correct). Default (0, 1).
+
+    Returns:
+        ``RedistributionResult``. With ``cfg.mix == 0`` its advantages are verl's GRPO tensor unchanged; the
+        diagnostics are computed all the same, so a λ = 0 run logs what the redistribution would have done.
+
+    A trace keeps its GRPO advantage (``fallback``) when its response is empty, its group has one trace, its outcome
+    lies outside ``reward_range`` (a reward function that breaks its declared scale mid-run must not stop training),
+    its outcome equals the anchor (|Σ R| < epsilon; this includes all-correct and all-wrong groups, where Â = 0,
+    unless ``degenerate_groups="value_differences"``), it has no segment data, or its values or result hold NaN/inf.
+    Metrics (floats): ``redistributed_frac``; ``fallback/{empty,singleton_group,outside_reward_range,zero_return,
+    missing_segments,nonfinite}`` (trace counts, each trace counted under its first reason in that order);
+    ``degenerate_groups`` (groups of two or more where every outcome equals the mean);
+    ``degenerate_groups_with_signal`` (of those, groups where some trace got a nonzero advantage from value
+    differences); ``affine_flat_traces`` / ``affine_gain_traces`` (redistributed traces whose values were
+    interpolated in token position because ζ ≈ v̂_0 / the affine gain was out of bounds); over traces with
+    redistributed advantages, when there are any: ``token_bound_trace_frac`` (share where
+    ``max_token_advantage_ratio`` bound); over redistributed traces of mixed groups, when there are any:
+    ``segments_per_trace``, ``negative_coef_frac`` (share of σ_k < 0), ``clipped_trace_frac`` and
+    ``abs_segment_reward/pos_{k}`` (mean |R_{k+1}|, for k < 4 where some trace has that segment) and
+    ``abs_segment_reward/last``.
+
+    Raises:
+        ValueError: on shape or dtype mismatches, masks that are not right-padded 0/1, segment ends that are not
+            strictly increasing and positive, that exceed the response length or have padding before data, finite
+            probe values outside [0, 1], and a reward range that is not two finite numbers low < high.
+    """
+    low, high = _check_reward_range(reward_range)
+    lengths, num_segments = _check_batch(scores, response_mask, index, segment_ends, raw_values)
+    bsz, max_segments = segment_ends.shape
+    adv, group_mean = group_outcome_advantage(scores, index, cfg.epsilon, cfg.norm_adv_by_std)
+    grpo = adv.unsqueeze(-1) * response_mask
+
+    # Values are mapped on the probability scale, where the probes live, and reported on the outcome scale.
+    width = high - low
+    outcome = (scores.double() - low) / width
+    mean_outcome = (group_mean.double() - low) / width
+    in_range = (outcome >= -_PROBABILITY_SLACK) & (outcome <= 1.0 + _PROBABILITY_SLACK)  # False for NaN
+    last_end = torch.cat([torch.full((bsz, 1), -1), segment_ends], dim=1).amax(1)  # ends increase; -1 if none
+    has_segments = (num_segments > 0) & (last_end == lengths)
+    read = torch.arange(max_segments + 1) < num_segments.unsqueeze(1)  # entries v̂_0..v̂_{K-1}
+    finite_raw = ~(read & ~torch.isfinite(raw_values)).any(1)
+    _check_probabilities("raw_values", raw_values.double()[read & torch.isfinite(raw_values)])
+
+    groups = defaultdict(list)
+    for i in range(bsz):
+        groups[index[i]].append(i)
+    singleton = torch.tensor([len(groups[index[i]]) == 1 for i in range(bsz)], dtype=torch.bool)
+    outcome_at_mean = (outcome - mean_outcome).abs() < cfg.epsilon
+    degenerate = torch.tensor(
+        [len(groups[index[i]]) > 1 and bool(outcome_at_mean[groups[index[i]]].all()) for i in range(bsz)],
+        dtype=torch.bool,
+    )
+    differences = degenerate & (cfg.degenerate_groups == "value_differences")
+
+    boundaries = torch.cat([torch.zeros(bsz, 1, dtype=torch.int64), segment_ends], dim=1)  # b_0 = 0, b_k
+    fraction = boundaries.double() / lengths.clamp(min=1).double().unsqueeze(1)
+    values, flat, steep = _map_values(raw_values.double(), num_segments, fraction, outcome, mean_outcome, cfg)
+    unanchored = _unanchored_values(raw_values.double(), num_segments, outcome)
+    values = torch.where(differences.unsqueeze(1), unanchored, values)
+    flat, steep = flat & ~differences, steep & ~differences
+    uniform = flat | steep  # interpolated in token position: exactly GRPO
+    values = low + width * values
+    # Exact endpoints, so Σ_k R_k = ζ − V_0 holds up to the summation's own rounding on any scale.
+    position = torch.arange(max_segments + 1)
+    values = torch.where(position == num_segments.unsqueeze(1), scores.double().unsqueeze(1), values)
+    if cfg.anchored:
+        values[:, 0] = torch.where(differences, values[:, 0], group_mean.double())
+    rewards = segment_rewards(values)
+    in_segment = torch.arange(max_segments) < num_segments.unsqueeze(1)
+    total_reward = rewards.where(in_segment, 0.0).sum(1)
+
+    fallback, counts = _first_reasons(
+        [
+            ("empty", lengths == 0),
+            ("singleton_group", singleton),
+            ("outside_reward_range", ~in_range),
+            ("zero_return", outcome_at_mean & ~differences),
+            ("missing_segments", ~has_segments),
+            ("nonfinite", ~finite_raw),
+            ("zero_return", (total_reward.abs() < cfg.epsilon * width) & ~differences),  # unanchored: ζ == v̂_0
+        ]
+    )
+
+    mixed = ~fallback & ~differences
+    sigma = rewards / total_reward.unsqueeze(1)
+    sigma, clipped = _clip_coefficients(sigma, in_segment & (mixed & ~uniform).unsqueeze(1), num_segments, cfg.clip)
+    segment_starts = torch.cat([torch.zeros(bsz, 1, dtype=torch.int64), segment_ends[:, :-1]], dim=1)
+    tokens_per_segment = segment_ends - segment_starts
+    spread = lengths.double().unsqueeze(1) / tokens_per_segment  # L / n_k
+    half_range = width / 2.0
+    factor = torch.where(
+        differences.unsqueeze(1),
+        cfg.mix * (rewards / half_range) * spread,
+        (1.0 - cfg.mix) + cfg.mix * lengths.double().unsqueeze(1) * sigma / tokens_per_segment,
+    )
+    factor = factor.where(~uniform.unsqueeze(1), 1.0)
+    target = torch.where(differences, cfg.mix * lengths.double() * total_reward / half_range, lengths.double())
+    live_segments = in_segment & ~fallback.unsqueeze(1)
+    factor, bounded = _bound_token_factors(
+        factor, tokens_per_segment, live_segments, target, cfg.max_token_advantage_ratio
+    )
+    # A_t = unit · f_t: Â for mixed groups; for degenerate ones the advantage of a trace of a 50/50 group (see
+    # ``degenerate_groups``), which makes the bound B·unit the same for both.
+    unit = torch.where(differences, 1.0 if cfg.norm_adv_by_std else half_range, adv.double())
+
+    advantages = grpo  # λ = 0: verl's tensor itself
+    signal = torch.zeros(bsz, dtype=torch.bool)
+    if max_segments > 0:
+        horizon = response_mask.shape[1]
+        # Segment of each token: the number of ends at or before it (padding ends sort last).
+        sorted_ends = segment_ends.where(segment_ends >= 0, horizon + 1).contiguous()
+        token_segment = torch.searchsorted(
+            sorted_ends, torch.arange(horizon).expand(bsz, horizon).contiguous(), right=True
+        ).clamp(max=max_segments - 1)
+        token_factor = factor.where(live_segments, 0.0).gather(1, token_segment)
+        rows = (unit.unsqueeze(1) * token_factor).to(grpo.dtype)
+        in_response = torch.arange(horizon) < lengths.unsqueeze(1)
+        nonfinite = ~fallback & ~(torch.isfinite(rows) | ~in_response).all(1)
+        counts["nonfinite"] += float(nonfinite.sum())
+        fallback = fallback | nonfinite
+        # Interpolated traces take GRPO's own row: their f_t = 1 would give it, this way bit for bit.
+        write = (~fallback & ~uniform).unsqueeze(1) & in_response
+        signal = differences & ~fallback & (rows.where(in_response, 0.0) != 0).any(1)
+        if cfg.mix > 0:
+            advantages = torch.where(write, rows, grpo)  # padding keeps GRPO's Â · 0
+
+    kept = ~fallback.unsqueeze(1)
+    values = values.where(kept, float("nan")).to(raw_values.dtype)
+    rewards = rewards.where(kept, float("nan")).to(raw_values.dtype)
+    metrics = _metrics(
+        counts, fallback, groups, num_segments, rewards,
+        sigma=sigma, clipped=clipped, bounded=bounded, flat=flat, steep=steep,
+        differences=differences, degenerate=degenerate, signal=signal,
+    )  # fmt: skip
+    return RedistributionResult(advantages, advantages, values, rewards, fallback, metrics)
+
+
+def _check_reward_range(reward_range) -> tuple[float, float]:
+    try:
+        low, high = (float(x) for x in reward_range)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"reward_range must be two numbers (low, high), got {reward_range!r}") from error
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(f"reward_range must be finite (low, high) with low < high, got {reward_range!r}")
+    return low, high
+
+
+def _check_probabilities(name: str, values: torch.Tensor):
+    outside = (values < -_PROBABILITY_SLACK) | (values > 1.0 + _PROBABILITY_SLACK)
+    if outside.any():
+        raise ValueError(f"{name} must be probabilities in [0, 1]; found {values[outside][:5].tolist()}")
+
+
+def check_outcome_batch(scores: torch.Tensor, response_mask: torch.Tensor, index) -> int:
+    """Shape checks shared by the outcome-based estimators; returns the batch size.
+
+    Args:
+        scores: (bs,) float outcomes; response_mask: (bs, T); index: (bs,) group ids.
+    """
+    if scores.dim() != 1 or not scores.is_floating_point():
+        raise ValueError(f"scores must be a 1-D float tensor, got shape {tuple(scores.shape)} dtype {scores.dtype}")
+    bsz = scores.shape[0]
+    if response_mask.dim() != 2 or response_mask.shape[0] != bsz:
+        raise ValueError(f"response_mask must have shape (bs={bsz}, T), got {tuple(response_mask.shape)}")
+    if len(index) != bsz:
+        raise ValueError(f"index has {len(index)} entries but scores has {bsz}")
+    return bsz
+
+
+def _check_batch(scores, response_mask, index, segment_ends, raw_values) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate a batch; returns response lengths (bs,) and segment counts (bs,), both int64."""
+    bsz = check_outcome_batch(scores, response_mask, index)
+    if segment_ends.dim() != 2 or segment_ends.shape[0] != bsz or segment_ends.dtype != torch.int64:
+        raise ValueError(
+            f"segment_ends must be int64 of shape (bs={bsz}, Kmax), "
+            f"got {tuple(segment_ends.shape)} {segment_ends.dtype}"
+        )
+    expected = (bsz, segment_ends.shape[1] + 1)
+    if tuple(raw_values.shape) != expected or not raw_values.is_floating_point():
+        raise ValueError(
+            f"raw_values must be float of shape (bs, Kmax + 1) = {expected}, got {tuple(raw_values.shape)} "
+            f"{raw_values.dtype}"
+        )
+
+    token_present = response_mask != 0
+    if not ((response_mask == 0) | (response_mask == 1)).all():
+        raise ValueError("response_mask must hold only 0 and 1")
+    lengths = token_present.sum(1)
+    if not torch.equal(token_present, torch.arange(response_mask.shape[1]) < lengths.unsqueeze(1)):
+        bad = _first_row(token_present != (torch.arange(response_mask.shape[1]) < lengths.unsqueeze(1)))
+        raise ValueError(f"response_mask must be right-padded (tokens from column 0, then zeros); row {bad} is not")
+
+    present = segment_ends != -1
+    if (segment_ends < -1).any():
+        raise ValueError(f"segment_ends: use -1 for padding; row {_first_row(segment_ends < -1)} has other negatives")
+    data_after_padding = present[:, 1:] & ~present[:, :-1]
+    if data_after_padding.any():
+        raise ValueError(f"segment_ends: -1 padding must come after all ends; row {_first_row(data_after_padding)}")
+    previous_end = torch.cat([torch.zeros(bsz, 1, dtype=torch.int64), segment_ends[:, :-1]], dim=1)
+    not_increasing = present & (segment_ends <= previous_end)
+    if not_increasing.any():
+        row = _first_row(not_increasing)
+        raise ValueError(
+            f"segment_ends must be positive and strictly increasing; row {row}: {segment_ends[row].tolist()}"
+        )
+    beyond = present & (segment_ends > lengths.unsqueeze(1))
+    if beyond.any():
+        row = _first_row(beyond)
+        raise ValueError(
+            f"segment end beyond response length in row {row}: ends {segment_ends[row].tolist()}, "
+            f"length {int(lengths[row])}"
+        )
+    return lengths, present.sum(1)
+
+
+def _first_row(mask: torch.Tensor) -> int:
+    return int(mask.any(1).nonzero()[0, 0])
+
+
+def _map_values(raw, num_segments, fraction, outcome, mean_outcome, cfg) -> tuple[torch.Tensor, ...]:
+    """Values from padded probe values, on the probability scale, in float64.
+
+    Args:
+        raw: (n, M+1) probe values; entries from column K on are not read.
+        num_segments: (n,) K.
+        fraction: (n, M+1) b_k / L, the share of the response read at boundary k (0 at k = 0, 1 at k = K).
+        outcome: (n,) ζ. mean_outcome: (n,) group mean, V_0 when anchored. Both on the probability scale.
+
+    Returns:
+        values (n, M+1), NaN beyond K; flat (n,) bool, rows interpolated because the map is undefined; steep (n,)
+        bool, rows interpolated because the affine gain is out of [0, max_affine_gain].
+    """
+    position = torch.arange(raw.shape[1]).expand_as(raw)
+    k = num_segments.unsqueeze(1)
+    zeta, start = outcome.unsqueeze(1), mean_outcome.unsqueeze(1)
+    flat = torch.zeros_like(outcome, dtype=torch.bool)
+    steep = torch.zeros_like(flat)
+    values = raw.clone()
+    # Values proportional to the tokens read: σ_k = n_k / L, the GRPO advantage (see the module docstring).
+    linear = start + (zeta - start) * fraction
+    if cfg.anchored and cfg.value_mapping == "affine":
+        gap = outcome - raw[:, 0]
+        flat = gap.abs() < cfg.epsilon
+        gain = (outcome - mean_outcome) / gap.where(~flat, 1.0)
+        steep = ~flat & ((gain < 0) | (gain > cfg.max_affine_gain))
+        affine = (zeta + (raw - zeta) * gain.unsqueeze(1)).clamp(0.0, 1.0)
+        values = torch.where((flat | steep).unsqueeze(1), linear, affine)
+    elif cfg.anchored and cfg.value_mapping == "log_affine":
+        # Log-probabilities of long continuations span orders of magnitude: map log v̂ affinely, v̂_0 -> V_0 and
+        # certainty (log 1 = 0) -> 1; states less likely than the start fall towards 0.
+        log_raw = raw.clamp(min=1e-30).log()
+        log_start = log_raw[:, :1]
+        flat = (log_start[:, 0].abs() < cfg.epsilon) | (raw[:, 0] <= 0.0)
+        progress = (log_raw - log_start) / (-log_start).where(~flat.unsqueeze(1), 1.0)
+        mapped = (start + (1.0 - start) * progress).clamp(0.0, 1.0)
+        values = torch.where(flat.unsqueeze(1), linear, mapped)
+    if cfg.anchored:
+        values[:, 0] = mean_outcome
+    values = torch.where(position == k, zeta, values)
+    return values.where(position <= k, float("nan")), flat, steep
+
+
+def _unanchored_values(raw, num_segments, outcome) -> torch.Tensor:
+    """(n, M+1) probe values with v̂_K = ζ (probability scale), NaN beyond K."""
+    position = torch.arange(raw.shape[1]).expand_as(raw)
+    k = num_segments.unsqueeze(1)
+    values = torch.where(position == k, outcome.unsqueeze(1), raw)
+    return values.where(position <= k, float("nan"))
+
+
+def _first_reasons(reasons) -> tuple[torch.Tensor, dict[str, float]]:
+    """OR of the reason masks, and per reason the number of traces for which it is the first that holds."""
+    fallback = torch.zeros_like(reasons[0][1])
+    counts = {}
+    for name, mask in reasons:
+        counts[name] = counts.get(name, 0.0) + float((mask & ~fallback).sum())
+        fallback = fallback | mask
+    return fallback, counts
+
+
+def _shifted_clamp(rows, weights, mask, limit, target) -> torch.Tensor:
+    """x ← clamp(x − τ, −limit, limit) with τ found by bisection so that Σ weights · x = target over ``mask``.
+
+    This is the (weighted) Euclidean projection onto {|x| <= limit, Σ w·x = target}; it keeps the order of the
+    entries. When |target| > limit · Σ w no shift reaches it and every entry ends at ±limit.
+
+    Args:
+        rows: (n, M) float64. weights: (n, M) positive. mask: (n, M) bool. limit: (n, 1). target: (n,).
+    """
+    # At τ = min x − limit every entry sits at +limit (the largest total); at τ = max x + limit at −limit.
+    low = rows.where(mask, float("inf")).amin(1) - limit.squeeze(1)
+    high = rows.where(mask, float("-inf")).amax(1) + limit.squeeze(1)
+    for _ in range(_BISECTION_STEPS):
+        middle = (low + high) / 2
+        total = (weights * (rows - middle.unsqueeze(1)).clamp(-limit, limit)).where(mask, 0.0).sum(1)
+        above = total > target
+        low, high = middle.where(above, low), high.where(above, middle)
+    return (rows - ((low + high) / 2).unsqueeze(1)).clamp(-limit, limit)
+
+
+def _clip_coefficients(sigma, active, num_segments, clip) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep K·σ_k within [−clip, clip] while Σ_k σ_k stays 1.
+
+    Rows within the bound are returned unchanged. For the others, σ_k ← clamp(σ_k − τ, −clip/K, clip/K) with the
+    shift τ found by bisection so the sum is 1 (the Euclidean projection onto the allowed set). Clamping and then
+    dividing by the sum instead could divide by a sum near zero or flip every sign.
+
+    Args:
+        sigma: (n, M) coefficients summing to 1 over active entries. active: (n, M) bool.
+        num_segments: (n,) K. clip: c >= 1.
+
+    Returns:
+        sigma (n, M), and clipped (n,) bool: rows that were changed.
+    """
+    bound = (clip / num_segments.clamp(min=1).double()).unsqueeze(1)
+    clipped = (active & (sigma.abs() > bound)).any(1)
+    if not clipped.any():
+        return sigma, clipped
+    rows, mask = sigma[clipped], active[clipped]
+    projected = _shifted_clamp(rows, torch.ones_like(rows), mask, bound[clipped], torch.ones(rows.shape[0]).double())
+    sigma = sigma.clone()
+    sigma[clipped] = projected.where(mask, rows)
+    return sigma, clipped
+
+
+def _bound_token_factors(factor, tokens, active, target, bound) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep every token's |f_t| within ``bound`` while Σ_t f_t = Σ_k n_k f_k stays ``target``.
+
+    The projection of ``_clip_coefficients`` with each segment weighted by its token count, so it acts per token.
+    Rows within the bound are returned unchanged.
+
+    Args:
+        factor: (n, M) per-segment token factors f_k (A_t = unit · f_k). tokens: (n, M) n_k. active: (n, M) bool.
+        target: (n,) token sum to keep: L for mixed groups, λ·L·Σ_k R_k / s for degenerate ones. bound: B >= 1.
+
+    Returns:
+        factor (n, M), and bounded (n,) bool: rows that were changed.
+    """
+    bounded = (active & (factor.abs() > bound)).any(1)
+    if not bounded.any():
+        return factor, bounded
+    rows, mask = factor[bounded], active[bounded]
+    limit = torch.full((rows.shape[0], 1), float(bound), dtype=torch.float64)
+    projected = _shifted_clamp(rows, tokens[bounded].double(), mask, limit, target[bounded])
+    factor = factor.clone()
+    factor[bounded] = projected.where(mask, rows)
+    return factor, bounded
+
+
+def _metrics(
+    counts, fallback, groups, num_segments, rewards, *, sigma, clipped, bounded, flat, steep, differences, degenerate,
+    signal,
+) -> dict:  # fmt: skip
+    """Scalar diagnostics (see ``redistribute``); every mask is (bs,) bool, sigma and rewards (bs, Kmax)."""
+    bsz = fallback.numel()
+    metrics = {f"fallback/{name}": count for name, count in counts.items()}
+    metrics["redistributed_frac"] = float((~fallback).sum()) / bsz if bsz else 0.0
+    metrics["degenerate_groups"] = float(sum(bool(degenerate[rows[0]]) for rows in groups.values()))
+    metrics["degenerate_groups_with_signal"] = float(sum(bool(signal[rows].any()) for rows in groups.values()))
+    live = ~fallback
+    metrics["affine_flat_traces"] = float((flat & live).sum())  # all False unless anchored affine / log_affine
+    metrics["affine_gain_traces"] = float((steep & live).sum())
+    if live.any():
+        metrics["token_bound_trace_frac"] = float(bounded[live].double().mean())
+    mixed = live & ~differences
+    if not mixed.any():
+        return metrics
+    in_segment = torch.arange(sigma.shape[1]) < num_segments.unsqueeze(1)
+    live_segments = in_segment & mixed.unsqueeze(1)
+    metrics["segments_per_trace"] = float(num_segments[mixed].double().mean())
+    metrics["negative_coef_frac"] = float((sigma[live_segments] < 0).double().mean())
+    metrics["clipped_trace_frac"] = float(clipped[mixed].double().mean())
+    magnitude = rewards.double().abs()
+    for k in range(min(_LOGGED_POSITIONS, sigma.shape[1])):
+        has_k = mixed & (num_segments > k)
+        if has_k.any():
+            metrics[f"abs_segment_reward/pos_{k}"] = float(magnitude[has_k, k].mean())
+    last = magnitude.gather(1, (num_segments - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    metrics["abs_segment_reward/last"] = float(last[mixed].mean())
+    return metrics

@@ -1,0 +1,156 @@
+"""The ``algorithm.rredcot`` settings: the core modules' dataclasses behind one strict omegaconf reader.
+
+Every section maps onto the frozen dataclass of the module that uses it, so defaults and validation live in one place
+(the dataclass) and an unknown key anywhere in the section is an error naming the key and the accepted ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rredcot_verl.core.ibpo import IBPOConfig
+from rredcot_verl.core.montecarlo import MonteCarloSettings
+from rredcot_verl.core.probes import ProbeSettings, ValuePassSettings
+from rredcot_verl.core.redistribution import RedistributionConfig
+from rredcot_verl.core.segmentation import BoundaryVocab, SegmentationConfig
+
+@dataclass(frozen=True)
+class CandidateSettings:
+    """Where exit-probe answers and reference continuations come from (how they are written: ``probe.profile``).
+
+    Attributes:
+        source: ``"both"`` (default), ``"group"`` (distinct answers / traces of the group's correct rollouts) or
+            ``"ground_truth"`` (the dataset's ``reward_model.ground_truth`` and ``extra_info.reference_steps``).
+    """
+
+    source: str = "both"
+
+    def __post_init__(self):
+        if self.source not in ("both", "group", "ground_truth"):
+            raise ValueError(f"candidates.source must be 'both', 'group' or 'ground_truth', got {self.source!r}")
+
+@dataclass(frozen=True)
+class RRedCoTSettings:
+    """``algorithm.rredcot``.
+
+    Attributes:
+        snapshot_dir: when set, every step's traces with their segment data and token advantages are written there
+            as ``step_XXXXX.json`` (input of ``python -m rredcot_verl.report``).
+        task: how answers are read and solutions cut into steps: a name of ``rredcot_verl.tasks.TASKS``
+            (``boxed_math``, default: last ``\\boxed{}`` compared with math-verify, blank-line paragraphs;
+            ``arithmetic``: the embedded task, one step per line; ``paragraphs``: exact boxed answers, paragraphs)
+            or ``module:attr`` of an object with the same functions. Resolved by the trainer
+            (``tasks.resolve_task``): the core receives the task, it does not import it.
+    """
+
+    snapshot_dir: str | None = None
+    task: str = "boxed_math"
+    reward_range: tuple[float, float] = (0.0, 1.0)
+    segmentation: SegmentationConfig = field(default_factory=SegmentationConfig)
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
+    candidates: CandidateSettings = field(default_factory=CandidateSettings)
+    redistribution: RedistributionConfig = field(default_factory=RedistributionConfig)
+    ibpo: IBPOConfig = field(default_factory=IBPOConfig)
+    segment_mc: MonteCarloSettings = field(default_factory=MonteCarloSettings)
+    value_pass: ValuePassSettings = field(default_factory=ValuePassSettings)
+
+    def __post_init__(self):
+        low, high = (float(x) for x in self.reward_range)
+        if not low < high:
+            raise ValueError(f"reward_range must be (low, high) with low < high, got {self.reward_range}")
+        object.__setattr__(self, "reward_range", (low, high))
+
+    def success_probability(self, outcome: float) -> float:
+        """An outcome on the probability scale of the value sources: 0 at the bottom of ``reward_range``, 1 at the top."""
+        low, high = self.reward_range
+        return min(max((float(outcome) - low) / (high - low), 0.0), 1.0)
+
+    def is_correct(self, outcome: float) -> bool:
+        """A trace is correct when its outcome reaches the top of ``reward_range`` (partial credit is not correct)."""
+        return self.success_probability(outcome) >= 1.0 - 1e-6
+        if not isinstance(self.task, str) or not self.task.strip():
+            raise ValueError(f"task must be a task name or 'module:attr', got {self.task!r}")
+
+    def boundary_vocab(self, tokenizer) -> BoundaryVocab:
+        """The segmentation's token tables, with the profile's end-of-thinking marker (its one source)."""
+        return BoundaryVocab.from_tokenizer(tokenizer, self.segmentation, think_end=self.probe.profile_values.think_end)
+
+def _build(cls, values: Any, where: str):
+    if values is None:
+        return cls()
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must be a mapping, got {type(values).__name__}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in {where}; accepted: {sorted(known)}")
+    kwargs = {}
+    for name, value in values.items():
+        sub_cls = _SECTIONS.get(name) if cls is RRedCoTSettings else None
+        if sub_cls is not None:
+            kwargs[name] = _build(sub_cls, value, f"{where}.{name}")
+        elif isinstance(value, list):
+            kwargs[name] = tuple(value)
+        else:
+            kwargs[name] = value
+    if "norm_adv_by_std" in kwargs:
+        raise ValueError(f"{where}.norm_adv_by_std is set by verl's algorithm.norm_adv_by_std_in_grpo; remove it here")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"invalid {where}: {error}") from error
+
+# Sections are the dataclass-typed fields of RRedCoTSettings.
+_SECTIONS = {
+    f.name: type(f.default_factory())
+    for f in dataclasses.fields(RRedCoTSettings)
+    if f.default_factory is not dataclasses.MISSING
+}
+# Keys that mirror a verl setting (algorithm.norm_adv_by_std_in_grpo) and are not accepted in algorithm.rredcot.
+_VERL_OWNED = ("norm_adv_by_std",)
+DEFAULTS_FILE = Path(__file__).resolve().parents[1] / "conf" / "rredcot_defaults.yaml"
+
+
+def settings_from_config(algorithm_config: Any) -> RRedCoTSettings:
+    """Read ``algorithm.rredcot`` (omegaconf node, dict or None) strictly."""
+    section = algorithm_config.get("rredcot", None) if algorithm_config is not None else None
+    if section is not None and not isinstance(section, dict):
+        from omegaconf import OmegaConf
+
+        section = OmegaConf.to_container(section, resolve=True)
+    return _build(RRedCoTSettings, section, "algorithm.rredcot")
+
+
+def default_section() -> dict:
+    """The ``algorithm.rredcot`` defaults as plain data (tuples as lists), without the keys verl owns."""
+
+    def plain(value):
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items() if k not in _VERL_OWNED}
+        return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+    return plain(dataclasses.asdict(RRedCoTSettings()))
+
+
+def defaults_yaml() -> str:
+    """Text of ``conf/rredcot_defaults.yaml``: verl's ppo_trainer plus the dataclass defaults (their one source)."""
+    from omegaconf import OmegaConf
+
+    body = OmegaConf.to_yaml(OmegaConf.create({"algorithm": {"rredcot": default_section()}}))
+    return (
+        "# GENERATED from the dataclasses in rredcot_verl/core (python -m rredcot_verl.core.settings); do not edit.\n"
+        "# verl's PPO trainer config plus the algorithm.rredcot section; keys not listed here are rejected at start-up.\n"
+        "defaults:\n  - ppo_trainer\n  - _self_\n\n" + body + "\ntrainer:\n  logger: [console, file]\n"
+    )
+
+
+if __name__ == "__main__":
+    # Regenerates the yaml (or, with --check, exits 1 when it is stale).
+    text = defaults_yaml()
+    if "--check" in sys.argv[1:]:
+        sys.exit(0 if DEFAULTS_FILE.read_text() == text else 1)
+    DEFAULTS_FILE.write_text(text)

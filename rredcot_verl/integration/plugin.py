@@ -1,0 +1,15 @@
+"""The ``verl.plugins`` entry point: importing this module registers everything rredcot-verl adds to verl.
+
+verl imports it in each of its processes (entry point in ``setup.py``; the launcher also names it in
+``VERL_USE_EXTERNAL_MODULES`` for workers on clusters where the package is installed without entry points). It applies
+the CPU accommodations when ``RREDCOT_CPU=1``, then registers the estimators ``rredcot``, ``ibpo`` and ``segment_mc``
+(``register_adv_est``) and the trainer (``register_trainer``). Importing it twice is harmless.
+"""
+
+from rredcot_verl.compat import cpu_mode_requested, enable_cpu_mode
+
+if cpu_mode_requested():
+    enable_cpu_mode()
+
+from rredcot_verl.integration import estimators as _estimators  # noqa: E402,F401  (registers the estimators)
+from rredcot_verl.integration import trainer as _trainer  # noqa: E402,F401  (registers the trainer)

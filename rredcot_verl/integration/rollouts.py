@@ -1,0 +1,298 @@
+"""Extra generation through the running rollout engine: IBPO repairs and Monte-Carlo continuations (thin).
+
+Both run in the trainer process after verl's old-log-prob pass, with the same vLLM servers (and weights) that produced
+the step's rollouts. They receive a ``RolloutContext``: a ``generate`` function (the trainer passes one over verl's
+``LLMServerClient``; tests pass a fake), the step's rule reward, the tokenizer and the settings. Token accounting is
+returned as metrics so the cost can be compared with GRPO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from verl import DataProto
+from verl.utils.import_utils import load_extern_object
+
+from rredcot_verl.core import ibpo, montecarlo
+from rredcot_verl.core.segmentation import segment_response
+from rredcot_verl.core.settings import RRedCoTSettings
+
+# (prompt ids, sampling params) -> objects with ``token_ids``, one per request, in order.
+GenerateFn = Callable[[list[tuple[list[int], dict]]], list[Any]]
+
+
+@dataclass
+class RolloutContext:
+    """What extra rollouts use: generation, scoring, tokenizer, settings and length budgets.
+
+    Attributes:
+        generate: runs every (prompt ids, sampling params) request; returns outputs with ``token_ids``.
+        score: verl's rule reward ``score(data_source, solution_str, ground_truth, extra_info) -> float``.
+        tokenizer: the policy's tokenizer.
+        settings: ``algorithm.rredcot``.
+        max_prompt_length / max_response_length: ``data.max_prompt_length`` / ``data.max_response_length``.
+        seed: seeds the choice of IBPO references (the training step).
+        max_model_length: the rollout engine's context (prompt + generation) in tokens, from
+            :func:`engine_max_model_length`. It bounds IBPO's revision prompts, which hold a whole trace and a
+            reference and so cannot live within ``data.max_prompt_length``. None: ``max_prompt_length +
+            max_response_length``, a context every engine serving the step's rollouts provides (verl's vLLM server
+            may provide more), so nothing is sent that the server would have to cut short.
+    """
+
+    generate: GenerateFn
+    score: Callable[..., float]
+    tokenizer: Any
+    settings: RRedCoTSettings
+    max_prompt_length: int
+    max_response_length: int
+    seed: int
+    max_model_length: int | None = None
+
+    def engine_length(self) -> int:
+        """The context a request (prompt + generated tokens) may fill."""
+        if self.max_model_length is None:
+            return self.max_prompt_length + self.max_response_length
+        return self.max_model_length
+
+
+def engine_max_model_length(config) -> int:
+    """The context verl's vLLM server runs with: ``actor_rollout_ref.rollout.max_model_len``, else the model's
+    ``max_position_embeddings`` (what ``vLLMHttpServer._validate_configs`` falls back to).
+
+    Args:
+        config: verl's full trainer config.
+    """
+    configured = config.actor_rollout_ref.rollout.get("max_model_len", None)
+    if configured is not None:
+        return int(configured)
+    from transformers import AutoConfig
+    from verl.utils.fs import copy_to_local
+    from verl.workers.rollout.utils import get_max_position_embeddings
+
+    model = config.actor_rollout_ref.model
+    local = copy_to_local(model.path, use_shm=bool(model.get("use_shm", False)))
+    hf_config = AutoConfig.from_pretrained(local, trust_remote_code=bool(model.get("trust_remote_code", False)))
+    return get_max_position_embeddings(hf_config)
+
+
+def reward_function(config):
+    """The step's rule reward (``compute_score(data_source, solution_str, ground_truth, extra_info)``)."""
+    custom = config.reward.get("custom_reward_function", {}) or {}
+    path = custom.get("path")
+    if not path:
+        raise ValueError(
+            f"adv_estimator={config.algorithm.adv_estimator!r} scores its extra rollouts with the rule reward: set "
+            "reward.custom_reward_function.path (and .name, default compute_score)"
+        )
+    return load_extern_object(path, custom.get("name") or "compute_score")
+
+
+def server_generate(client) -> GenerateFn:
+    """A ``GenerateFn`` over verl's ``LLMServerClient``: all requests concurrently."""
+
+    async def generate_all(requests):
+        return await asyncio.gather(
+            *[client.generate(uuid.uuid4().hex, prompt_ids=ids, sampling_params=dict(p)) for ids, p in requests]
+        )
+
+    def generate(requests: list[tuple[list[int], dict]]) -> list[Any]:
+        return asyncio.run(generate_all(requests)) if requests else []
+
+    return generate
+
+
+def _truncated(output, max_tokens: int, eos_id: int) -> bool:
+    """The generation stopped at its token budget without an end of sequence, or the server aborted it."""
+    if getattr(output, "stop_reason", None) == "aborted":
+        return True
+    return len(output.token_ids) >= max_tokens and (not output.token_ids or output.token_ids[-1] != eos_id)
+
+
+def _rows(traces: DataProto):
+    """Per trace: (prompt ids, response ids) without padding."""
+    batch = traces.batch
+    for i in range(len(traces)):
+        yield (
+            batch["prompts"][i][batch["prompt_mask"][i].bool()].tolist(),
+            batch["responses"][i][batch["response_mask"][i].bool()].tolist(),
+        )
+
+
+def _dataset_fields(traces: DataProto, i: int) -> tuple[Any, Any, Any]:
+    nt = traces.non_tensor_batch
+    reward_model = nt["reward_model"][i] if "reward_model" in nt else None
+    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    if truth is None:
+        raise ValueError("extra rollouts need reward_model.ground_truth in the dataset (verl's rule-reward format)")
+    extra = nt["extra_info"][i] if "extra_info" in nt else None
+    source = nt["data_source"][i] if "data_source" in nt else None
+    return truth, extra, source
+
+
+def _question(traces: DataProto, i: int) -> str:
+    """The last user message of the dataset's chat prompt (verl's ``raw_prompt``)."""
+    messages = traces.non_tensor_batch["raw_prompt"][i]
+    user = [m["content"] for m in messages if m.get("role") == "user"]
+    if not user:
+        raise ValueError(f"trace {i}: raw_prompt has no user message to build a revision prompt from")
+    return str(user[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------- IBPO
+def _reaches_top(reward: float, reward_range: tuple[float, float]) -> bool:
+    return bool(ibpo.correct_outcomes([float(reward)], reward_range)[0])
+
+
+def ibpo_repairs(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """For each incorrect trace, repairs guided by sibling references, judged and aligned against the trace.
+
+    A trace is incorrect, and a repair verified, when its outcome falls short of / reaches the top of
+    ``settings.reward_range``. Trace and reference texts in revision prompts are decoded without special tokens: an
+    end-of-sequence or chat marker copied into the user message would close the turn early. A repair of an ``L``-token
+    trace gets ``ibpo.revision_budget(L)`` tokens, and its prompt must fit ``ctx.engine_length()`` minus that budget
+    (a reference whose prompt does not fit is replaced by the trace's next one). Every incorrect trace is accounted
+    for in the metrics: revised, without a sibling, without a reference that fits, or dropped by ``max_revisions``.
+
+    Args:
+        ctx: generation, reward, tokenizer, settings and the engine's context length.
+        traces: the step's batch as ``trainer._trace_batch`` builds it (``prompts``, ``responses``, ``prompt_mask``,
+            ``response_mask``, ``outcome`` (bs,); ``uid``, ``raw_prompt``, ``reward_model``, ``extra_info``,
+            ``data_source``).
+
+    Returns:
+        ``{"ibpo_phi": (bs,) float32, "ibpo_edited_mask": (bs, R) bool}`` (R = the batch's response width) and metrics.
+    """
+    cfg = ctx.settings.ibpo
+    tokenizer, reward_range = ctx.tokenizer, ctx.settings.reward_range
+    responses = [response for _, response in _rows(traces)]
+    correct = ibpo.correct_outcomes(traces.batch["outcome"], reward_range).tolist()
+    template = cfg.revision_template or ibpo.DEFAULT_REVISION_TEMPLATE
+    engine_length = ctx.engine_length()
+
+    texts: dict[int, str] = {}
+    prompt_ids: dict[tuple[int, int], list[int]] = {}
+
+    def text(i: int) -> str:
+        if i not in texts:
+            texts[i] = tokenizer.decode(responses[i], skip_special_tokens=True)
+        return texts[i]
+
+    def fits(i: int, j: int) -> bool:
+        user = ibpo.build_revision_prompt(_question(traces, i), text(i), text(j), template)
+        ids = list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        prompt_ids[(i, j)] = ids
+        return ibpo.fits_engine(len(ids), len(responses[i]), engine_length, cfg)
+
+    plan = ibpo.plan_revisions(
+        correct, traces.non_tensor_batch["uid"], cfg, np.random.default_rng(ctx.seed), responses, usable=fits
+    )
+    budgets = [ibpo.revision_budget(len(responses[i]), cfg) for i, _ in plan.pairs]
+    requests = [
+        (prompt_ids[pair], {"temperature": cfg.revision_temperature, "top_p": 1.0, "max_tokens": budget})
+        for pair, budget in zip(plan.pairs, budgets)
+    ]
+    outputs = ctx.generate(requests)
+    if len(outputs) != len(requests):
+        raise ValueError(f"generate returned {len(outputs)} outputs for {len(requests)} revision requests")
+    per_trace: dict[int, list[ibpo.RepairEvaluation]] = {}
+    generated_tokens = 0
+    for (i, _), budget, output in zip(plan.pairs, budgets, outputs):
+        truth, extra, source = _dataset_fields(traces, i)
+        repair = list(output.token_ids)
+        generated_tokens += len(repair)
+        reward = ctx.score(source, tokenizer.decode(repair, skip_special_tokens=True), truth, extra)
+        truncated = _truncated(output, budget, tokenizer.eos_token_id)
+        evaluation = ibpo.evaluate_repair(responses[i], repair, _reaches_top(reward, reward_range), truncated, cfg)
+        per_trace.setdefault(i, []).append(evaluation)
+    width = traces.batch["responses"].size(1)
+    phi = torch.zeros(len(responses), dtype=torch.float32)
+    masks = []
+    for i, response in enumerate(responses):
+        evaluations = per_trace.get(i, [])
+        phi[i] = ibpo.repair_signal(bool(correct[i]), evaluations, cfg)
+        masks.append(ibpo.localisation_mask(evaluations, len(response)))
+    metrics = ibpo.repair_metrics([e for es in per_trace.values() for e in es])
+    metrics.update(
+        {
+            "ibpo/incorrect_traces": float(plan.incorrect_traces),
+            "ibpo/incorrect_traces_revised": float(len(per_trace)),
+            "ibpo/traces_without_reference": float(plan.traces_without_reference),
+            "ibpo/traces_without_fitting_reference": float(plan.traces_without_usable_reference),
+            "ibpo/traces_skipped_by_cap": float(plan.traces_skipped_by_cap),
+            "ibpo/revisions_skipped_by_cap": float(plan.skipped_by_cap),
+            "ibpo/revisions_skipped_prompt_too_long": float(plan.rejected_pairs),
+            "ibpo/extra_prompt_tokens": float(sum(len(ids) for ids, _ in requests)),
+            "ibpo/extra_generated_tokens": float(generated_tokens),
+        }
+    )
+    return {"ibpo_phi": phi, "ibpo_edited_mask": ibpo.stack_edited_masks(masks, width)}, metrics
+
+
+# ------------------------------------------------------------------------------------------------- segment MC
+def monte_carlo_values(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Values of S_0..S_{K-1} as the mean reward of K sampled continuations from each boundary prefix.
+
+    A continuation may fill ``data.max_prompt_length + data.max_response_length`` (the length a training rollout may
+    have), so a state whose prefix leaves no room gets no continuations and a NaN value; a truncated continuation
+    scores 0. Rewards are read on the probability scale, ``(reward − low) / (high − low)`` of ``reward_range``.
+
+    Args:
+        ctx: generation, reward, tokenizer, settings (``segment_mc``, ``segmentation``, ``reward_range``).
+        traces: the step's batch as ``trainer._trace_batch`` builds it (also needs ``entropy`` (bs, R)).
+
+    Returns:
+        ``{"seg_ends": (bs, Kmax) int64, "seg_raw_values": (bs, Kmax + 1) float32}`` (see
+        ``montecarlo.monte_carlo_values``) and metrics.
+    """
+    mc, tokenizer = ctx.settings.segment_mc, ctx.tokenizer
+    vocab = ctx.settings.boundary_vocab(tokenizer)
+    rows = list(_rows(traces))
+    entropy, mask = traces.batch["entropy"], traces.batch["response_mask"].bool()
+    ends = [
+        segment_response(torch.tensor(response), entropy[i][mask[i]].float(), vocab, ctx.settings.segmentation)
+        if response
+        else []
+        for i, (_, response) in enumerate(rows)
+    ]
+    prompts, responses = [p for p, _ in rows], [r for _, r in rows]
+    requests = montecarlo.plan_continuations(
+        prompts, responses, ends, mc, ctx.max_prompt_length + ctx.max_response_length
+    )
+    outputs = ctx.generate(
+        [(list(r.prefix_ids), {"temperature": mc.temperature, "top_p": 1.0, "max_tokens": r.max_tokens}) for r in requests]
+    )
+    if len(outputs) != len(requests):
+        raise ValueError(f"generate returned {len(outputs)} outputs for {len(requests)} continuation requests")
+    continuations = [
+        montecarlo.Continuation(tuple(o.token_ids), _truncated(o, r.max_tokens, tokenizer.eos_token_id))
+        for r, o in zip(requests, outputs)
+    ]
+
+    low, high = ctx.settings.reward_range
+
+    def judge(i: int, response_ids: list[int]) -> float:
+        # On the probability scale of the other value sources: 1 = the top of the reward range.
+        truth, extra, source = _dataset_fields(traces, i)
+        reward = ctx.score(source, tokenizer.decode(response_ids, skip_special_tokens=True), truth, extra)
+        return min(max((float(reward) - low) / (high - low), 0.0), 1.0)
+
+    seg_ends, raw_values, metrics = montecarlo.monte_carlo_values(
+        responses,
+        ends,
+        traces.batch["outcome"].tolist(),
+        requests,
+        continuations,
+        judge,
+        ctx.settings.segmentation.max_segments,
+    )
+    return {"seg_ends": seg_ends, "seg_raw_values": raw_values}, metrics

@@ -1,0 +1,281 @@
+"""The one place that hooks segment data and extra rollouts into verl's V1 sync trainer (thin).
+
+Registered as ``trainer.v1.trainer_mode=rredcot`` (the launcher selects it); to verl's base class it is a sync trainer
+(sync replay buffer, the configured ``data.gen_batch_size``, sync checkpoints and resume). Compared with verl's
+``PPOTrainerSync``:
+- the actor worker class gains ``compute_segment_data`` (``workers.py``);
+- after verl's old-log-prob pass, the estimator's producer (``ESTIMATORS``) writes its per-trace fields: ``rredcot``
+  plans probes from the whole batch here and scores them on the actor, ``segment_mc`` samples continuations from each
+  boundary prefix and ``ibpo`` generates repairs, both through the running rollout engine;
+- the advantage step passes those fields to the registered estimator (``estimators.estimator_inputs``).
+For ``grpo`` and every other estimator (no entry in ``ESTIMATORS``) it behaves exactly like ``PPOTrainerSync``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+import torch
+import transfer_queue as tq
+from tensordict import TensorDict
+from verl import DataProto
+from verl.trainer.ppo.utils import Role
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils.debug import marked_timer
+from verl.utils.metric import reduce_metrics
+
+from rredcot_verl.core.planning import plan_traces, records_from_arrays
+from rredcot_verl.core.settings import settings_from_config
+from rredcot_verl.integration import rollouts
+from rredcot_verl.integration.estimators import IBPO_FIELDS, SEGMENT_FIELDS, estimator_inputs
+from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
+from rredcot_verl.tasks import resolve_task
+
+# A producer returns the estimator's per-trace tensors (rows in batch order) and step metrics.
+Producer = Callable[["SegmentCreditTrainer", DataProto], tuple[dict[str, torch.Tensor], dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """What an estimator needs from a training step beyond verl's own fields.
+
+    Attributes:
+        fields: per-trace batch keys its producer writes and the registered estimator reads.
+        uses_rollout_engine: the producer generates (the vLLM replicas stay awake until it is done).
+        produce: runs after verl's old-log-prob pass on the step's traces.
+    """
+
+    fields: tuple[str, ...]
+    uses_rollout_engine: bool
+    produce: Producer
+
+
+def _segment_values(trainer: "SegmentCreditTrainer", traces: DataProto):
+    """rredcot: probes planned here from the whole batch (groups intact), scored by the actor workers."""
+    batch = traces.batch
+    prompt_mask, response_mask = batch["prompt_mask"].bool(), batch["response_mask"].bool()
+    records = records_from_arrays(
+        prompts=[batch["prompts"][i][prompt_mask[i]] for i in range(len(traces))],
+        responses=[batch["responses"][i][response_mask[i]] for i in range(len(traces))],
+        entropies=[batch["entropy"][i][response_mask[i]].float() for i in range(len(traces))],
+        outcomes=batch["outcome"].tolist(),
+        groups=list(traces.non_tensor_batch["uid"]),
+        reward_models=traces.non_tensor_batch.get("reward_model"),
+        extra_infos=traces.non_tensor_batch.get("extra_info"),
+    )
+    plans = plan_traces(
+        records,
+        trainer.settings,
+        trainer.tokenizer,
+        trainer.task,
+        vocab=trainer.boundary_vocab,
+        temperature=float(trainer.config.actor_rollout_ref.rollout.temperature),
+    )
+    request = DataProto.from_dict(
+        tensors={"outcome": batch["outcome"]},
+        non_tensors={"plan": _object_array(plans)},
+        meta_info={
+            "max_segments": trainer.settings.segmentation.max_segments,
+            "value_pass": dataclasses.asdict(trainer.settings.value_pass),
+        },
+    )
+    output = trainer.actor_rollout_wg.compute_segment_data(request)
+    # verl's concat turns each rank's metrics dict into a dict of lists; average over ranks.
+    return {key: output.batch[key] for key in SEGMENT_FIELDS}, reduce_metrics(output.meta_info.get("metrics", {}))
+
+
+def _ibpo_repairs(trainer: "SegmentCreditTrainer", traces: DataProto):
+    return rollouts.ibpo_repairs(trainer.rollout_context(), traces)
+
+
+def _monte_carlo_values(trainer: "SegmentCreditTrainer", traces: DataProto):
+    return rollouts.monte_carlo_values(trainer.rollout_context(), traces)
+
+
+ESTIMATORS: dict[str, EstimatorSpec] = {
+    "rredcot": EstimatorSpec(SEGMENT_FIELDS, uses_rollout_engine=False, produce=_segment_values),
+    "segment_mc": EstimatorSpec(SEGMENT_FIELDS, uses_rollout_engine=True, produce=_monte_carlo_values),
+    "ibpo": EstimatorSpec(IBPO_FIELDS, uses_rollout_engine=True, produce=_ibpo_repairs),
+}
+
+
+def _padded(value, padding=0):
+    return value.to_padded_tensor(padding=padding) if getattr(value, "is_nested", False) else value
+
+
+def _object_array(values: list) -> np.ndarray:
+    """A 1-D object array, even when the elements are lists (chat messages) that numpy would broadcast."""
+    array = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        array[i] = value
+    return array
+
+
+def _non_tensor(data: TensorDict, key: str):
+    if key not in data.keys():
+        return None
+    value = data[key]
+    return list(value.tolist() if hasattr(value, "tolist") and not isinstance(value, list) else value)
+
+
+# The registered name selects this class (``trainer.v1.trainer_mode=rredcot``, set by the launcher); inside verl's base
+# class the trainer presents itself as "sync" (``SYNC_MODE``).
+TRAINER_NAME = "rredcot"
+SYNC_MODE = "sync"
+
+
+@register_trainer(TRAINER_NAME)
+class SegmentCreditTrainer(PPOTrainerSync):
+    def __init__(self, config):
+        self.estimator = str(config.algorithm.adv_estimator)
+        self.spec = ESTIMATORS.get(self.estimator)
+        self.settings = settings_from_config(config.algorithm)
+        self.task = resolve_task(self.settings.task)
+        super().__init__(config)
+
+    # verl's PPOTrainer reads ``self.trainer_mode`` (assigned from ``trainer.v1.trainer_mode``, i.e. our registered
+    # name) and takes its async paths for anything but "sync": ReplayBufferAsync, data.gen_batch_size forced to 1,
+    # prompts persisted in TransferQueue and TransferQueue checkpoints on save/resume. This trainer is verl's sync
+    # trainer plus hooks, so the base class must see "sync"; ``trainer.v1.sync`` is then also the config section it
+    # reads (parameter_sync_step), as for PPOTrainerSync. tests/test_trainer_mode_on_cpu.py fails when verl starts
+    # reading the mode some other way.
+    @property
+    def trainer_mode(self) -> str:
+        return SYNC_MODE
+
+    @trainer_mode.setter
+    def trainer_mode(self, name: str) -> None:
+        # PPOTrainer.__init__ assigns the configured mode; only our own name can select this class.
+        if name != TRAINER_NAME:
+            raise ValueError(f"SegmentCreditTrainer is selected by trainer.v1.trainer_mode={TRAINER_NAME}, got {name!r}")
+
+    def _init_tokenizer(self):
+        super()._init_tokenizer()
+        # The tokenizer exists from here on (verl loads it in init(), not in __init__).
+        self.boundary_vocab = self.settings.boundary_vocab(self.tokenizer)
+
+    def rollout_context(self) -> rollouts.RolloutContext:
+        return rollouts.RolloutContext(
+            generate=rollouts.server_generate(self.get_llm_client()),
+            score=rollouts.reward_function(self.config),
+            tokenizer=self.tokenizer,
+            settings=self.settings,
+            max_prompt_length=int(self.config.data.max_prompt_length),
+            max_response_length=int(self.config.data.max_response_length),
+            seed=int(self.global_steps),
+            max_model_length=rollouts.engine_max_model_length(self.config),
+        )
+
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()
+        for role in (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef):
+            if role in self.role_worker_mapping:
+                self.role_worker_mapping[role] = ray.remote(SegmentActorRolloutRefWorker)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def on_sample_end(self):
+        # Extra generation (repairs, continuations) happens after the old-log-prob pass: keep the replicas awake
+        # until then; they are put to sleep in _compute_old_log_prob.
+        if self.spec is None or not self.spec.uses_rollout_engine:
+            super().on_sample_end()
+
+    def _fetch(self, batch, fields) -> TensorDict:
+        return tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(fields))
+
+    def _put(self, batch, tensors: dict[str, torch.Tensor]) -> None:
+        tq.kv_batch_put(
+            keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(tensors, batch_size=len(batch))
+        )
+
+    def _trace_batch(self, batch) -> DataProto:
+        """Prompts, responses, masks, entropies, outcomes and dataset fields of the step, as one DataProto."""
+        data = self._fetch(
+            batch,
+            [
+                "prompts", "responses", "response_mask", "entropy", "rm_scores", "uid",
+                "reward_model", "extra_info", "data_source", "raw_prompt",
+            ],
+        )
+        pad = self.tokenizer.pad_token_id
+        prompt_lengths = data["prompts"].offsets().diff()
+        prompts = data["prompts"].to_padded_tensor(padding=pad)
+        responses = _padded(data["responses"], pad)
+        response_mask = _padded(data["response_mask"])
+        entropy = _padded(data["entropy"])
+        width = responses.size(1)
+        response_mask, entropy = response_mask[:, :width], entropy[:, :width]
+        tensors = {
+            "prompts": prompts,
+            "responses": responses,
+            "prompt_mask": self._lengths_to_mask(prompt_lengths, prompts.size(1)),
+            "response_mask": response_mask,
+            "entropy": entropy,
+            "outcome": _padded(data["rm_scores"]).float().sum(-1),
+        }
+        non_tensors = {"uid": _object_array(_non_tensor(data, "uid"))}
+        for key in ("reward_model", "extra_info", "data_source", "raw_prompt"):
+            values = _non_tensor(data, key)
+            if values is not None:
+                non_tensors[key] = _object_array(values)
+        return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+
+    def _compute_old_log_prob(self, batch, metrics: dict):
+        batch = super()._compute_old_log_prob(batch, metrics)
+        if self.spec is None:
+            return batch
+        with marked_timer(f"{self.estimator}_inputs", self.timing_raw, color="purple"):
+            started = time.perf_counter()
+            tensors, extra_metrics = self.spec.produce(self, self._trace_batch(batch))
+            self._put(batch, {key: tensors[key] for key in self.spec.fields})
+            extra_metrics[f"{self.estimator}/inputs_time_s"] = time.perf_counter() - started
+            metrics.update(extra_metrics)
+        if self.spec.uses_rollout_engine:
+            super().on_sample_end()
+        return batch
+
+    def _compute_advantage(self, batch, metrics: dict):
+        fields = self.spec.fields if self.spec is not None else ()
+        data = self._fetch(batch, ["uid", *fields])
+        uid = np.array(_non_tensor(data, "uid"), dtype=object)
+        tensors = {key: _padded(data[key]) for key in fields}
+        with estimator_inputs(uid, tensors) as record:
+            batch = super()._compute_advantage(batch, metrics)
+        metrics.update(record["metrics"])
+        if self.settings.snapshot_dir:
+            self._write_snapshot(batch, tensors, record["details"])
+        return batch
+
+    def _write_snapshot(self, batch, tensors: dict, details: dict) -> None:
+        """The step's traces with segment data and token advantages, for the credit report."""
+        data = self._fetch(batch, ["prompts", "responses", "advantages", "rm_scores", "uid", "extra_info"])
+        decode = self.tokenizer.decode
+        prompts, responses = list(data["prompts"].unbind(0)), list(data["responses"].unbind(0))
+        advantages, scores = list(data["advantages"].unbind(0)), list(data["rm_scores"].unbind(0))
+        extra = _non_tensor(data, "extra_info") or [None] * len(batch)
+        rows = []
+        for i in range(len(batch)):
+            response = responses[i].tolist()
+            row = {
+                "uid": str(_non_tensor(data, "uid")[i]),
+                "prompt": decode(prompts[i].tolist(), skip_special_tokens=True),
+                "response": decode(response, skip_special_tokens=False),
+                "response_tokens": [decode([t], skip_special_tokens=False) for t in response],
+                "outcome": float(scores[i].float().sum()),
+                "token_advantages": advantages[i].float().tolist()[: len(response)],
+                "extra_info": extra[i] if isinstance(extra[i], dict) else None,
+            }
+            for key, tensor in tensors.items():
+                row[key] = tensor[i].tolist()
+            for key in ("values", "segment_rewards"):
+                if key in details:
+                    row[key] = details[key][i].tolist()
+            rows.append(row)
+        from rredcot_verl.report import write_snapshot  # lazy: `python -m rredcot_verl.report` imports this package
+
+        write_snapshot(self.settings.snapshot_dir, self.global_steps, self.estimator, rows, task=self.settings.task)
