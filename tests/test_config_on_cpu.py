@@ -28,6 +28,8 @@ def test_defaults_yaml_is_generated_from_the_dataclasses():
         ({"probe": {"value_source": "oracle"}}, "value_source must be one of"),
         ({"redistribution": {"norm_adv_by_std": False}}, "norm_adv_by_std_in_grpo"),
         ({"segmentation": 3}, "algorithm.rredcot.segmentation must be a mapping"),
+        ({"task": ""}, "task must be a task name or 'module:attr'"),
+        ({"reward_range": [1.0, -1.0]}, "reward_range must be (low, high) with low < high"),
     ],
 )
 def test_bad_settings_are_rejected_with_the_key_named(section, message):

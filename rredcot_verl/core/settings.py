@@ -59,6 +59,8 @@ class RRedCoTSettings:
     value_pass: ValuePassSettings = field(default_factory=ValuePassSettings)
 
     def __post_init__(self):
+        if not isinstance(self.task, str) or not self.task.strip():
+            raise ValueError(f"task must be a task name or 'module:attr', got {self.task!r}")
         low, high = (float(x) for x in self.reward_range)
         if not low < high:
             raise ValueError(f"reward_range must be (low, high) with low < high, got {self.reward_range}")
@@ -72,8 +74,6 @@ class RRedCoTSettings:
     def is_correct(self, outcome: float) -> bool:
         """A trace is correct when its outcome reaches the top of ``reward_range`` (partial credit is not correct)."""
         return self.success_probability(outcome) >= 1.0 - 1e-6
-        if not isinstance(self.task, str) or not self.task.strip():
-            raise ValueError(f"task must be a task name or 'module:attr', got {self.task!r}")
 
     def boundary_vocab(self, tokenizer) -> BoundaryVocab:
         """The segmentation's token tables, with the profile's end-of-thinking marker (its one source)."""
