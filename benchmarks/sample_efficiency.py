@@ -1,63 +1,245 @@
-"""Sample efficiency of GRPO, RREDCoT, IBPO and segment MC on the embedded task (real verl runs).
+"""Sample efficiency of GRPO, RREDCoT (and its value-source variants), IBPO and segment MC on the embedded task.
 
-Each (method, seed) is one ``recipes/tiny_cpu/run.sh <method>`` run of ``--steps`` steps with validation every
-``--test-freq`` steps, in ``<runs-dir>/<method>_seed<seed>``; runs whose ``metrics.jsonl`` is already complete are
-read, not relaunched. From each run's ``metrics.jsonl`` (verl FileLogger lines):
+Real verl runs (``recipes/tiny_cpu/run.sh``), in two stages per task setting:
 
-* validation accuracy (``val-core/rredcot_arithmetic/acc/mean@1``, greedy) against step and against training
-  wall-clock (the cumulative ``timing_s/step``, which leaves out validation), averaged over seeds;
-* steps each method needs to reach GRPO's final accuracy (first validated step where the seed-mean accuracy is
-  ≥ GRPO's seed-mean at the last step; None if never), and the ratio to GRPO's steps;
-* the spread of the per-token advantage (``critic/advantages/{max,min}`` range, and the variance from the snapshots'
-  token advantages when ``snapshots/step_*.json`` are there) and the variance of ``actor/grad_norm`` over steps.
+1. Learning-rate sweep (``--sweep``, or the first part of a main invocation): every method trains ``--sweep-steps``
+   steps at each of ``SWEEP_LRS`` on training seed ``SWEEP_SEED`` (0, which no main run uses), validating on problems
+   drawn from another generator stream than the main runs' (data seed ``SWEEP_DATA_SEED``), so that picking the
+   learning rate does not select on the reported validation set. The rule, fixed here: the learning rate with the
+   highest validation AUC (below) wins; ties go to the smaller rate.
+2. Main runs: each method at its chosen learning rate, seeds ``--seeds`` (default 1 2 3) × ``--steps`` (default
+   100; segment_mc ``--segment-mc-steps``, default 50, because its steps cost about 6× GRPO's), validated on
+   ``--val-size`` (default 1000) problems every ``--test-freq`` (default 10) steps.
 
-Writes ``curves.png`` (accuracy vs step and vs seconds) next to the JSON and prints a table.
+Runs write verl's ``metrics.jsonl`` as they go, under ``<runs-root>/<setting>/{sweep,main}/<method>_...``; a run
+whose metrics reach its last step and whose ``run.json`` matches the requested launch (method, seed, steps, learning
+rate, overrides) is read, not relaunched, so an interrupted study resumes where it stopped (an unfinished run is
+started again from scratch).
 
-    python -m benchmarks.sample_efficiency                       # 4 methods x 3 seeds x 20 steps (about an hour)
-    python -m benchmarks.sample_efficiency --runs-dir DIR        # read/complete the runs in DIR
-    python -m benchmarks.sample_efficiency --smoke               # no training: parses synthetic metrics (tests)
+Methods (``METHODS``; variants are hydra overrides on a recipe):
+
+* ``grpo``, ``ibpo``, ``segment_mc``: the recipes as they are;
+* ``rredcot``: the tiny recipe (reference continuation from the dataset reference and the group's correct traces);
+* ``rredcot_exit_probe``: the answer-forcing exit probe as value source (affine value mapping, the default for
+  probability-scale values);
+* ``rredcot_group``: reference continuations from the group's own correct traces only (``candidates.source=group``);
+* ``rredcot_ground_truth``: from the dataset reference only (``candidates.source=ground_truth``).
+
+Task settings (``SETTINGS``; the parameters are written to the JSON):
+
+* ``default``: the task the warm start was trained on (2..5 steps, operands 1..99). Its training parquet is the
+  build's; its validation parquet extends the build's 256 problems to ``--val-size`` from the same stream.
+* ``hard``: only the longest chains the warm start was trained on (4..5 steps, i.e. 5..6 operands; operands
+  1..99), fixed before any run. Measured for the warm start (``tasks/assets/warmstart``) with
+  ``tasks.sft.generate_responses`` on 512 problems per row (``make_problem`` with ``random.Random("hard-probe-512")``),
+  temperature-1 sampling as in the rollouts and greedy as in validation:
+
+  ========================  =======  ======  ===================================================
+  chains                    sampled  greedy  first wrong step of the failed sampled traces
+  ========================  =======  ======  ===================================================
+  2..5 steps (``default``)  31.6%    55.1%   step 1: 34%, steps 2..last: 66%
+  3..5 steps                27.7%    51.8%   step 1: 35%, steps 2..last: 65%
+  4..5 steps (``hard``)     21.3%    44.9%   step 1: 31%, steps 2..last: 69%
+  ========================  =======  ======  ===================================================
+
+  4..5 steps is the only choice inside the 20–40% sampled-accuracy target with chains clearly longer than the
+  default's (4.5 steps on average against 3.5); its 95% interval (18–25%) reaches just below 20%. Chains of 6
+  steps or more were left out: the warm start never saw them and solves none of them (no correct sampled trace at
+  6 or 7 steps in 128-problem probes of 5..7 and 6..8 operands), which would measure length generalisation rather
+  than credit assignment. Prompts (at most 27 tokens) and
+  references (at most 65) fit the default limits.
+
+Reported per method (JSON ``methods.<method>``; runs that are not complete are left out):
+
+* ``curve``: per validation step, the seed-mean accuracy (``val-core/rredcot_arithmetic/acc/mean@1``, greedy), its
+  95% seed-level t interval (``ci95_seeds``: mean ± t₀.₉₇₅,ₖ₋₁ · sd/√k over k seeds) and its 95% within-run binomial
+  interval (``ci95_binomial``: the sampling error of the validation set alone, mean ± 1.96 · √(Σᵢ pᵢ(1−pᵢ)/n)/k with
+  n = ``val_size``), and the seed-mean training seconds (cumulative ``timing_s/step``, validation left out);
+* ``auc``: area under the seed-mean accuracy curve (trapezoid over the validated steps) divided by the step span,
+  so a flat curve at accuracy a has AUC a; ``auc_ci95_seeds``: the t interval of the per-seed AUCs;
+* ``steps_to_grpo_final`` / ``seconds_to_grpo_final``: first validated step (and its training seconds) at which the
+  seed-mean accuracy reaches GRPO's seed-mean final accuracy (None if never); ``steps_to_grpo_final_over_grpo``:
+  that step divided by GRPO's own;
+* ``seeds``, ``steps``, ``val_size``, ``lr`` (the chosen rate), ``sweep`` (AUC per swept rate), and the per-run
+  advantage spread and gradient-norm variance.
+
+Commands (each resumable: run it again after an interruption; runs it finds complete are read)::
+
+    # learning-rate sweep only (4 rates × 7 methods × 30 steps, seed 0)
+    python -m benchmarks.sample_efficiency --setting default --sweep
+    python -m benchmarks.sample_efficiency --setting hard --sweep
+    # main runs (the sweep first, where it is missing): 7 methods × seeds 1 2 3 × 100 steps (segment_mc 50);
+    # one setting at a time (two at once share the cores and distort the wall-clock numbers); several hours each
+    nohup nice -n 10 python -m benchmarks.sample_efficiency --setting default > outputs/se_default.log 2>&1 &
+    nohup nice -n 10 python -m benchmarks.sample_efficiency --setting hard > outputs/se_hard.log 2>&1 &
+    # tables and JSON from whatever runs are complete, launching nothing
+    python -m benchmarks.sample_efficiency --setting hard --no-launch
+    python -m benchmarks.sample_efficiency --smoke      # seconds, no training: synthetic metrics (tests)
+
+JSON: ``benchmarks/results/sample_efficiency.json`` (``default``) and ``sample_efficiency_hard.json``; curves
+(accuracy vs step and vs training seconds) in ``curves.png`` / ``curves_hard.png`` next to them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from scipy import stats
 
 from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta
 from benchmarks.cost import launch_run, read_metrics
-from rredcot_verl.tasks.model import PAD_TOKEN
+from rredcot_verl.tasks import ArithmeticTaskConfig, load_model_dir, write_parquet
+from rredcot_verl.tasks.build import DEFAULT_N_TRAIN
+from rredcot_verl.tasks.model import PAD_TOKEN, chat_prompt_ids, response_ids
 
+
+@dataclass(frozen=True)
+class Method:
+    recipe: str  # recipes/tiny_cpu/<recipe>.yaml
+    overrides: tuple[str, ...] = ()
+
+
+_RREDCOT = "algorithm.rredcot"
+METHOD_SPECS = {
+    "grpo": Method("grpo"),
+    "rredcot": Method("rredcot"),
+    "rredcot_exit_probe": Method("rredcot", (f"{_RREDCOT}.probe.value_source=exit_probe",
+                                             f"{_RREDCOT}.redistribution.value_mapping=affine")),
+    "rredcot_group": Method("rredcot", (f"{_RREDCOT}.candidates.source=group",)),
+    "rredcot_ground_truth": Method("rredcot", (f"{_RREDCOT}.candidates.source=ground_truth",)),
+    "ibpo": Method("ibpo"),
+    "segment_mc": Method("segment_mc"),
+}
+METHODS = tuple(METHOD_SPECS)
+
+
+@dataclass(frozen=True)
+class Setting:
+    task: ArithmeticTaskConfig
+    # verl's limits; prompts and reference responses must fit them (check_lengths_fit), or they would be cut.
+    max_prompt_length: int = 32
+    max_response_length: int = 96
+
+
+SETTINGS = {
+    "default": Setting(ArithmeticTaskConfig()),
+    # The longest chains of the warm start's training distribution (measurements in the module docstring).
+    "hard": Setting(ArithmeticTaskConfig(min_operands=5, max_operands=6)),
+}
+
+SWEEP_LRS = (1e-5, 3e-5, 1e-4, 3e-4)  # half-decades around the recipe's 2e-5
+SWEEP_SEED = 0  # training seed (data.seed) of the sweep; the main runs use others
+SWEEP_DATA_SEED = 1  # generator stream of the sweep's problems; the main runs' is 0 (the build's)
+MAIN_DATA_SEED = 0
+LR_KEY = "actor_rollout_ref.actor.optim.lr"
 RESULTS_PATH = RESULTS_DIR / "sample_efficiency.json"
-METHODS = ("grpo", "rredcot", "ibpo", "segment_mc")
 # verl logs the reward function's score as acc (reward when it returns a dict without "acc"); both are 0/1 here.
 VAL_KEYS = ("val-core/rredcot_arithmetic/acc/mean@1", "val-core/rredcot_arithmetic/reward/mean@1")
+RUN_RECORD = "run.json"
 
 
-def run_complete(out: Path, steps: int) -> bool:
-    path = out / "metrics.jsonl"
-    return path.exists() and any(row["step"] >= steps for row in read_metrics(path))
+# ---------------------------------------------------------------- data
 
 
-def ensure_runs(runs_dir: Path, methods, seeds, steps: int, test_freq: int, build: Path) -> dict:
-    """Launch the missing runs (one retry each: the machine is shared); returns {(method, seed): exit code or 0}."""
-    codes = {}
-    for seed in seeds:
-        for method in methods:
-            out = runs_dir / f"{method}_seed{seed}"
-            if run_complete(out, steps):
-                codes[(method, seed)] = 0
-                continue
-            overrides = (f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq}")
-            code = launch_run(method, out, steps, seed, build, overrides, timeout_s=1800)
-            if code != 0:
-                code = launch_run(method, out, steps, seed, build, overrides, timeout_s=1800)
-            codes[(method, seed)] = code
-    return codes
+def write_setting_data(data_dir: Path, setting: Setting, val_size: int, data_seed: int) -> dict:
+    """Train/val parquet of ``setting`` from the task's own generator (reused when already written with the same
+    parameters); returns the record kept in ``data.json``."""
+    record = {"task": asdict(setting.task), "n_train": DEFAULT_N_TRAIN, "val_size": val_size, "data_seed": data_seed,
+              "train_files": str(data_dir / "train.parquet"), "val_files": str(data_dir / "val.parquet")}
+    record_path = data_dir / "data.json"
+    if record_path.exists() and json.loads(record_path.read_text()) == record:
+        return record
+    write_parquet(str(data_dir), DEFAULT_N_TRAIN, val_size, data_seed, setting.task)
+    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def check_lengths_fit(record: dict, setting: Setting, build: Path) -> None:
+    """Refuse a setting whose prompts or reference responses do not fit verl's limits (they would be cut)."""
+    import pandas as pd
+
+    _, tokenizer = load_model_dir(str(build / "model"), with_model=False)
+    for path in (record["train_files"], record["val_files"]):
+        frame = pd.read_parquet(path)
+        prompt = max(len(chat_prompt_ids(tokenizer, messages[0]["content"])) for messages in frame["prompt"])
+        response = max(len(response_ids(tokenizer, info["reference_response"])) for info in frame["extra_info"])
+        if prompt > setting.max_prompt_length or response > setting.max_response_length:
+            raise ValueError(f"{path}: prompts up to {prompt} tokens, references up to {response}; the setting allows "
+                             f"{setting.max_prompt_length} and {setting.max_response_length}")
+
+
+def data_overrides(record: dict, setting: Setting) -> tuple[str, ...]:
+    return (f"data.train_files={record['train_files']}", f"data.val_files={record['val_files']}",
+            f"data.max_prompt_length={setting.max_prompt_length}",
+            f"data.max_response_length={setting.max_response_length}")
+
+
+# ---------------------------------------------------------------- runs
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    method: str
+    seed: int
+    steps: int
+    lr: float
+    overrides: tuple[str, ...]  # the method's own, then data and schedule (the learning rate is ``lr``)
+
+    def record(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))  # tuples as lists, as read back from disk
+
+
+def run_complete(out: Path, spec: RunSpec) -> bool:
+    """The run reached its last step under exactly this launch (a changed learning rate or data relaunches it)."""
+    metrics, record = out / "metrics.jsonl", out / RUN_RECORD
+    if not (metrics.exists() and record.exists()) or json.loads(record.read_text()) != spec.record():
+        return False
+    try:
+        return any(row["step"] >= spec.steps for row in read_metrics(metrics))
+    except json.JSONDecodeError:  # a run killed while writing its last line
+        return False
+
+
+def ensure_run(out: Path, spec: RunSpec, build: Path) -> int:
+    """Launch the run unless complete (one retry: the machine is shared); returns the exit code (0 if complete)."""
+    if run_complete(out, spec):
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RUN_RECORD).write_text(json.dumps(spec.record(), indent=2) + "\n")
+    overrides = (*spec.overrides, f"{LR_KEY}={spec.lr}")
+    timeout_s = 600 + 60 * spec.steps  # segment_mc is about 20 s a step on one core, plus validation
+    recipe = METHOD_SPECS[spec.method].recipe
+    code = launch_run(recipe, out, spec.steps, spec.seed, build, overrides, timeout_s=timeout_s)
+    if code != 0:
+        code = launch_run(recipe, out, spec.steps, spec.seed, build, overrides, timeout_s=timeout_s)
+    return code
+
+
+def schedule_overrides(steps: int, test_freq: int) -> tuple[str, ...]:
+    return f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq}"
+
+
+def sweep_specs(method: str, steps: int, test_freq: int, data: tuple[str, ...]) -> dict[float, RunSpec]:
+    overrides = (*METHOD_SPECS[method].overrides, *data, *schedule_overrides(steps, test_freq))
+    return {lr: RunSpec(method, SWEEP_SEED, steps, lr, overrides) for lr in SWEEP_LRS}
+
+
+def sweep_dir(setting_dir: Path, method: str, lr: float) -> Path:
+    return setting_dir / "sweep" / f"{method}_lr{lr:g}"
+
+
+def main_dir(setting_dir: Path, method: str, seed: int) -> Path:
+    return setting_dir / "main" / f"{method}_seed{seed}"
+
+
+# ---------------------------------------------------------------- analysis
 
 
 def snapshot_advantage_variance(out: Path) -> float | None:
@@ -87,9 +269,10 @@ def summarise_run(out: Path) -> dict:
               if "critic/advantages/max" in row and "critic/advantages/min" in row]
     grad_norms = [row["actor/grad_norm"] for row in rows if "actor/grad_norm" in row]
     step_times = [row["timing_s/step"] for row in rows if row["step"] >= 2 and "timing_s/step" in row]
+    points = [{"step": step, "seconds": elapsed.get(step, 0.0), "accuracy": accuracy} for step, accuracy in validation]
     return {
-        "validation": [{"step": step, "seconds": elapsed.get(step, 0.0), "accuracy": accuracy}
-                       for step, accuracy in validation],
+        "validation": points,
+        "auc": area_under_curve(points),
         "median_step_s": statistics.median(step_times) if step_times else None,
         "advantage_range_mean": float(np.mean(ranges)) if ranges else None,
         "token_advantage_variance": snapshot_advantage_variance(out),
@@ -99,28 +282,72 @@ def summarise_run(out: Path) -> dict:
     }
 
 
-def mean_curve(runs: list[dict]) -> list[dict]:
-    """Seed-mean accuracy and seconds at the validation steps all seeds share."""
+def area_under_curve(points: list[dict]) -> float | None:
+    """Trapezoid area under accuracy vs step, divided by the step span (a flat curve at a gives a); None for
+    fewer than two points."""
+    if len(points) < 2:
+        return None
+    steps = np.array([p["step"] for p in points], dtype=float)
+    accuracy = np.array([p["accuracy"] for p in points], dtype=float)
+    area = float(np.sum((accuracy[1:] + accuracy[:-1]) / 2 * np.diff(steps)))
+    return area / float(steps[-1] - steps[0])
+
+
+def t_interval(values: list[float]) -> list[float] | None:
+    """95% seed-level t interval of the mean; None for fewer than two values."""
+    if len(values) < 2:
+        return None
+    mean, half = float(np.mean(values)), float(stats.t.ppf(0.975, len(values) - 1) * stats.sem(values))
+    return [mean - half, mean + half]
+
+
+def binomial_interval(accuracies: list[float], val_size: int) -> list[float]:
+    """95% interval of the seed mean from the validation set's sampling error alone (normal approximation)."""
+    mean = float(np.mean(accuracies))
+    half = 1.96 * math.sqrt(sum(p * (1 - p) for p in accuracies) / val_size) / len(accuracies)
+    return [mean - half, mean + half]
+
+
+def mean_curve(runs: list[dict], val_size: int) -> list[dict]:
+    """Seed-mean accuracy, its intervals and seconds at the validation steps all seeds share."""
     shared = set.intersection(*({v["step"] for v in run["validation"]} for run in runs)) if runs else set()
     curve = []
     for step in sorted(shared):
         points = [next(v for v in run["validation"] if v["step"] == step) for run in runs]
-        curve.append({"step": step, "accuracy": float(np.mean([p["accuracy"] for p in points])),
-                      "accuracy_sd": float(np.std([p["accuracy"] for p in points])),
+        accuracies = [p["accuracy"] for p in points]
+        curve.append({"step": step, "accuracy": float(np.mean(accuracies)),
+                      "accuracy_sd": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else 0.0,
+                      "ci95_seeds": t_interval(accuracies),
+                      "ci95_binomial": binomial_interval(accuracies, val_size),
                       "seconds": float(np.mean([p["seconds"] for p in points]))})
     return curve
 
 
-def steps_to_reach(curve: list[dict], target: float) -> int | None:
-    return next((point["step"] for point in curve if point["step"] > 0 and point["accuracy"] >= target), None)
+def first_reaching(curve: list[dict], target: float) -> dict | None:
+    return next((point for point in curve if point["step"] > 0 and point["accuracy"] >= target), None)
 
 
-def analyse(runs_dir: Path, methods, seeds, steps: int) -> dict:
-    """Summaries of the complete runs (all ``steps`` logged); unfinished or failed runs are left out."""
-    per_method = {}
+def choose_learning_rates(setting_dir: Path, methods, steps: int, test_freq: int, data: tuple[str, ...]) -> dict:
+    """Per method: the AUC of each complete sweep run and the chosen rate (highest AUC, ties to the smaller
+    rate); a method whose sweep is incomplete gets ``lr`` None and no main runs."""
+    chosen = {}
     for method in methods:
-        runs = {seed: summarise_run(runs_dir / f"{method}_seed{seed}") for seed in seeds
-                if run_complete(runs_dir / f"{method}_seed{seed}", steps)}
+        aucs = {}
+        for lr, spec in sweep_specs(method, steps, test_freq, data).items():
+            out = sweep_dir(setting_dir, method, lr)
+            aucs[lr] = summarise_run(out)["auc"] if run_complete(out, spec) else None
+        complete = all(auc is not None for auc in aucs.values())
+        best = max(SWEEP_LRS, key=lambda lr: (aucs[lr], -lr)) if complete else None
+        chosen[method] = {"lr": best, "auc_by_lr": {f"{lr:g}": auc for lr, auc in aucs.items()}}
+    return chosen
+
+
+def analyse(setting_dir: Path, specs: dict, val_size: int) -> dict:
+    """Summaries of the complete main runs; ``specs``: {method: [RunSpec per seed]}."""
+    per_method = {}
+    for method, method_specs in specs.items():
+        runs = {spec.seed: summarise_run(main_dir(setting_dir, method, spec.seed)) for spec in method_specs
+                if run_complete(main_dir(setting_dir, method, spec.seed), spec)}
         runs = {seed: run for seed, run in runs.items() if run["validation"]}
         if not runs:
             continue
@@ -129,23 +356,32 @@ def analyse(runs_dir: Path, methods, seeds, steps: int) -> dict:
             values = [run[key] for run in runs.values() if run[key] is not None]
             return float(np.mean(values)) if values else None
 
+        curve = mean_curve(list(runs.values()), val_size)
         per_method[method] = {
-            "seeds": sorted(runs), "curve": mean_curve(list(runs.values())),
+            "seeds": sorted(runs), "steps": method_specs[0].steps, "val_size": val_size, "lr": method_specs[0].lr,
+            "curve": curve, "auc": area_under_curve(curve),
+            "auc_ci95_seeds": t_interval([run["auc"] for run in runs.values() if run["auc"] is not None]),
             "runs": {str(s): r for s, r in runs.items()},
             **{key: mean_of(key) for key in ("median_step_s", "advantage_range_mean", "token_advantage_variance",
                                              "grad_norm_mean", "grad_norm_variance")},
         }
     grpo = per_method.get("grpo")
     target = grpo["curve"][-1]["accuracy"] if grpo and grpo["curve"] else None
-    grpo_steps = steps_to_reach(grpo["curve"], target) if target is not None else None
+    grpo_reached = first_reaching(grpo["curve"], target) if target is not None else None
     for entry in per_method.values():
         entry["initial_accuracy"] = entry["curve"][0]["accuracy"] if entry["curve"] else None
         entry["final_accuracy"] = entry["curve"][-1]["accuracy"] if entry["curve"] else None
         entry["final_seconds"] = entry["curve"][-1]["seconds"] if entry["curve"] else None
-        entry["steps_to_grpo_final"] = steps_to_reach(entry["curve"], target) if target is not None else None
-        reached = entry["steps_to_grpo_final"]
-        entry["steps_ratio_to_grpo"] = reached / grpo_steps if reached and grpo_steps else None
-    return {"grpo_final_accuracy": target, "grpo_steps_to_final": grpo_steps, "methods": per_method}
+        reached = first_reaching(entry["curve"], target) if target is not None else None
+        entry["steps_to_grpo_final"] = reached["step"] if reached else None
+        entry["seconds_to_grpo_final"] = reached["seconds"] if reached else None
+        entry["steps_to_grpo_final_over_grpo"] = (reached["step"] / grpo_reached["step"]
+                                                  if reached and grpo_reached else None)
+    return {"grpo_final_accuracy": target, "grpo_steps_to_final": grpo_reached["step"] if grpo_reached else None,
+            "methods": per_method}
+
+
+# ---------------------------------------------------------------- output
 
 
 def plot(result: dict, path: Path) -> None:
@@ -159,16 +395,18 @@ def plot(result: dict, path: Path) -> None:
         curve = entry["curve"]
         steps = [p["step"] for p in curve]
         accuracy = np.array([p["accuracy"] for p in curve])
-        spread = np.array([p["accuracy_sd"] for p in curve])
-        by_step.plot(steps, accuracy, marker="o", label=f"{method} ({len(entry['seeds'])} seeds)")
-        by_step.fill_between(steps, accuracy - spread, accuracy + spread, alpha=0.15)
+        by_step.plot(steps, accuracy, marker="o", label=f"{method} ({len(entry['seeds'])} seeds, lr {entry['lr']:g})")
+        if all(p["ci95_seeds"] for p in curve):
+            by_step.fill_between(steps, [p["ci95_seeds"][0] for p in curve], [p["ci95_seeds"][1] for p in curve],
+                                 alpha=0.12)
         by_time.plot([p["seconds"] for p in curve], accuracy, marker="o", label=method)
     if result["grpo_final_accuracy"] is not None:
         for axis in (by_step, by_time):
             axis.axhline(result["grpo_final_accuracy"], color="grey", linestyle=":", linewidth=1)
-    by_step.set(xlabel="training step", ylabel="validation accuracy (mean@1)", title="accuracy vs step (±1 sd)")
+    by_step.set(xlabel="training step", ylabel="validation accuracy (mean@1)",
+                title=f"accuracy vs step (95% seed t interval), {result['meta']['setting']}")
     by_time.set(xlabel="training seconds (cumulative timing_s/step)", title="accuracy vs wall-clock")
-    by_step.legend()
+    by_step.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -177,65 +415,139 @@ def plot(result: dict, path: Path) -> None:
 def print_table(result: dict) -> None:
     print(f"GRPO final accuracy {fmt(result['grpo_final_accuracy'], 0, 3)} (reached at step "
           f"{result['grpo_steps_to_final']})")
-    print(f"{'method':<12}{'seeds':>6}{'acc0':>7}{'final':>7}{'steps→':>7}{'/grpo':>7}{'step s':>8}{'train s':>9}"
-          f"{'adv rng':>8}{'adv var':>9}{'gn var':>9}")
+    print(f"{'method':<22}{'seeds':>6}{'lr':>8}{'acc0':>7}{'final':>7}{'auc':>7}{'steps→':>7}{'/grpo':>7}"
+          f"{'s→':>7}{'step s':>8}{'adv rng':>8}{'gn var':>9}")
     for method, e in result["methods"].items():
         reached = e["steps_to_grpo_final"]
-        print(f"{method:<12}{len(e['seeds']):>6}{fmt(e['initial_accuracy'], 7, 3)}{fmt(e['final_accuracy'], 7, 3)}"
-              f"{reached if reached is not None else '-':>7}{fmt(e['steps_ratio_to_grpo'], 7)}"
-              f"{fmt(e['median_step_s'])}{fmt(e['final_seconds'], 9, 0)}{fmt(e['advantage_range_mean'])}"
-              f"{fmt(e['token_advantage_variance'], 9, 4)}{fmt(e['grad_norm_variance'], 9, 4)}")
+        print(f"{method:<22}{len(e['seeds']):>6}{e['lr']:>8.0e}{fmt(e['initial_accuracy'], 7, 3)}"
+              f"{fmt(e['final_accuracy'], 7, 3)}{fmt(e['auc'], 7, 3)}{reached if reached is not None else '-':>7}"
+              f"{fmt(e['steps_to_grpo_final_over_grpo'], 7)}{fmt(e['seconds_to_grpo_final'], 7, 0)}"
+              f"{fmt(e['median_step_s'])}{fmt(e['advantage_range_mean'])}{fmt(e['grad_norm_variance'], 9, 4)}")
 
 
-def write_synthetic_runs(runs_dir: Path, seeds=(1, 2), steps: int = 6, test_freq: int = 2) -> None:
-    """Metrics files shaped like verl's FileLogger output (for ``--smoke`` and the tests): method m improves by
-    ``0.02·(m+1)`` per step from 0.3, ``5 + m`` training seconds per step, validation (1 s) at step 0 and every
-    ``test_freq`` steps."""
-    for m, method in enumerate(METHODS):
-        for seed in seeds:
-            out = runs_dir / f"{method}_seed{seed}"
-            out.mkdir(parents=True, exist_ok=True)
-            lines = [{"step": 0, "data": {VAL_KEYS[0]: 0.3}}]
-            for step in range(1, steps + 1):
-                data = {"timing_s/step": 5.0 + m, "actor/grad_norm": 0.1 * (seed + step % 2),
-                        "critic/advantages/max": 1.0 + 0.1 * m, "critic/advantages/min": -1.0}
-                if step % test_freq == 0 or step == steps:
-                    data["timing_s/testing"] = 1.0  # outside timing_s/step, as in verl
-                    data[VAL_KEYS[0]] = 0.3 + 0.02 * (m + 1) * step + 0.001 * seed
-                lines.append({"step": step, "data": data})
-            (out / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+def write_synthetic_metrics(out: Path, slope: float, seed: int, steps: int, test_freq: int, step_s: float) -> None:
+    """A metrics file shaped like verl's FileLogger output: accuracy ``0.3 + slope·step + 0.001·seed`` validated at
+    step 0 and every ``test_freq`` steps (1 s each, outside timing_s/step), ``step_s`` training seconds a step."""
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [{"step": 0, "data": {VAL_KEYS[0]: 0.3 + 0.001 * seed}}]
+    for step in range(1, steps + 1):
+        data = {"timing_s/step": step_s, "actor/grad_norm": 0.1 * (seed + step % 2),
+                "critic/advantages/max": 1.0 + 0.1 * slope, "critic/advantages/min": -1.0}
+        if step % test_freq == 0 or step == steps:
+            data["timing_s/testing"] = 1.0
+            data[VAL_KEYS[0]] = 0.3 + slope * step + 0.001 * seed
+        lines.append({"step": step, "data": data})
+    (out / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def write_synthetic_runs(setting_dir: Path, sweep: dict[str, dict[float, RunSpec]], main: dict[str, list[RunSpec]],
+                         test_freq: int) -> None:
+    """For ``--smoke`` and the tests. Sweep: the second rate of ``SWEEP_LRS`` learns fastest, so it is chosen.
+    Main: method m (index in ``METHODS``) gains ``0.01·(m+1)`` accuracy a step and takes ``5 + m`` s a step."""
+    for method, specs in sweep.items():
+        for lr, spec in specs.items():
+            out = sweep_dir(setting_dir, method, lr)
+            write_synthetic_metrics(out, 0.02 if lr == SWEEP_LRS[1] else 0.01, spec.seed, spec.steps, test_freq, 5.0)
+            (out / RUN_RECORD).write_text(json.dumps(spec.record()))
+    for method, specs in main.items():
+        m = METHODS.index(method)
+        for spec in specs:
+            out = main_dir(setting_dir, method, spec.seed)
+            write_synthetic_metrics(out, 0.01 * (m + 1), spec.seed, spec.steps, test_freq, 5.0 + m)
+            (out / RUN_RECORD).write_text(json.dumps(spec.record()))
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setting", choices=tuple(SETTINGS), default="default")
+    parser.add_argument("--sweep", action="store_true", help="launch only the learning-rate sweep runs")
     parser.add_argument("--smoke", action="store_true", help="no training: synthetic metrics in a temp folder")
-    parser.add_argument("--out", type=Path, default=None, help=f"JSON path (default {RESULTS_PATH}; temp with --smoke)")
-    parser.add_argument("--runs-dir", type=Path, default=ROOT / "outputs" / "benchmarks" / "sample_efficiency")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path (default benchmarks/results/sample_efficiency[_<setting>].json; temp with "
+                             "--smoke)")
+    parser.add_argument("--runs-root", type=Path, default=ROOT / "outputs" / "bench" / "sample_efficiency",
+                        help="runs go to <runs-root>/<setting>/{sweep,main}/")
     parser.add_argument("--build", type=Path, default=ROOT / "outputs" / "tiny_cpu" / "build")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--test-freq", type=int, default=5)
-    parser.add_argument("--no-launch", action="store_true", help="only analyse the runs already in --runs-dir")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--segment-mc-steps", type=int, default=50,
+                        help="main-run steps for segment_mc (its steps cost about 6x GRPO's)")
+    parser.add_argument("--test-freq", type=int, default=10)
+    parser.add_argument("--val-size", type=int, default=1000, help="validation problems of the main runs and sweep")
+    parser.add_argument("--sweep-steps", type=int, default=30)
+    parser.add_argument("--sweep-test-freq", type=int, default=5)
+    parser.add_argument("--no-launch", action="store_true", help="only analyse the runs already there")
     args = parser.parse_args(argv)
+    if SWEEP_SEED in args.seeds:
+        parser.error(f"seed {SWEEP_SEED} is the sweep's; main runs must use others")
+    setting = SETTINGS[args.setting]
     if args.smoke:
-        args.runs_dir = Path(tempfile.mkdtemp()) / "runs"
-        args.seeds, args.steps, args.no_launch = [1, 2], 6, True
-        write_synthetic_runs(args.runs_dir, args.seeds, args.steps)
-    out = args.out or (args.runs_dir.parent / "sample_efficiency.json" if args.smoke else RESULTS_PATH)
-    codes = {}
-    if not args.no_launch:
+        args.runs_root = Path(tempfile.mkdtemp()) / "runs"
+        args.seeds, args.steps, args.segment_mc_steps, args.test_freq = [1, 2], 6, 6, 2
+        args.sweep_steps, args.sweep_test_freq, args.no_launch = 4, 2, True
+    setting_dir = args.runs_root / args.setting
+    default_out = RESULTS_PATH if args.setting == "default" else RESULTS_PATH.with_stem(
+        f"{RESULTS_PATH.stem}_{args.setting}")
+    out = args.out or (args.runs_root.parent / default_out.name if args.smoke else default_out)
+
+    main_data = sweep_data = {"train_files": "synthetic", "val_files": "synthetic", "val_size": args.val_size}
+    if not args.smoke:
         build_task(args.build)
-        codes = ensure_runs(args.runs_dir, args.methods, args.seeds, args.steps, args.test_freq, args.build)
-    result = analyse(args.runs_dir, args.methods, args.seeds, args.steps)
-    result["meta"] = {"runs_dir": str(args.runs_dir), "seeds": args.seeds, "steps": args.steps,
-                      "test_freq": args.test_freq, "synthetic": args.smoke,
-                      "exit_codes": {f"{m}_seed{s}": c for (m, s), c in codes.items()}, **machine_meta()}
+        main_data = write_setting_data(setting_dir / "data_main", setting, args.val_size, MAIN_DATA_SEED)
+        sweep_data = write_setting_data(setting_dir / "data_sweep", setting, args.val_size, SWEEP_DATA_SEED)
+        check_lengths_fit(main_data, setting, args.build)
+    sweep = {m: sweep_specs(m, args.sweep_steps, args.sweep_test_freq, data_overrides(sweep_data, setting))
+             for m in args.methods}
+
+    def main_specs(lrs: dict) -> dict[str, list[RunSpec]]:
+        specs = {}
+        for method in args.methods:
+            if lrs[method]["lr"] is None:
+                continue
+            steps = args.segment_mc_steps if method == "segment_mc" else args.steps
+            overrides = (*METHOD_SPECS[method].overrides, *data_overrides(main_data, setting),
+                         *schedule_overrides(steps, args.test_freq))
+            specs[method] = [RunSpec(method, seed, steps, lrs[method]["lr"], overrides) for seed in args.seeds]
+        return specs
+
+    codes = {}
+    if args.smoke:
+        synthetic_lrs = {m: {"lr": SWEEP_LRS[1]} for m in args.methods}
+        write_synthetic_runs(setting_dir, sweep, main_specs(synthetic_lrs), args.test_freq)
+    if not args.no_launch:  # sweep first: the main runs need its choice
+        for method, specs in sweep.items():
+            for lr, spec in specs.items():
+                codes[f"sweep/{method}_lr{lr:g}"] = ensure_run(sweep_dir(setting_dir, method, lr), spec, args.build)
+    lrs = choose_learning_rates(setting_dir, args.methods, args.sweep_steps, args.sweep_test_freq,
+                                data_overrides(sweep_data, setting))
+    specs = main_specs(lrs)  # with --sweep too: the JSON keeps the main runs already complete
+    if not args.no_launch and not args.sweep:
+        for seed in args.seeds:  # seed-major: an interrupted study has every method at the same number of seeds
+            for method, method_specs in specs.items():
+                spec = next(s for s in method_specs if s.seed == seed)
+                codes[f"main/{method}_seed{seed}"] = ensure_run(main_dir(setting_dir, method, seed), spec, args.build)
+
+    result = analyse(setting_dir, specs, args.val_size)
+    for method, entry in result["methods"].items():
+        entry["sweep"] = lrs[method]["auc_by_lr"]
+    result["sweep"] = lrs
+    result["meta"] = {
+        "setting": args.setting, "setting_parameters": asdict(setting), "runs_dir": str(setting_dir),
+        "seeds": args.seeds, "steps": args.steps, "segment_mc_steps": args.segment_mc_steps,
+        "test_freq": args.test_freq, "val_size": args.val_size, "val_files": main_data["val_files"],
+        "sweep_lrs": list(SWEEP_LRS), "sweep_seed": SWEEP_SEED, "sweep_steps": args.sweep_steps,
+        "sweep_test_freq": args.sweep_test_freq, "sweep_val_files": sweep_data["val_files"],
+        "lr_rule": "highest validation AUC of the sweep run, ties to the smaller rate",
+        "method_overrides": {m: list(METHOD_SPECS[m].overrides) for m in args.methods},
+        "synthetic": args.smoke, "exit_codes": codes, **machine_meta(),
+    }
+    print("chosen learning rates: " + ", ".join(f"{m} {v['lr']}" for m, v in lrs.items()))
     print_table(result)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     if result["methods"]:
-        plot(result, out.parent / "curves.png")
+        plot(result, out.parent / ("curves.png" if args.setting == "default" else f"curves_{args.setting}.png"))
     print(f"wrote {out}")
     result["out"] = str(out)
     return result

@@ -102,13 +102,46 @@ def test_sample_efficiency_smoke_reads_synthetic_runs(tmp_path):
     result = sample_efficiency.main(["--smoke", "--out", str(tmp_path / "se.json")])
     methods = result["methods"]
     assert set(methods) == set(sample_efficiency.METHODS)
-    # Synthetic accuracy: 0.3 + 0.02·(m+1)·step + 0.001·seed, validated at steps 0, 2, 4, 6; GRPO is m = 0.
-    assert result["grpo_final_accuracy"] == pytest.approx(0.3 + 0.02 * 6 + 0.0015)
+    # Sweep: the second rate learns fastest (slope 0.02 vs 0.01 over 4 steps, validated at 0, 2, 4).
+    chosen = sample_efficiency.SWEEP_LRS[1]
+    assert all(entry["lr"] == chosen for entry in result["sweep"].values())
+    assert result["sweep"]["grpo"]["auc_by_lr"][f"{chosen:g}"] == pytest.approx(0.3 + 0.02 * 2)
+    # Main: accuracy 0.01·(m+1)·step + 0.3 + 0.001·seed, seeds 1 and 2, validated at steps 0, 2, 4, 6; GRPO is m = 0.
+    assert result["grpo_final_accuracy"] == pytest.approx(0.3 + 0.01 * 6 + 0.0015)
     assert result["grpo_steps_to_final"] == 6
-    assert methods["rredcot"]["steps_to_grpo_final"] == 4
-    assert methods["rredcot"]["steps_ratio_to_grpo"] == pytest.approx(4 / 6)
-    assert methods["grpo"]["final_seconds"] == pytest.approx(6 * 5.0)  # cumulative timing_s/step, not testing
-    assert methods["grpo"]["median_step_s"] == pytest.approx(5.0)
-    assert methods["grpo"]["grad_norm_variance"] == pytest.approx(0.0025)
-    assert [p["step"] for p in methods["grpo"]["curve"]] == [0, 2, 4, 6]
+    rredcot, grpo = methods["rredcot"], methods["grpo"]
+    assert rredcot["steps_to_grpo_final"] == 4
+    assert rredcot["steps_to_grpo_final_over_grpo"] == pytest.approx(4 / 6)
+    assert rredcot["seconds_to_grpo_final"] == pytest.approx(4 * 6.0)  # m = 1: 6 s a step
+    assert grpo["final_seconds"] == pytest.approx(6 * 5.0)  # cumulative timing_s/step, not testing
+    assert grpo["median_step_s"] == pytest.approx(5.0)
+    assert grpo["grad_norm_variance"] == pytest.approx(0.0025)
+    assert [p["step"] for p in grpo["curve"]] == [0, 2, 4, 6]
+    # A linear curve's normalised AUC is its mid-point value.
+    assert grpo["auc"] == pytest.approx(0.3 + 0.01 * 3 + 0.0015)
+    assert rredcot["auc"] == pytest.approx(0.3 + 0.02 * 3 + 0.0015)
+    assert grpo["seeds"] == [1, 2] and grpo["steps"] == 6 and grpo["val_size"] == 1000 and grpo["lr"] == chosen
+    # Seed-level t interval: seeds differ by 0.001 → sd 0.000707, half-width t(0.975, 1)·sd/√2 = 12.706·0.0005.
+    last = grpo["curve"][-1]
+    low, high = last["ci95_seeds"]
+    assert (high - low) / 2 == pytest.approx(12.706 * 0.0005, rel=1e-3)
+    assert low < last["accuracy"] < high
+    # Binomial interval of the mean of two runs at p ≈ 0.36 on 1000 problems: 1.96·√(Σ p(1−p)/1000)/2.
+    low, high = last["ci95_binomial"]
+    p1, p2 = 0.361, 0.362
+    assert (high - low) / 2 == pytest.approx(1.96 * ((p1 * (1 - p1) + p2 * (1 - p2)) / 1000) ** 0.5 / 2)
+    assert result["meta"]["setting"] == "default" and result["meta"]["setting_parameters"]["task"]["max_operands"] == 6
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_sample_efficiency_auc_of_a_bent_curve():
+    points = [{"step": 0, "accuracy": 0.2}, {"step": 10, "accuracy": 0.6}, {"step": 30, "accuracy": 0.6}]
+    # Trapezoids 10·(0.2 + 0.6)/2 = 4 and 20·0.6 = 12 over a span of 30 steps.
+    assert sample_efficiency.area_under_curve(points) == pytest.approx(16 / 30)
+    assert sample_efficiency.area_under_curve(points[:1]) is None
+
+
+def test_sample_efficiency_settings_differ_only_in_chain_length():
+    default, hard = sample_efficiency.SETTINGS["default"].task, sample_efficiency.SETTINGS["hard"].task
+    assert (hard.min_operand, hard.max_operand) == (default.min_operand, default.max_operand)
+    assert hard.min_operands > default.min_operands
