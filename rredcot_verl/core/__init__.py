@@ -1,0 +1,1 @@
+"""The algorithms: segmentation, probes, values, redistribution, IBPO, Monte-Carlo values (no verl, no ray)."""
