@@ -18,6 +18,7 @@ from rredcot_verl.core.probes import (
     ValuePassSettings,
     build_exit_probes,
     own_continuation_values,
+    MIN_MICRO_BATCH_FILL,
     plan_micro_batches,
     score_batch_packed,
     score_batch_packed_with_stats,
@@ -98,17 +99,25 @@ def mixed_batch(seed, count=7):
     return prompts, responses, probe_lists
 
 
-@pytest.mark.parametrize("max_token_len", [16384, 60, 1])
-def test_batched_pass_equals_naive_and_per_trace(model, max_token_len):
+@pytest.mark.parametrize(
+    "max_token_len, min_fill", [(16384, 0.0), (16384, MIN_MICRO_BATCH_FILL), (60, MIN_MICRO_BATCH_FILL), (1, 0.0)]
+)
+def test_batched_pass_equals_naive_and_per_trace(model, monkeypatch, max_token_len, min_fill):
+    # min_fill 0 puts every row of mixed width into one padded forward; the default fill splits them.
+    monkeypatch.setattr(probes_module, "MIN_MICRO_BATCH_FILL", min_fill)
     prompts, responses, probe_lists = mixed_batch(0)
     batch, stats = score_batch_packed_with_stats(
         model, prompts, responses, probe_lists, max_token_len=max_token_len, max_positions=45
     )
     # The trace without probes and without trace stats costs no forward; every other trace is in a micro-batch.
     assert stats.dummy_forwards == 0
-    assert (stats.micro_batches == 1) if max_token_len == 16384 else (stats.micro_batches >= 3)
-    if max_token_len == 1:
-        assert stats.micro_batches == len(prompts) - 1
+    active = len(prompts) - 1
+    if min_fill == 0.0:
+        assert stats.micro_batches == (1 if max_token_len == 16384 else active)
+    elif max_token_len == 16384:
+        assert 2 <= stats.micro_batches < active  # the fill rule splits, but rows of similar shape still share
+    else:
+        assert stats.micro_batches >= 3
     skipped = 0
     for scores, prompt, response, trace_probes in zip(batch, prompts, responses, probe_lists):
         naive = score_probes_naive(model, prompt, response, trace_probes, max_positions=45)
@@ -139,14 +148,19 @@ def test_log_probs_come_from_bounded_chunks_and_the_head_projects_one_position(m
         torch.testing.assert_close(a.trace_log_probs, b.trace_log_probs, rtol=1e-5, atol=1e-5)
 
 
-def test_micro_batches_respect_the_token_budget():
-    widths = [5, 40, 12, 12, 30, 7, 100]
-    batches = plan_micro_batches(widths, max_token_len=48)
-    assert sorted(i for batch in batches for i in batch) == list(range(len(widths)))
+def test_micro_batches_respect_the_token_budget_and_bound_padding():
+    # (trace tokens, probe-tree tokens): a row pads to the batch's longest trace plus its largest tree.
+    shapes = [(5, 0), (30, 10), (8, 4), (4, 8), (20, 10), (7, 0), (90, 10), (6, 1)]
+    batches = plan_micro_batches(shapes, max_token_len=48)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(shapes)))
     for batch in batches:
-        padded = len(batch) * max(widths[i] for i in batch)
-        assert padded <= 48 or len(batch) == 1
+        padded = len(batch) * (max(shapes[i][0] for i in batch) + max(shapes[i][1] for i in batch))
+        real = sum(sum(shapes[i]) for i in batch)
+        assert len(batch) == 1 or (padded <= 48 and real >= MIN_MICRO_BATCH_FILL * padded)
     assert [6] in batches  # wider than the budget: alone
+    # (8, 4) and (4, 8) have the same width but pad to 16 tokens each together: 75% real, so they do not share.
+    assert not any({2, 3} <= set(batch) for batch in batches)
+    assert [5, 7] in batches  # (7, 0) and (6, 1): 14 real of 16 padded
     assert plan_micro_batches([], 10) == []
     with pytest.raises(ValueError, match="max_token_len"):
         ValuePassSettings(max_token_len=0)
@@ -186,7 +200,8 @@ def expected_values(model, plan, max_positions=None):
 
 
 @pytest.mark.parametrize("max_token_len", [16384, 64])
-def test_score_plans_equals_naive_values(model, max_token_len):
+def test_score_plans_equals_naive_values(model, monkeypatch, max_token_len):
+    monkeypatch.setattr(probes_module, "MIN_MICRO_BATCH_FILL", 0.0)  # rows of every width share the forwards
     plans = _plans(2)
     out = score_plans(model, plans, max_segments=6, max_positions=45, max_token_len=max_token_len)
     assert out.raw_values.shape == (len(plans), 7) and out.segment_ends.shape == (len(plans), 6)

@@ -406,10 +406,6 @@ class _Row:
     trace_stats: bool
 
     @property
-    def width(self) -> int:
-        return self.tokens.numel() + len(self.tree_ids)
-
-    @property
     def needs_forward(self) -> bool:
         return bool(self.kept) or (self.trace_stats and self.response_len > 0)
 
@@ -448,25 +444,38 @@ def _build_row(prompt_ids, response_ids, probes: Sequence[Probe], max_positions,
     return row
 
 
-def plan_micro_batches(widths: Sequence[int], max_token_len: int) -> list[list[int]]:
-    """Group rows into micro-batches of at most ``max_token_len`` padded tokens (rows × widest row).
+MIN_MICRO_BATCH_FILL = 0.85
+"""A row joins a micro-batch only while at least this fraction of the batch's padded tokens are real: rows pad to
+the longest trace plus the largest probe tree, and mixing widths wasted 35% of the tokens on the tiny recipe's
+batches. Measured there (32 traces, one thread): one micro-batch 0.98 s, fill 0.75 0.75 s, 0.85 0.65 s (4
+forwards), 0.95 0.59 s (7 forwards); higher fills buy little and add forwards, each of which all-gathers the
+parameters under FSDP."""
 
-    Rows are taken longest first so that rows of similar width share a micro-batch; a row wider than the budget
-    runs alone.
+
+def plan_micro_batches(shapes: Sequence[tuple[int, int]], max_token_len: int) -> list[list[int]]:
+    """Group rows into micro-batches of at most ``max_token_len`` padded tokens, at least ``MIN_MICRO_BATCH_FILL``
+    of them real.
+
+    A micro-batch pads every row to its longest trace plus its largest probe tree (``_forward_micro_batch``), so
+    its padded size is rows × (max trace tokens + max tree tokens). Rows are taken widest first, so that rows of
+    similar width share a micro-batch; a row wider than the budget runs alone.
 
     Args:
-        widths: (n,) tokens of each row (trace + probe-tree tokens).
+        shapes: (n,) (trace tokens, probe-tree tokens) of each row.
 
     Returns:
         Lists of row indices, one per micro-batch.
     """
     batches: list[list[int]] = []
-    for index in sorted(range(len(widths)), key=lambda i: -widths[i]):
-        # Sorted descending: the batch's first row is its widest.
-        if batches and (len(batches[-1]) + 1) * widths[batches[-1][0]] <= max_token_len:
-            batches[-1].append(index)
-        else:
-            batches.append([index])
+    padded = lambda rows: len(rows) * (max(shapes[i][0] for i in rows) + max(shapes[i][1] for i in rows))  # noqa: E731
+    for index in sorted(range(len(shapes)), key=lambda i: (-sum(shapes[i]), -shapes[i][0])):
+        if batches:
+            candidate = [*batches[-1], index]
+            size = padded(candidate)
+            if size <= max_token_len and sum(sum(shapes[i]) for i in candidate) >= MIN_MICRO_BATCH_FILL * size:
+                batches[-1] = candidate
+                continue
+        batches.append([index])
     return batches
 
 
@@ -616,8 +625,8 @@ def score_batch_packed_with_stats(
         rows.append(_build_row(prompt, response, trace_probes, max_positions, bool(stats)))
 
     active = [i for i, row in enumerate(rows) if row.needs_forward]
-    widths = [rows[i].width for i in active]
-    batches = [[active[i] for i in batch] for batch in plan_micro_batches(widths, max_token_len)]
+    shapes = [(rows[i].tokens.numel(), len(rows[i].tree_ids)) for i in active]
+    batches = [[active[i] for i in batch] for batch in plan_micro_batches(shapes, max_token_len)]
     total = _forwards_on_every_rank(model, len(batches)) if synchronize else len(batches)
     outputs: dict[int, dict] = {}
     with value_pass_attention(model):
