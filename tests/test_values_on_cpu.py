@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from rredcot_verl.core.settings import RRedCoTSettings
+from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
 from rredcot_verl.core.probes import ProbeSettings
 from rredcot_verl.core.segmentation import SegmentationConfig
 from rredcot_verl.tasks.base import ARITHMETIC
 from rredcot_verl.tasks.arithmetic import ArithmeticProblem, reference_response, reference_steps
 from rredcot_verl.tasks.model import chat_prompt_ids, load_model_dir, response_ids
-from rredcot_verl.core.planning import TraceRecord, records_from_arrays
-from rredcot_verl.core.values import compute_segment_values
+from rredcot_verl.core.planning import TraceRecord, plan_traces, records_from_arrays
+from rredcot_verl.core.values import compute_segment_values, score_plans
 
 torch.set_num_threads(1)
 ARTEFACT = Path(__file__).resolve().parents[1] / "rredcot_verl" / "tasks" / "assets" / "warmstart"
@@ -108,3 +108,28 @@ def test_records_from_padded_arrays_strip_padding_and_read_dataset_fields(model_
     )
     assert records[0].prompt_ids.tolist() == prompt
     assert records[0].ground_truth == "59" and records[0].reference_steps == ["23+45=68"]
+
+
+@pytest.mark.parametrize("source, candidates", [("exit_probe", "both"), ("reference_continuation", "group")])
+def test_values_do_not_depend_on_how_the_batch_is_split_across_ranks(model_and_tokenizer, source, candidates):
+    # verl's _balance_batch reorders the batch by length and DP_COMPUTE_PROTO hands each rank a contiguous chunk, so
+    # a group's traces land on different ranks. Planning reads whole groups on the driver; ranks only score.
+    model, tokenizer = model_and_tokenizer
+    texts = [(reference_response(PROBLEM), 1.0), (WRONG, 0.0), (WRONG.replace("58", "57"), 0.0)]
+    traces = [_record(tokenizer, text, outcome, group=group) for group in ("a", "b") for text, outcome in texts]
+    settings = dataclasses.replace(_settings(source), candidates=CandidateSettings(source=candidates))
+    plans = plan_traces(traces, settings, tokenizer, ARITHMETIC)
+    whole = score_plans(model, plans, max_segments=8).raw_values
+    assert not whole[:, 0].isnan().any()
+
+    shards = [[4, 1, 2], [0, 5, 3]]  # each group's correct trace on the other rank than its wrong ones
+    split = torch.full_like(whole, float("nan"))
+    for shard in shards:
+        split[shard] = score_plans(model, [plans[i] for i in shard], max_segments=8).raw_values
+    torch.testing.assert_close(split, whole, equal_nan=True)
+
+    # Planning a shard on its own, without its groups' other answers and correct traces, gives other values (no
+    # reference at all for the group-only bank): the whole-batch plan is what makes the split safe.
+    shard = shards[0]
+    alone = compute_segment_values(model, tokenizer, [traces[i] for i in shard], settings, task=ARITHMETIC).raw_values
+    assert not torch.allclose(alone, whole[shard], equal_nan=True)
