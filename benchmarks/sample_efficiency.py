@@ -2,9 +2,11 @@
 
 Real verl runs (``recipes/tiny_cpu/run.sh``), in two stages per task setting:
 
-1. Learning-rate sweep (``--sweep``, or the first part of a main invocation): every method trains ``--sweep-steps``
-   steps at each of ``SWEEP_LRS`` on training seed ``SWEEP_SEED`` (0, which no main run uses), validating on problems
-   drawn from another generator stream than the main runs' (data seed ``SWEEP_DATA_SEED``), so that picking the
+1. Learning-rate sweep (``--sweep``, or the first part of a main invocation): every method but segment_mc (which
+   takes rredcot's rate, ``LEARNING_RATE_FROM``) trains ``--sweep-steps`` (30) steps, validated every
+   ``--sweep-test-freq`` (10), at each of ``SWEEP_LRS`` on training seed ``SWEEP_SEED`` (0, which no main run
+   uses), validating on problems drawn from another generator stream than the main runs' (data seed
+   ``SWEEP_DATA_SEED``), so that picking the
    learning rate does not select on the reported validation set. The rule, fixed here: the learning rate with the
    highest validation AUC (below) wins; ties go to the smaller rate.
 2. Main runs: each method at its chosen learning rate, seeds ``--seeds`` (default 1 2 3) × ``--steps`` (default
@@ -65,7 +67,7 @@ Reported per method (JSON ``methods.<method>``; runs that are not complete are l
 
 Commands (each resumable: run it again after an interruption; runs it finds complete are read)::
 
-    # learning-rate sweep only (4 rates × 7 methods × 30 steps, seed 0)
+    # learning-rate sweep only (4 rates × 6 methods × 30 steps, seed 0; about 4 hours here)
     python -m benchmarks.sample_efficiency --setting default --sweep
     python -m benchmarks.sample_efficiency --setting hard --sweep
     # main runs (the sweep first, where it is missing): 7 methods × seeds 1 2 3 × 100 steps (segment_mc 50);
@@ -137,6 +139,9 @@ SETTINGS = {
 SWEEP_LRS = (1e-5, 3e-5, 1e-4, 3e-4)  # half-decades around the recipe's 2e-5
 SWEEP_SEED = 0  # training seed (data.seed) of the sweep; the main runs use others
 SWEEP_DATA_SEED = 1  # generator stream of the sweep's problems; the main runs' is 0 (the build's)
+# segment_mc is rredcot's redistribution on Monte-Carlo values, and its steps cost about 5x GRPO's: a sweep of its own
+# would take longer than all the others together, so it trains at the learning rate chosen for rredcot.
+LEARNING_RATE_FROM = {"segment_mc": "rredcot"}
 MAIN_DATA_SEED = 0
 LR_KEY = "actor_rollout_ref.actor.optim.lr"
 RESULTS_PATH = RESULTS_DIR / "sample_efficiency.json"
@@ -327,11 +332,17 @@ def first_reaching(curve: list[dict], target: float) -> dict | None:
     return next((point for point in curve if point["step"] > 0 and point["accuracy"] >= target), None)
 
 
+def swept_methods(methods) -> list[str]:
+    """The methods with sweep runs of their own: ``methods``, each borrower replaced by its ``LEARNING_RATE_FROM``."""
+    return list(dict.fromkeys(LEARNING_RATE_FROM.get(method, method) for method in methods))
+
+
 def choose_learning_rates(setting_dir: Path, methods, steps: int, test_freq: int, data: tuple[str, ...]) -> dict:
     """Per method: the AUC of each complete sweep run and the chosen rate (highest AUC, ties to the smaller
-    rate); a method whose sweep is incomplete gets ``lr`` None and no main runs."""
+    rate); a method whose sweep is incomplete gets ``lr`` None and no main runs. A method in ``LEARNING_RATE_FROM``
+    gets the rate chosen for its source (``lr_from``) and no AUCs."""
     chosen = {}
-    for method in methods:
+    for method in swept_methods(methods):
         aucs = {}
         for lr, spec in sweep_specs(method, steps, test_freq, data).items():
             out = sweep_dir(setting_dir, method, lr)
@@ -339,6 +350,10 @@ def choose_learning_rates(setting_dir: Path, methods, steps: int, test_freq: int
         complete = all(auc is not None for auc in aucs.values())
         best = max(SWEEP_LRS, key=lambda lr: (aucs[lr], -lr)) if complete else None
         chosen[method] = {"lr": best, "auc_by_lr": {f"{lr:g}": auc for lr, auc in aucs.items()}}
+    for method in methods:
+        if method in LEARNING_RATE_FROM:
+            source = LEARNING_RATE_FROM[method]
+            chosen[method] = {"lr": chosen[source]["lr"], "auc_by_lr": None, "lr_from": source}
     return chosen
 
 
@@ -476,7 +491,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--test-freq", type=int, default=10)
     parser.add_argument("--val-size", type=int, default=1000, help="validation problems of the main runs and sweep")
     parser.add_argument("--sweep-steps", type=int, default=30)
-    parser.add_argument("--sweep-test-freq", type=int, default=5)
+    parser.add_argument("--sweep-test-freq", type=int, default=10)
     parser.add_argument("--no-launch", action="store_true", help="only analyse the runs already there")
     args = parser.parse_args(argv)
     if SWEEP_SEED in args.seeds:
@@ -498,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
         sweep_data = write_setting_data(setting_dir / "data_sweep", setting, args.val_size, SWEEP_DATA_SEED)
         check_lengths_fit(main_data, setting, args.build)
     sweep = {m: sweep_specs(m, args.sweep_steps, args.sweep_test_freq, data_overrides(sweep_data, setting))
-             for m in args.methods}
+             for m in swept_methods(args.methods)}
 
     def main_specs(lrs: dict) -> dict[str, list[RunSpec]]:
         specs = {}
@@ -539,6 +554,7 @@ def main(argv: list[str] | None = None) -> dict:
         "sweep_lrs": list(SWEEP_LRS), "sweep_seed": SWEEP_SEED, "sweep_steps": args.sweep_steps,
         "sweep_test_freq": args.sweep_test_freq, "sweep_val_files": sweep_data["val_files"],
         "lr_rule": "highest validation AUC of the sweep run, ties to the smaller rate",
+        "learning_rate_from": LEARNING_RATE_FROM,
         "method_overrides": {m: list(METHOD_SPECS[m].overrides) for m in args.methods},
         "synthetic": args.smoke, "exit_codes": codes, **machine_meta(),
     }

@@ -1,6 +1,7 @@
 """The benchmarks' smoke modes (seconds, no verl training) and the offline Monte-Carlo value tool."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,6 +106,9 @@ def test_sample_efficiency_smoke_reads_synthetic_runs(tmp_path):
     # Sweep: the second rate learns fastest (slope 0.02 vs 0.01 over 4 steps, validated at 0, 2, 4).
     chosen = sample_efficiency.SWEEP_LRS[1]
     assert all(entry["lr"] == chosen for entry in result["sweep"].values())
+    # segment_mc has no sweep runs of its own: it takes rredcot's rate.
+    assert result["sweep"]["segment_mc"] == {"lr": chosen, "auc_by_lr": None, "lr_from": "rredcot"}
+    assert not list((Path(result["meta"]["runs_dir"]) / "sweep").glob("segment_mc_*"))
     assert result["sweep"]["grpo"]["auc_by_lr"][f"{chosen:g}"] == pytest.approx(0.3 + 0.02 * 2)
     # Main: accuracy 0.01·(m+1)·step + 0.3 + 0.001·seed, seeds 1 and 2, validated at steps 0, 2, 4, 6; GRPO is m = 0.
     assert result["grpo_final_accuracy"] == pytest.approx(0.3 + 0.01 * 6 + 0.0015)
