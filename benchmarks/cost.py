@@ -170,9 +170,16 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-def step_seconds(rows: list[dict]) -> list[float]:
-    """``timing_s/step`` of steps ≥ 2 (step 1 carries warm-up)."""
-    return [row["timing_s/step"] for row in rows if row["step"] >= 2 and "timing_s/step" in row]
+def step_seconds(rows: list[dict], phase: str = "step") -> list[float]:
+    """``timing_s/<phase>`` of steps ≥ 2 (step 1 carries warm-up)."""
+    key = f"timing_s/{phase}"
+    return [row[key] for row in rows if row["step"] >= 2 and key in row]
+
+
+def phase_medians(rows: list[dict]) -> dict[str, float]:
+    """Median seconds of every ``timing_s/*`` phase verl logs (nested phases included, so they do not add up)."""
+    phases = sorted({key.removeprefix("timing_s/") for row in rows for key in row if key.startswith("timing_s/")})
+    return {phase: statistics.median(seconds) for phase in phases if (seconds := step_seconds(rows, phase))}
 
 
 def measure_training(runs_dir: Path, steps: int, seed: int, build: Path, launch: bool) -> dict:
@@ -186,9 +193,10 @@ def measure_training(runs_dir: Path, steps: int, seed: int, build: Path, launch:
             if code != 0:
                 result[method] = {"error": f"run.sh exited {code}; see {out / 'train.log'}"}
                 continue
-        seconds = step_seconds(read_metrics(out / "metrics.jsonl"))
+        rows = read_metrics(out / "metrics.jsonl")
+        seconds = step_seconds(rows)
         result[method] = {"median_step_s": statistics.median(seconds) if seconds else None, "steps_used": len(seconds),
-                          "run": str(out)}
+                          "phase_median_s": phase_medians(rows), "run": str(out)}
     grpo = result.get("grpo", {}).get("median_step_s")
     for entry in result.values():
         if grpo and entry.get("median_step_s"):

@@ -99,6 +99,14 @@ def test_step_times_skip_the_warm_up_step(tmp_path):
     assert cost.step_seconds(cost.read_metrics(path)) == [4.0, 6.0]
 
 
+def test_phase_medians_skip_the_warm_up_step_and_absent_phases(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [(1, {"timing_s/step": 50.0, "timing_s/gen": 40.0}), (2, {"timing_s/step": 4.0, "timing_s/gen": 1.0}),
+            (3, {"timing_s/step": 6.0, "timing_s/gen": 3.0, "timing_s/testing": 9.0}), (4, {"timing_s/step": 7.0})]
+    path.write_text("".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in rows))
+    assert cost.phase_medians(cost.read_metrics(path)) == {"gen": 2.0, "step": 6.0, "testing": 9.0}
+
+
 def test_sample_efficiency_smoke_reads_synthetic_runs(tmp_path):
     result = sample_efficiency.main(["--smoke", "--out", str(tmp_path / "se.json")])
     methods = result["methods"]
