@@ -39,7 +39,9 @@ class RRedCoTSettings:
 
     Attributes:
         snapshot_dir: when set, every step's traces with their segment data and token advantages are written there
-            as ``step_XXXXX.json`` (input of ``python -m rredcot_verl.report``).
+            as ``step_XXXXX.json`` (input of ``python -m rredcot_verl.report``); for ``rredcot`` also the step's
+            probe plans, ``step_XXXXX_plans.pt`` (``torch.load(..., weights_only=False)``: a list of
+            ``core.planning.TracePlan`` in batch order, which ``core.values.score_plans`` re-scores offline).
         task: how answers are read and solutions cut into steps: a name of ``rredcot_verl.tasks.TASKS``
             (``boxed_math``, default: last ``\\boxed{}`` compared with math-verify, blank-line paragraphs;
             ``arithmetic``: the embedded task, one step per line; ``paragraphs``: exact boxed answers, paragraphs)

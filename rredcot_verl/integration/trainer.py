@@ -14,6 +14,7 @@ For ``grpo`` and every other estimator (no entry in ``ESTIMATORS``) it behaves e
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,10 @@ def _segment_values(trainer: "SegmentCreditTrainer", traces: DataProto):
         vocab=trainer.boundary_vocab,
         temperature=float(trainer.config.actor_rollout_ref.rollout.temperature),
     )
+    if trainer.settings.snapshot_dir:
+        # The exact inputs of this step's value pass, to re-score offline (any model, any number of processes).
+        os.makedirs(trainer.settings.snapshot_dir, exist_ok=True)
+        torch.save(plans, os.path.join(trainer.settings.snapshot_dir, f"step_{trainer.global_steps:05d}_plans.pt"))
     request = DataProto.from_dict(
         tensors={"outcome": batch["outcome"]},
         non_tensors={"plan": _object_array(plans)},
