@@ -122,3 +122,15 @@ def test_linear_layers_still_route_through_the_patched_dispatch():
 
     source = inspect.getsource(linear)
     assert "from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm" in source
+
+
+def test_verls_sync_replay_buffer_polls_every_two_seconds_and_the_cpu_trainer_polls_faster():
+    """Reason for REPLAY_POLL_INTERVAL_S: verl's default poll rounds every generation and validation up to 2 s."""
+    import inspect
+
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    from rredcot_verl.compat import REPLAY_POLL_INTERVAL_S
+
+    assert inspect.signature(ReplayBuffer.__init__).parameters["poll_interval"].default == 2.0
+    assert REPLAY_POLL_INTERVAL_S < 2.0

@@ -19,6 +19,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
+from rredcot_verl.compat import REPLAY_POLL_INTERVAL_S
 from rredcot_verl.integration.launcher import prepare
 from rredcot_verl.integration.trainer import SYNC_MODE, TRAINER_NAME, SegmentCreditTrainer
 
@@ -125,6 +126,8 @@ def test_rredcot_trainer_gets_verls_sync_replay_buffer_and_gen_batch_size(config
     for attribute in ("trainer_mode", "gen_batch_size", "train_batch_size", "max_inflight_gen_batches"):
         assert getattr(ours.replay_buffer, attribute) == getattr(theirs.replay_buffer, attribute), attribute
     assert ours.replay_buffer.gen_batch_size == 2
+    # CPU mode (the fixture's RREDCOT_CPU=1): only how often the buffer looks for finished rollouts differs.
+    assert ours.replay_buffer.poll_interval == REPLAY_POLL_INTERVAL_S < theirs.replay_buffer.poll_interval
     assert ours.train_dataloader.batch_size == theirs.train_dataloader.batch_size == 2
     assert ours.config.data.gen_batch_size == 2
     assert ours.parameter_sync_step == theirs.parameter_sync_step

@@ -4,6 +4,6 @@ Everything lives in :mod:`rredcot_verl.compat.cpu`; it is applied only when ``RR
 it when the driver finds no accelerator), in every process that imports verl (through the ``verl.plugins`` entry point).
 """
 
-from rredcot_verl.compat.cpu import CPU_ENV, cpu_mode_requested, enable_cpu_mode
+from rredcot_verl.compat.cpu import CPU_ENV, REPLAY_POLL_INTERVAL_S, cpu_mode_requested, enable_cpu_mode
 
-__all__ = ["CPU_ENV", "cpu_mode_requested", "enable_cpu_mode"]
+__all__ = ["CPU_ENV", "REPLAY_POLL_INTERVAL_S", "cpu_mode_requested", "enable_cpu_mode"]

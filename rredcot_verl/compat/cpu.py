@@ -14,6 +14,10 @@ changes so that a patch no longer applies (or is no longer needed). Nothing here
 4. ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``: on CPU, vLLM prepacks linear weights for oneDNN
    and replaces ``layer.weight`` by an empty parameter, so verl's in-place weight reload after each actor update
    (``model.load_weights``) cannot work. Replaced by a version that keeps the live weight and uses ``F.linear``.
+5. ``REPLAY_POLL_INTERVAL_S``: verl's sync ``ReplayBuffer`` checks every 2 s whether the step's rollouts are done, so
+   generation and validation take whole multiples of 2 s; a tiny-model step on CPU lasts about 10 s, of which that
+   rounding is up to a third. The rredcot trainer polls every ``REPLAY_POLL_INTERVAL_S`` in CPU mode (scheduling only:
+   the prompts and batches are the same).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ CPU_PROCESS_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "RAY_AUTH_MODE": "disabled",
 }
+
+# verl's ReplayBuffer default is 2.0 s (tests/test_compat_on_cpu.py checks it).
+REPLAY_POLL_INTERVAL_S = 0.1
 
 _applied = False
 

@@ -31,6 +31,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
 from verl.utils.metric import reduce_metrics
 
+from rredcot_verl.compat import REPLAY_POLL_INTERVAL_S, cpu_mode_requested
 from rredcot_verl.core.planning import plan_traces, records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration import rollouts
@@ -159,6 +160,12 @@ class SegmentCreditTrainer(PPOTrainerSync):
         # PPOTrainer.__init__ assigns the configured mode; only our own name can select this class.
         if name != TRAINER_NAME:
             raise ValueError(f"SegmentCreditTrainer is selected by trainer.v1.trainer_mode={TRAINER_NAME}, got {name!r}")
+
+    def _build_replay_buffer(self):
+        replay_buffer = super()._build_replay_buffer()
+        if cpu_mode_requested():  # compat/cpu.py, item 5: steps of seconds, verl's 2 s poll would round them up
+            replay_buffer.poll_interval = REPLAY_POLL_INTERVAL_S
+        return replay_buffer
 
     def _init_tokenizer(self):
         super()._init_tokenizer()
