@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_cpu.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1500 tests "$@"
+# --durations: the slowest tests in every CI log, to keep the suite inside its 30-minute budget.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1500 --durations=15 tests "$@"

@@ -2,8 +2,9 @@
 
 Each run is a subprocess under a hard timeout in its own process group (recipes/tiny_cpu/run.sh uses setsid +
 timeout), on the committed warm-started model, so a hang ends as a failure and Ray/vLLM are torn down with it.
-Runs serve several assertions where they can: one uninterrupted 3-step grpo run is the reference both for verl's own
-sync trainer and for a stopped-and-resumed segment_mc run; the rredcot run uses two actor ranks.
+Runs serve several assertions where they can: one uninterrupted 3-step grpo run, sent with `ray job submit` to a head
+node started by hand, is the reference both for verl's own sync trainer and for a stopped-and-resumed segment_mc run;
+the rredcot run uses two actor ranks.
 """
 
 import json
@@ -203,11 +204,42 @@ def test_ibpo_generates_repairs_and_localises_blame(build, tmp_path):
 
 @pytest.fixture(scope="module")
 def grpo_reference(build, tmp_path_factory) -> Path:
-    """Three uninterrupted grpo steps through our launcher (the rredcot trainer), rollouts dumped per step."""
+    """Three uninterrupted grpo steps through our launcher (the rredcot trainer), rollouts dumped per step, sent with
+    `ray job submit` to a head node started by hand (as on a cluster) and torn down afterwards. The head runs in its
+    own session (`ray start --block`) so teardown kills exactly its processes."""
     out = tmp_path_factory.mktemp("grpo_reference")
-    _ok(_train("grpo", build, out, steps=3, extra=[f"trainer.rollout_data_dir={out / 'rollouts'}"]))
+    ray = str(Path(sys.executable).parent / "ray")
+    gcs_port, dashboard_port = _free_port(), _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    temp_dir = Path("/tmp") / f"ray_e2e_{os.getpid()}"
+    start = [
+        ray, "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=32", "--num-gpus=1",
+        "--include-dashboard=true", f"--dashboard-port={dashboard_port}", "--dashboard-host=127.0.0.1",
+        f"--temp-dir={temp_dir}", "--disable-usage-stats",
+    ]
+    head_log = open(out / "ray_head.log", "w")
+    head = subprocess.Popen(start, env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for_dashboard(dashboard_port, timeout_s=180)
+        result = _train(
+            "grpo", build, out, steps=3, extra=[f"trainer.rollout_data_dir={out / 'rollouts'}"],
+            env_extra={**env, "RAY_ADDRESS": f"http://127.0.0.1:{dashboard_port}"},
+        )
+        assert result.returncode == 0, (
+            result.stdout[-4000:] + result.stderr[-4000:] + (out / "ray_head.log").read_text()[-2000:]
+        )
+    finally:
+        _kill_session(head)
+        head_log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
     _assert_finite_steps(out, 3)
     return out
+
+
+def test_ray_job_submit_to_a_running_head_node(grpo_reference):
+    """The grpo reference run went through `ray job submit`: the job finished as succeeded, with all its steps."""
+    assert "succeeded" in (grpo_reference / "stdout.log").read_text()
+    _assert_finite_steps(grpo_reference, 3)
 
 
 def test_grpo_through_the_launcher_sees_the_prompts_of_verls_sync_trainer(build, grpo_reference, tmp_path):
@@ -253,36 +285,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def test_ray_job_submit_to_a_running_head_node(build, tmp_path):
-    """A head node started by hand (as on a cluster), the tiny job sent with `ray job submit`, then torn down.
-    The head runs in its own session (`ray start --block`) so teardown kills exactly its processes."""
-    ray = str(Path(sys.executable).parent / "ray")
-    gcs_port, dashboard_port = _free_port(), _free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    temp_dir = Path("/tmp") / f"ray_e2e_{os.getpid()}"
-    start = [
-        ray, "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=32", "--num-gpus=1",
-        "--include-dashboard=true", f"--dashboard-port={dashboard_port}", "--dashboard-host=127.0.0.1",
-        f"--temp-dir={temp_dir}", "--disable-usage-stats",
-    ]
-    head_log = open(tmp_path / "ray_head.log", "w")
-    head = subprocess.Popen(start, env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_for_dashboard(dashboard_port, timeout_s=180)
-        result = _train(
-            "grpo", build, tmp_path, steps=1, env_extra={**env, "RAY_ADDRESS": f"http://127.0.0.1:{dashboard_port}"}
-        )
-        assert result.returncode == 0, (
-            result.stdout[-4000:] + result.stderr[-4000:] + (tmp_path / "ray_head.log").read_text()[-2000:]
-        )
-        assert "succeeded" in (result.stdout + result.stderr)
-        _assert_finite_steps(tmp_path, 1)
-    finally:
-        _kill_session(head)
-        head_log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _wait_for_dashboard(port: int, timeout_s: float) -> None:
