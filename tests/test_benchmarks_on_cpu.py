@@ -146,6 +146,18 @@ def test_sample_efficiency_smoke_reads_synthetic_runs(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 0
 
 
+def test_sample_efficiency_hard_setting_takes_the_default_settings_sweep(tmp_path):
+    result = sample_efficiency.main(["--smoke", "--setting", "hard", "--out", str(tmp_path / "se_hard.json")])
+    runs_dir = Path(result["meta"]["runs_dir"])
+    assert runs_dir.name == "hard" and result["meta"]["sweep_setting"] == "default"
+    assert not (runs_dir / "sweep").exists()
+    swept = sorted(path.name for path in (runs_dir.parent / "default" / "sweep").iterdir())
+    assert "grpo_lr3e-05" in swept and len(swept) == 6 * len(sample_efficiency.SWEEP_LRS)
+    assert all(entry["lr"] == sample_efficiency.SWEEP_LRS[1] for entry in result["sweep"].values())
+    assert result["meta"]["setting_parameters"]["task"]["min_operands"] == 5
+    assert set(result["methods"]) == set(sample_efficiency.METHODS)
+
+
 def test_sample_efficiency_auc_of_a_bent_curve():
     points = [{"step": 0, "accuracy": 0.2}, {"step": 10, "accuracy": 0.6}, {"step": 30, "accuracy": 0.6}]
     # Trapezoids 10·(0.2 + 0.6)/2 = 4 and 20·0.6 = 12 over a span of 30 steps.
