@@ -97,7 +97,7 @@ from scipy import stats
 
 from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta
 from benchmarks.cost import launch_run, read_metrics
-from rredcot_verl.tasks import ArithmeticTaskConfig, load_model_dir, write_parquet
+from rredcot_verl.tasks import TASKS, ArithmeticTaskConfig, load_model_dir, write_parquet
 from rredcot_verl.tasks.build import DEFAULT_N_TRAIN
 from rredcot_verl.tasks.model import PAD_TOKEN, chat_prompt_ids, response_ids
 
@@ -267,6 +267,79 @@ def snapshot_advantage_variance(out: Path) -> float | None:
     return float(np.mean(variances)) if variances else None
 
 
+# Per-step training metrics averaged over the first and the last ``DIAGNOSTIC_WINDOW`` steps of a run: where a method
+# does not beat GRPO, these say whether its signal was there (train reward, advantage spread), cut (clipping,
+# fallbacks) or spent elsewhere (entropy, length).
+DIAGNOSTIC_KEYS = (
+    "critic/score/mean", "actor/entropy", "actor/pg_clipfrac", "response_length/mean",
+    "rredcot/redistributed_frac", "rredcot/clipped_trace_frac", "rredcot/negative_coef_frac",
+    "rredcot/degenerate_groups", "rredcot/traces_without_candidates",
+    "ibpo/repair_success_rate", "ibpo/masked_token_frac", "ibpo/phi_mean_incorrect",
+    "segment_mc/truncated_continuations",
+)
+FALLBACK_PREFIX = "rredcot/fallback/"  # summed per step into rredcot/fallback_total
+DIAGNOSTIC_WINDOW = 10
+
+
+def window_means(rows: list[dict]) -> dict:
+    """{"first": {key: mean}, "last": {key: mean}} over the first and last ``DIAGNOSTIC_WINDOW`` training steps."""
+    steps = sorted({row["step"] for row in rows if row["step"] >= 1 and "timing_s/step" in row})
+    windows = {"first": set(steps[:DIAGNOSTIC_WINDOW]), "last": set(steps[-DIAGNOSTIC_WINDOW:])}
+    means = {}
+    for name, window in windows.items():
+        picked = [row for row in rows if row["step"] in window]
+        for row in picked:
+            fallbacks = [value for key, value in row.items() if key.startswith(FALLBACK_PREFIX)]
+            if fallbacks:
+                row["rredcot/fallback_total"] = float(sum(fallbacks))
+        means[name] = {key: float(np.mean([row[key] for row in picked if key in row]))
+                       for key in (*DIAGNOSTIC_KEYS, "rredcot/fallback_total") if any(key in row for row in picked)}
+    return means
+
+
+def blamed_segment(trace: dict) -> int | None:
+    """0-based segment holding an incorrect trace's first wrong step (for a missing step, the segment that reaches
+    where it would start), from the arithmetic task's annotator; None when the annotator finds no wrong step."""
+    wrong = TASKS["arithmetic"].first_wrong_step(trace["extra_info"], trace["response"])
+    if wrong is None:
+        return None
+    _, (start, stop) = wrong
+    tokens = [token for token in trace["response_tokens"] if token != PAD_TOKEN]
+    char_ends = np.cumsum([len(token) for token in tokens])
+    for j, end in enumerate(end for end in trace["seg_ends"] if end != -1):
+        if char_ends[min(end, len(tokens)) - 1] >= max(stop, start + 1):
+            return j
+    return None
+
+
+def snapshot_localisation(out: Path) -> dict | None:
+    """Value quality during training, from the estimator's per-step snapshots: on incorrect traces with a known first
+    wrong step, how often the most negative segment reward falls on the segment holding that step ("first" and
+    "last" ``DIAGNOSTIC_WINDOW`` steps; ``chance``: mean 1/K). None for estimators without segment rewards (grpo,
+    ibpo)."""
+    paths = sorted((out / "snapshots").glob("step_*.json"))
+    if not paths:
+        return None
+    windows = {"first": paths[:DIAGNOSTIC_WINDOW], "last": paths[-DIAGNOSTIC_WINDOW:]}
+    result = {}
+    for name, window in windows.items():
+        hits, chance = [], []
+        for path in window:
+            for trace in json.loads(path.read_text()).get("traces", []):
+                rewards = [r for r in trace.get("segment_rewards") or [] if r is not None]
+                if trace.get("outcome") != 0.0 or len(rewards) < 2:
+                    continue
+                holder = blamed_segment(trace)
+                if holder is None or holder >= len(rewards):
+                    continue
+                hits.append(float(int(np.argmin(rewards)) == holder))
+                chance.append(1.0 / len(rewards))
+        if not hits:
+            return None
+        result[name] = {"localisation": float(np.mean(hits)), "chance": float(np.mean(chance)), "traces": len(hits)}
+    return result
+
+
 def summarise_run(out: Path) -> dict:
     rows = read_metrics(out / "metrics.jsonl")
     validation = [(row["step"], next(row[key] for key in VAL_KEYS if key in row)) for row in rows
@@ -290,6 +363,8 @@ def summarise_run(out: Path) -> dict:
         "grad_norm_mean": float(np.mean(grad_norms)) if grad_norms else None,
         "grad_norm_variance": float(np.var(grad_norms)) if len(grad_norms) > 1 else None,
         "steps": max((row["step"] for row in rows), default=0),
+        "diagnostics": window_means(rows),
+        "localisation": snapshot_localisation(out),
     }
 
 
@@ -363,6 +438,20 @@ def choose_learning_rates(setting_dir: Path, methods, steps: int, test_freq: int
     return chosen
 
 
+def mean_over_runs(per_run: list[dict | None]) -> dict | None:
+    """Seed mean of ``{window: {key: value}}`` summaries (``traces`` counts are summed); None if no run has one."""
+    present = [summary for summary in per_run if summary]
+    if not present:
+        return None
+    merged = {}
+    for window in present[0]:
+        keys = {key for summary in present for key in summary.get(window, {})}
+        merged[window] = {key: (sum if key == "traces" else np.mean)([s[window][key] for s in present
+                                                                      if key in s.get(window, {})]) for key in keys}
+        merged[window] = {key: float(value) for key, value in sorted(merged[window].items())}
+    return merged
+
+
 def analyse(setting_dir: Path, specs: dict, val_size: int) -> dict:
     """Summaries of the complete main runs; ``specs``: {method: [RunSpec per seed]}."""
     per_method = {}
@@ -383,6 +472,8 @@ def analyse(setting_dir: Path, specs: dict, val_size: int) -> dict:
             "curve": curve, "auc": area_under_curve(curve),
             "auc_ci95_seeds": t_interval([run["auc"] for run in runs.values() if run["auc"] is not None]),
             "runs": {str(s): r for s, r in runs.items()},
+            "diagnostics": mean_over_runs([run["diagnostics"] for run in runs.values()]),
+            "localisation": mean_over_runs([run["localisation"] for run in runs.values()]),
             **{key: mean_of(key) for key in ("median_step_s", "advantage_range_mean", "token_advantage_variance",
                                              "grad_norm_mean", "grad_norm_variance")},
         }
@@ -444,6 +535,17 @@ def print_table(result: dict) -> None:
               f"{fmt(e['final_accuracy'], 7, 3)}{fmt(e['auc'], 7, 3)}{reached if reached is not None else '-':>7}"
               f"{fmt(e['steps_to_grpo_final_over_grpo'], 7)}{fmt(e['seconds_to_grpo_final'], 7, 0)}"
               f"{fmt(e['median_step_s'])}{fmt(e['advantage_range_mean'])}{fmt(e['grad_norm_variance'], 9, 4)}")
+    print(f"\nfirst → last {DIAGNOSTIC_WINDOW} steps: train reward, redistributed fraction, clipped-trace fraction, "
+          "localisation of the first wrong step (chance)")
+    for method, e in result["methods"].items():
+        cells = []
+        for key in ("critic/score/mean", "rredcot/redistributed_frac", "rredcot/clipped_trace_frac"):
+            first, last = ((e["diagnostics"] or {}).get(window, {}).get(key) for window in ("first", "last"))
+            cells.append(f"{fmt(first, 0, 3)}→{fmt(last, 0, 3)}" if first is not None else "-")
+        loc = e["localisation"]
+        cells.append(f"{fmt(loc['first']['localisation'], 0, 2)}→{fmt(loc['last']['localisation'], 0, 2)} "
+                     f"({fmt(loc['last']['chance'], 0, 2)})" if loc else "-")
+        print(f"{method:<22}" + "".join(f"{cell:>16}" for cell in cells))
 
 
 def write_synthetic_metrics(out: Path, slope: float, seed: int, steps: int, test_freq: int, step_s: float) -> None:
@@ -453,6 +555,7 @@ def write_synthetic_metrics(out: Path, slope: float, seed: int, steps: int, test
     lines = [{"step": 0, "data": {VAL_KEYS[0]: 0.3 + 0.001 * seed}}]
     for step in range(1, steps + 1):
         data = {"timing_s/step": step_s, "actor/grad_norm": 0.1 * (seed + step % 2),
+                "critic/score/mean": 0.3 + slope * step,
                 "critic/advantages/max": 1.0 + 0.1 * slope, "critic/advantages/min": -1.0}
         if step % test_freq == 0 or step == steps:
             data["timing_s/testing"] = 1.0

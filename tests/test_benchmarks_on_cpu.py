@@ -143,6 +143,10 @@ def test_sample_efficiency_smoke_reads_synthetic_runs(tmp_path):
     p1, p2 = 0.361, 0.362
     assert (high - low) / 2 == pytest.approx(1.96 * ((p1 * (1 - p1) + p2 * (1 - p2)) / 1000) ** 0.5 / 2)
     assert result["meta"]["setting"] == "default" and result["meta"]["setting_parameters"]["task"]["max_operands"] == 6
+    # Diagnostics: train reward 0.3 + 0.01·step over steps 1..6 (fewer than the 10-step window: both windows are all).
+    assert grpo["diagnostics"]["first"]["critic/score/mean"] == pytest.approx(0.3 + 0.01 * 3.5)
+    assert rredcot["diagnostics"]["last"]["critic/score/mean"] == pytest.approx(0.3 + 0.02 * 3.5)
+    assert grpo["localisation"] is None  # synthetic runs write no snapshots
     assert (tmp_path / "curves.png").stat().st_size > 0
 
 
@@ -156,6 +160,40 @@ def test_sample_efficiency_hard_setting_takes_the_default_settings_sweep(tmp_pat
     assert all(entry["lr"] == sample_efficiency.SWEEP_LRS[1] for entry in result["sweep"].values())
     assert result["meta"]["setting_parameters"]["task"]["min_operands"] == 5
     assert set(result["methods"]) == set(sample_efficiency.METHODS)
+
+
+def _snapshot_trace(response: str, segment_rewards: list[float], outcome: float) -> dict:
+    """A snapshot trace of the embedded task: one token per character but for the think tags, a segment per line."""
+    tokens = []
+    for piece in response.replace("<think>", "\0<think>\0").replace("</think>", "\0</think>\0").split("\0"):
+        tokens += [piece] if piece in ("<think>", "</think>") else list(piece)
+    seg_ends = [i + 1 for i, token in enumerate(tokens) if token == "\n"] + [len(tokens)]
+    return {"response": response, "response_tokens": tokens + ["<|pad|>"] * 3, "outcome": outcome,
+            "seg_ends": seg_ends + [-1] * (8 - len(seg_ends)), "segment_rewards": segment_rewards,
+            "extra_info": {"operands": [48, 57, 46], "ops": ["-", "+"]}}
+
+
+def test_sample_efficiency_localisation_finds_the_segment_of_the_first_wrong_step(tmp_path):
+    wrong_second_line = "<think>\n48-57=-9\n-9+46=36\n</think>\n\\boxed{36}"
+    missing_second_line = "<think>\n48-57=-9\n</think>\n\\boxed{-9}"
+    # Segments: "<think>\n", one per step line, "</think>\n", the answer.
+    hit = _snapshot_trace(wrong_second_line, [0.0, 0.1, -0.5, 0.0, 0.0], 0.0)
+    miss = _snapshot_trace(wrong_second_line, [0.0, -0.5, 0.1, 0.0, 0.0], 0.0)
+    missing = _snapshot_trace(missing_second_line, [0.0, 0.2, -0.4, 0.0], 0.0)  # blame lands on "</think>\n"
+    assert [sample_efficiency.blamed_segment(t) for t in (hit, miss, missing)] == [2, 2, 2]
+    correct = _snapshot_trace("<think>\n48-57=-9\n-9+46=37\n</think>\n\\boxed{37}", [0.0, 0.3, 0.2, 0.0, 0.0], 1.0)
+    assert sample_efficiency.blamed_segment(correct) is None
+    snapshots = tmp_path / "snapshots"
+    snapshots.mkdir()
+    for step, traces in enumerate([[hit, correct], [miss, missing]], start=1):
+        (snapshots / f"step_{step:05d}.json").write_text(json.dumps({"step": step, "traces": traces}))
+    result = sample_efficiency.snapshot_localisation(tmp_path)  # both steps lie in both 10-step windows
+    assert result["first"] == {"localisation": pytest.approx(2 / 3), "chance": pytest.approx((1 / 5 + 1 / 5 + 1 / 4) / 3),
+                               "traces": 3}
+    grpo_like = {**hit, "segment_rewards": None}
+    (snapshots / "step_00001.json").write_text(json.dumps({"step": 1, "traces": [grpo_like]}))
+    (snapshots / "step_00002.json").write_text(json.dumps({"step": 2, "traces": [grpo_like]}))
+    assert sample_efficiency.snapshot_localisation(tmp_path) is None
 
 
 def test_sample_efficiency_auc_of_a_bent_curve():
