@@ -16,8 +16,10 @@ Real verl runs (``recipes/tiny_cpu/run.sh``), in two stages:
 Runs write verl's ``metrics.jsonl`` as they go, under ``<runs-root>/default/sweep/<method>_lr<rate>`` and
 ``<runs-root>/<setting>/main/<method>_seed<seed>``; a run
 whose metrics reach its last step and whose ``run.json`` matches the requested launch (method, seed, steps, learning
-rate, overrides) is read, not relaunched, so an interrupted study resumes where it stopped (an unfinished run is
-started again from scratch).
+rate, overrides) is read, not relaunched, so an interrupted study resumes where it stopped. An unfinished main run
+resumes from its last verl checkpoint (every ``--test-freq`` steps, in ``<run>/checkpoints``); each launch's metrics
+are kept (``metrics.launch<n>.jsonl``) and merged step by step (``merge_launches``). An unfinished sweep run starts
+again.
 
 Methods (``METHODS``; variants are hydra overrides on a recipe):
 
@@ -87,6 +89,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass
@@ -96,7 +99,7 @@ import numpy as np
 from scipy import stats
 
 from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta
-from benchmarks.cost import launch_run, read_metrics
+from benchmarks.cost import launch_run
 from rredcot_verl.tasks import TASKS, ArithmeticTaskConfig, load_model_dir, write_parquet
 from rredcot_verl.tasks.build import DEFAULT_N_TRAIN
 from rredcot_verl.tasks.model import PAD_TOKEN, chat_prompt_ids, response_ids
@@ -207,29 +210,100 @@ class RunSpec:
         return json.loads(json.dumps(asdict(self)))  # tuples as lists, as read back from disk
 
 
+def checkpoint_overrides(out: Path, every: int) -> tuple[str, ...]:
+    """verl checkpoints every ``every`` steps into ``out/checkpoints`` (the latest kept), resumed by a relaunch."""
+    return (f"trainer.default_local_dir={out / 'checkpoints'}", f"trainer.save_freq={every}",
+            "trainer.resume_mode=auto", "trainer.max_actor_ckpt_to_keep=1")
+
+
+def launch_files(out: Path) -> list[Path]:
+    """The run's metrics files, one per launch, oldest first: ``metrics.launch<n>.jsonl`` (archived), then
+    ``metrics.jsonl`` (the latest launch)."""
+    archived = sorted(out.glob("metrics.launch*.jsonl"), key=lambda path: int(path.stem.removeprefix("metrics.launch")))
+    return [*archived, *[out / "metrics.jsonl"] * (out / "metrics.jsonl").exists()]
+
+
+def read_launch(path: Path) -> list[dict]:
+    """verl FileLogger lines ``{"step": n, "data": {...}}`` → ``{"step": n, **data}``; a last line cut short by a
+    killed run is dropped."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) - 1:
+                break
+            raise
+        rows.append({"step": entry["step"], **entry["data"]})
+    return rows
+
+
+def merge_launches(launches: list[list[dict]]) -> list[dict]:
+    """One row per step across launches of a run. A launch starts at the checkpoint it resumed from (or at 0), so its
+    rows replace every earlier row after its first step; at its first step (validation at resume) they are merged
+    into the earlier row."""
+    merged: dict[int, dict] = {}
+    for rows in launches:
+        if not rows:
+            continue
+        first = min(row["step"] for row in rows)
+        merged = {step: row for step, row in merged.items() if step <= first}
+        for row in rows:
+            merged[row["step"]] = {**merged.get(row["step"], {}), **row}
+    return [merged[step] for step in sorted(merged)]
+
+
+def read_run(out: Path) -> list[dict]:
+    return merge_launches([read_launch(path) for path in launch_files(out)])
+
+
 def run_complete(out: Path, spec: RunSpec) -> bool:
     """The run reached its last step under exactly this launch (a changed learning rate or data relaunches it)."""
-    metrics, record = out / "metrics.jsonl", out / RUN_RECORD
-    if not (metrics.exists() and record.exists()) or json.loads(record.read_text()) != spec.record():
+    record = out / RUN_RECORD
+    if not launch_files(out) or not record.exists() or json.loads(record.read_text()) != spec.record():
         return False
-    try:
-        return any(row["step"] >= spec.steps for row in read_metrics(metrics))
-    except json.JSONDecodeError:  # a run killed while writing its last line
-        return False
+    return any(row["step"] >= spec.steps for row in read_run(out))
+
+
+def archive_launch(out: Path) -> None:
+    """Keep the last launch's metrics and log (``run.sh`` starts both afresh) as ``*.launch<n>.*``."""
+    if not (out / "metrics.jsonl").exists():
+        return
+    number = len(launch_files(out))
+    (out / "metrics.jsonl").rename(out / f"metrics.launch{number}.jsonl")
+    if (out / "train.log").exists():
+        (out / "train.log").rename(out / f"train.launch{number}.log")
+
+
+def clear_run(out: Path) -> None:
+    """Remove what a launch with other settings left: its metrics, logs, snapshots and checkpoints."""
+    for path in (*out.glob("metrics*.jsonl"), *out.glob("train*.log")):
+        path.unlink()
+    for folder in ("snapshots", "checkpoints"):
+        shutil.rmtree(out / folder, ignore_errors=True)
 
 
 def ensure_run(out: Path, spec: RunSpec, build: Path) -> int:
-    """Launch the run unless complete (one retry: the machine is shared); returns the exit code (0 if complete)."""
+    """Launch the run unless complete; a run interrupted under the same settings resumes from its last checkpoint
+    (main runs; sweep runs start over), and a failed launch is retried once (the machine is shared). Returns the exit
+    code (0 if complete)."""
     if run_complete(out, spec):
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    (out / RUN_RECORD).write_text(json.dumps(spec.record(), indent=2) + "\n")
+    record = out / RUN_RECORD
+    if not record.exists() or json.loads(record.read_text()) != spec.record():
+        clear_run(out)
+    record.write_text(json.dumps(spec.record(), indent=2) + "\n")
     overrides = (*spec.overrides, f"{LR_KEY}={spec.lr}")
     timeout_s = 600 + 60 * spec.steps  # segment_mc is about 20 s a step on one core, plus validation
     recipe = METHOD_SPECS[spec.method].recipe
-    code = launch_run(recipe, out, spec.steps, spec.seed, build, overrides, timeout_s=timeout_s)
-    if code != 0:
+    code = 1
+    for _ in range(2):
+        archive_launch(out)
         code = launch_run(recipe, out, spec.steps, spec.seed, build, overrides, timeout_s=timeout_s)
+        if code == 0:
+            break
     return code
 
 
@@ -341,7 +415,7 @@ def snapshot_localisation(out: Path) -> dict | None:
 
 
 def summarise_run(out: Path) -> dict:
-    rows = read_metrics(out / "metrics.jsonl")
+    rows = read_run(out)
     validation = [(row["step"], next(row[key] for key in VAL_KEYS if key in row)) for row in rows
                   if any(key in row for key in VAL_KEYS)]
     elapsed, seconds = {}, 0.0
@@ -635,7 +709,9 @@ def main(argv: list[str] | None = None) -> dict:
             steps = args.segment_mc_steps if method == "segment_mc" else args.steps
             overrides = (*METHOD_SPECS[method].overrides, *data_overrides(main_data, setting),
                          *schedule_overrides(steps, args.test_freq))
-            specs[method] = [RunSpec(method, seed, steps, lrs[method]["lr"], overrides) for seed in args.seeds]
+            specs[method] = [RunSpec(method, seed, steps, lrs[method]["lr"], (
+                *overrides, *checkpoint_overrides(main_dir(setting_dir, method, seed), args.test_freq)))
+                for seed in args.seeds]
         return specs
 
     codes = {}

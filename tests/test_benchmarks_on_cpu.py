@@ -196,6 +196,58 @@ def test_sample_efficiency_localisation_finds_the_segment_of_the_first_wrong_ste
     assert sample_efficiency.snapshot_localisation(tmp_path) is None
 
 
+def _write_launch(path: Path, rows: list[tuple[int, dict]], cut_last_line: bool = False) -> None:
+    text = "".join(json.dumps({"step": step, "data": data}) + "\n" for step, data in rows)
+    path.write_text(text[: text.rstrip().rfind("\n") + 20] if cut_last_line else text)
+
+
+def test_sample_efficiency_interrupted_launches_merge_into_one_run(tmp_path):
+    val = sample_efficiency.VAL_KEYS[0]
+    spec = sample_efficiency.RunSpec("grpo", 1, 4, 3e-5, ("trainer.test_freq=2",))
+    (tmp_path / sample_efficiency.RUN_RECORD).write_text(json.dumps(spec.record()))
+    # Launch 1: validation at 0, steps 1..3 (checkpoint at 2), killed while writing step 3's line.
+    _write_launch(tmp_path / "metrics.jsonl", [(0, {val: 0.5}), (1, {"timing_s/step": 1.0}),
+                                               (2, {"timing_s/step": 1.0, val: 0.6}), (3, {"timing_s/step": 9.0})],
+                  cut_last_line=True)
+    (tmp_path / "train.log").write_text("launch 1")
+    assert not sample_efficiency.run_complete(tmp_path, spec)
+    sample_efficiency.archive_launch(tmp_path)
+    assert (tmp_path / "metrics.launch1.jsonl").exists() and (tmp_path / "train.launch1.log").read_text() == "launch 1"
+    # Launch 2 resumes from the step-2 checkpoint: validation at 2 again, then steps 3 and 4.
+    _write_launch(tmp_path / "metrics.jsonl", [(2, {val: 0.61}), (3, {"timing_s/step": 2.0}),
+                                               (4, {"timing_s/step": 2.0, val: 0.7})])
+    rows = sample_efficiency.read_run(tmp_path)
+    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
+    assert rows[2] == {"step": 2, "timing_s/step": 1.0, val: 0.61}  # launch 1's training, launch 2's validation
+    assert rows[3]["timing_s/step"] == 2.0
+    assert sample_efficiency.run_complete(tmp_path, spec)
+    summary = sample_efficiency.summarise_run(tmp_path)
+    assert [(p["step"], p["accuracy"]) for p in summary["validation"]] == [(0, 0.5), (2, 0.61), (4, 0.7)]
+    assert summary["validation"][-1]["seconds"] == pytest.approx(6.0)
+    # A launch that starts over (no checkpoint) replaces everything after its step 0.
+    sample_efficiency.archive_launch(tmp_path)
+    _write_launch(tmp_path / "metrics.jsonl", [(0, {val: 0.5}), (1, {"timing_s/step": 3.0})])
+    assert [row["step"] for row in sample_efficiency.read_run(tmp_path)] == [0, 1]
+    assert not sample_efficiency.run_complete(tmp_path, spec)
+    # A broken line that is not the last is an error, not a silent gap.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "da\n{"step": 1, "data": {}}\n')
+    with pytest.raises(json.JSONDecodeError):
+        sample_efficiency.read_run(tmp_path)
+    # Other settings: the run's files are cleared before it is launched again.
+    sample_efficiency.clear_run(tmp_path)
+    assert sample_efficiency.launch_files(tmp_path) == [] and not list(tmp_path.glob("train*.log"))
+
+
+def test_sample_efficiency_main_runs_checkpoint_into_their_own_folder(tmp_path):
+    result = sample_efficiency.main(["--smoke", "--out", str(tmp_path / "se.json")])
+    runs_dir = Path(result["meta"]["runs_dir"])
+    record = json.loads((runs_dir / "main" / "ibpo_seed2" / sample_efficiency.RUN_RECORD).read_text())
+    assert f"trainer.default_local_dir={runs_dir / 'main' / 'ibpo_seed2' / 'checkpoints'}" in record["overrides"]
+    assert {"trainer.save_freq=2", "trainer.resume_mode=auto"} <= set(record["overrides"])  # smoke: test_freq 2
+    sweep_record = json.loads((runs_dir / "sweep" / "ibpo_lr1e-05" / sample_efficiency.RUN_RECORD).read_text())
+    assert not any(override.startswith("trainer.save_freq") for override in sweep_record["overrides"])
+
+
 def test_sample_efficiency_auc_of_a_bent_curve():
     points = [{"step": 0, "accuracy": 0.2}, {"step": 10, "accuracy": 0.6}, {"step": 30, "accuracy": 0.6}]
     # Trapezoids 10·(0.2 + 0.6)/2 = 4 and 20·0.6 = 12 over a span of 30 steps.
