@@ -161,12 +161,18 @@ def launch_run(method: str, out: Path, steps: int, seed: int, build: Path, overr
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """verl FileLogger lines ``{"step": n, "data": {...}}`` → list of ``{"step": n, **data}``, in file order."""
+    """verl FileLogger lines ``{"step": n, "data": {...}}`` → list of ``{"step": n, **data}``, in file order; a last
+    line cut short by a killed run is dropped (a broken line elsewhere raises)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
     rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
+    for number, line in enumerate(lines):
+        try:
             entry = json.loads(line)
-            rows.append({"step": entry["step"], **entry["data"]})
+        except json.JSONDecodeError:
+            if number == len(lines) - 1:
+                break
+            raise
+        rows.append({"step": entry["step"], **entry["data"]})
     return rows
 
 

@@ -99,7 +99,7 @@ import numpy as np
 from scipy import stats
 
 from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta
-from benchmarks.cost import launch_run
+from benchmarks.cost import launch_run, read_metrics
 from rredcot_verl.tasks import TASKS, ArithmeticTaskConfig, load_model_dir, write_parquet
 from rredcot_verl.tasks.build import DEFAULT_N_TRAIN
 from rredcot_verl.tasks.model import PAD_TOKEN, chat_prompt_ids, response_ids
@@ -223,22 +223,6 @@ def launch_files(out: Path) -> list[Path]:
     return [*archived, *[out / "metrics.jsonl"] * (out / "metrics.jsonl").exists()]
 
 
-def read_launch(path: Path) -> list[dict]:
-    """verl FileLogger lines ``{"step": n, "data": {...}}`` → ``{"step": n, **data}``; a last line cut short by a
-    killed run is dropped."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    rows = []
-    for number, line in enumerate(lines):
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines) - 1:
-                break
-            raise
-        rows.append({"step": entry["step"], **entry["data"]})
-    return rows
-
-
 def merge_launches(launches: list[list[dict]]) -> list[dict]:
     """One row per step across launches of a run. A launch starts at the checkpoint it resumed from (or at 0), so its
     rows replace every earlier row after its first step; at its first step (validation at resume) they are merged
@@ -255,7 +239,7 @@ def merge_launches(launches: list[list[dict]]) -> list[dict]:
 
 
 def read_run(out: Path) -> list[dict]:
-    return merge_launches([read_launch(path) for path in launch_files(out)])
+    return merge_launches([read_metrics(path) for path in launch_files(out)])
 
 
 def run_complete(out: Path, spec: RunSpec) -> bool:
@@ -329,12 +313,16 @@ def main_dir(setting_dir: Path, method: str, seed: int) -> Path:
 # ---------------------------------------------------------------- analysis
 
 
-def snapshot_advantage_variance(out: Path) -> float | None:
-    """Mean over steps of the variance of the token advantages in ``snapshots/step_*.json`` (None if none);
-    padding positions of the responses are left out."""
+def read_snapshots(out: Path) -> list[dict]:
+    """The estimator's per-step snapshots (``snapshots/step_*.json``), in step order."""
+    return [json.loads(path.read_text()) for path in sorted((out / "snapshots").glob("step_*.json"))]
+
+
+def snapshot_advantage_variance(snapshots: list[dict]) -> float | None:
+    """Mean over steps of the variance of the snapshots' token advantages (None if none); padding positions of the
+    responses are left out."""
     variances = []
-    for path in sorted((out / "snapshots").glob("step_*.json")):
-        snapshot = json.loads(path.read_text())
+    for snapshot in snapshots:
         tokens = [a for trace in snapshot.get("traces", [])
                   for a, token in zip(trace.get("token_advantages", []), trace.get("response_tokens", []))
                   if token != PAD_TOKEN]
@@ -353,8 +341,13 @@ DIAGNOSTIC_KEYS = (
     "ibpo/repair_success_rate", "ibpo/masked_token_frac", "ibpo/phi_mean_incorrect",
     "segment_mc/truncated_continuations",
 )
-FALLBACK_PREFIX = "rredcot/fallback/"  # summed per step into rredcot/fallback_total
+FALLBACK_PREFIX, FALLBACK_TOTAL = "rredcot/fallback/", "rredcot/fallback_total"  # the per-reason counts, summed
 DIAGNOSTIC_WINDOW = 10
+
+
+def with_fallback_total(row: dict) -> dict:
+    fallbacks = [value for key, value in row.items() if key.startswith(FALLBACK_PREFIX)]
+    return {**row, FALLBACK_TOTAL: float(sum(fallbacks))} if fallbacks else row
 
 
 def window_means(rows: list[dict]) -> dict:
@@ -363,13 +356,9 @@ def window_means(rows: list[dict]) -> dict:
     windows = {"first": set(steps[:DIAGNOSTIC_WINDOW]), "last": set(steps[-DIAGNOSTIC_WINDOW:])}
     means = {}
     for name, window in windows.items():
-        picked = [row for row in rows if row["step"] in window]
-        for row in picked:
-            fallbacks = [value for key, value in row.items() if key.startswith(FALLBACK_PREFIX)]
-            if fallbacks:
-                row["rredcot/fallback_total"] = float(sum(fallbacks))
+        picked = [with_fallback_total(row) for row in rows if row["step"] in window]
         means[name] = {key: float(np.mean([row[key] for row in picked if key in row]))
-                       for key in (*DIAGNOSTIC_KEYS, "rredcot/fallback_total") if any(key in row for row in picked)}
+                       for key in (*DIAGNOSTIC_KEYS, FALLBACK_TOTAL) if any(key in row for row in picked)}
     return means
 
 
@@ -388,20 +377,19 @@ def blamed_segment(trace: dict) -> int | None:
     return None
 
 
-def snapshot_localisation(out: Path) -> dict | None:
+def snapshot_localisation(snapshots: list[dict]) -> dict | None:
     """Value quality during training, from the estimator's per-step snapshots: on incorrect traces with a known first
     wrong step, how often the most negative segment reward falls on the segment holding that step ("first" and
     "last" ``DIAGNOSTIC_WINDOW`` steps; ``chance``: mean 1/K). None for estimators without segment rewards (grpo,
     ibpo)."""
-    paths = sorted((out / "snapshots").glob("step_*.json"))
-    if not paths:
+    if not snapshots:
         return None
-    windows = {"first": paths[:DIAGNOSTIC_WINDOW], "last": paths[-DIAGNOSTIC_WINDOW:]}
+    windows = {"first": snapshots[:DIAGNOSTIC_WINDOW], "last": snapshots[-DIAGNOSTIC_WINDOW:]}
     result = {}
     for name, window in windows.items():
         hits, chance = [], []
-        for path in window:
-            for trace in json.loads(path.read_text()).get("traces", []):
+        for snapshot in window:
+            for trace in snapshot.get("traces", []):
                 rewards = [r for r in trace.get("segment_rewards") or [] if r is not None]
                 if trace.get("outcome") != 0.0 or len(rewards) < 2:
                     continue
@@ -417,7 +405,7 @@ def snapshot_localisation(out: Path) -> dict | None:
 
 
 def summarise_run(out: Path) -> dict:
-    rows = read_run(out)
+    rows, snapshots = read_run(out), read_snapshots(out)
     validation = [(row["step"], next(row[key] for key in VAL_KEYS if key in row)) for row in rows
                   if any(key in row for key in VAL_KEYS)]
     elapsed, seconds = {}, 0.0
@@ -435,12 +423,12 @@ def summarise_run(out: Path) -> dict:
         "auc": area_under_curve(points),
         "median_step_s": statistics.median(step_times) if step_times else None,
         "advantage_range_mean": float(np.mean(ranges)) if ranges else None,
-        "token_advantage_variance": snapshot_advantage_variance(out),
+        "token_advantage_variance": snapshot_advantage_variance(snapshots),
         "grad_norm_mean": float(np.mean(grad_norms)) if grad_norms else None,
         "grad_norm_variance": float(np.var(grad_norms)) if len(grad_norms) > 1 else None,
         "steps": max((row["step"] for row in rows), default=0),
         "diagnostics": window_means(rows),
-        "localisation": snapshot_localisation(out),
+        "localisation": snapshot_localisation(snapshots),
     }
 
 
@@ -723,7 +711,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_launch:  # sweep first: the main runs need its choice
         for method, specs in sweep.items():
             for lr, spec in specs.items():
-                codes[f"sweep/{method}_lr{lr:g}"] = ensure_run(sweep_dir(sweep_setting_dir, method, lr), spec, args.build)
+                out_dir = sweep_dir(sweep_setting_dir, method, lr)
+                codes[f"sweep/{method}_lr{lr:g}"] = ensure_run(out_dir, spec, args.build)
     lrs = choose_learning_rates(sweep_setting_dir, args.methods, args.sweep_steps, args.sweep_test_freq,
                                 sweep_overrides)
     specs = main_specs(lrs)  # with --sweep too: the JSON keeps the main runs already complete
@@ -741,7 +730,8 @@ def main(argv: list[str] | None = None) -> dict:
         "setting": args.setting, "setting_parameters": asdict(setting), "runs_dir": str(setting_dir),
         "seeds": args.seeds, "steps": args.steps, "segment_mc_steps": args.segment_mc_steps,
         "test_freq": args.test_freq, "val_size": args.val_size, "val_files": main_data["val_files"],
-        "sweep_setting": SWEEP_SETTING, "sweep_lrs": list(SWEEP_LRS), "sweep_seed": SWEEP_SEED, "sweep_steps": args.sweep_steps,
+        "sweep_setting": SWEEP_SETTING, "sweep_lrs": list(SWEEP_LRS), "sweep_seed": SWEEP_SEED,
+        "sweep_steps": args.sweep_steps,
         "sweep_test_freq": args.sweep_test_freq, "sweep_val_files": sweep_data["val_files"],
         "lr_rule": "highest validation AUC of the sweep run, ties to the smaller rate",
         "learning_rate_from": LEARNING_RATE_FROM,

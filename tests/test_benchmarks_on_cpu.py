@@ -187,13 +187,13 @@ def test_sample_efficiency_localisation_finds_the_segment_of_the_first_wrong_ste
     snapshots.mkdir()
     for step, traces in enumerate([[hit, correct], [miss, missing]], start=1):
         (snapshots / f"step_{step:05d}.json").write_text(json.dumps({"step": step, "traces": traces}))
-    result = sample_efficiency.snapshot_localisation(tmp_path)  # both steps lie in both 10-step windows
+    result = sample_efficiency.snapshot_localisation(sample_efficiency.read_snapshots(tmp_path))  # both steps lie in both 10-step windows
     assert result["first"] == {"localisation": pytest.approx(2 / 3), "chance": pytest.approx((1 / 5 + 1 / 5 + 1 / 4) / 3),
                                "traces": 3}
     grpo_like = {**hit, "segment_rewards": None}
     (snapshots / "step_00001.json").write_text(json.dumps({"step": 1, "traces": [grpo_like]}))
     (snapshots / "step_00002.json").write_text(json.dumps({"step": 2, "traces": [grpo_like]}))
-    assert sample_efficiency.snapshot_localisation(tmp_path) is None
+    assert sample_efficiency.snapshot_localisation(sample_efficiency.read_snapshots(tmp_path)) is None
 
 
 def _write_launch(path: Path, rows: list[tuple[int, dict]], cut_last_line: bool = False) -> None:
