@@ -19,7 +19,13 @@ whose metrics reach its last step and whose ``run.json`` matches the requested l
 rate, overrides) is read, not relaunched, so an interrupted study resumes where it stopped. An unfinished main run
 resumes from its last verl checkpoint (every ``--test-freq`` steps, in ``<run>/checkpoints``); each launch's metrics
 are kept (``metrics.launch<n>.jsonl``) and merged step by step (``merge_launches``). An unfinished sweep run starts
-again.
+again. Each finished run is also recorded in a ledger committed with the results (``--ledger``, default
+``benchmarks/results/sample_efficiency_runs/<setting>/<sweep|main>/<run>.json``: the launch settings, paths relative
+to the runs root, and the run's summary below). A run the ledger holds under the same settings is read from it and not
+launched, so the study continues on another machine (or a fresh checkout) from what has been committed; the run
+folders themselves stay under ``outputs/``. Ledger entries whose ``source`` is not ``metrics`` were transcribed from
+the study's record after their folders were lost: validation accuracies only (exact, k/1000), no timings or
+diagnostics, which the analysis then averages over the seeds that have them.
 
 Methods (``METHODS``; variants are hydra overrides on a recipe):
 
@@ -157,6 +163,11 @@ RESULTS_PATH = RESULTS_DIR / "sample_efficiency.json"
 # verl logs the reward function's score as acc (reward when it returns a dict without "acc"); both are 0/1 here.
 VAL_KEYS = ("val-core/rredcot_arithmetic/acc/mean@1", "val-core/rredcot_arithmetic/reward/mean@1")
 RUN_RECORD = "run.json"
+# One JSON per finished run (its launch settings and its summary), committed with the results: the run folders
+# (checkpoints, logs, snapshots) live under outputs/ on the machine that ran them, and a study that spans several
+# machines resumes from the ledger, launching only the runs it lacks.
+LEDGER_DIR = RESULTS_DIR / "sample_efficiency_runs"
+RUNS_ROOT_MARK = "<runs-root>"
 
 
 # ---------------------------------------------------------------- data
@@ -268,11 +279,11 @@ def clear_run(out: Path) -> None:
         shutil.rmtree(out / folder, ignore_errors=True)
 
 
-def ensure_run(out: Path, spec: RunSpec, build: Path) -> int:
-    """Launch the run unless complete; a run interrupted under the same settings resumes from its last checkpoint
-    (main runs; sweep runs start over), and a failed launch is retried once (the machine is shared). Returns the exit
-    code (0 if complete)."""
-    if run_complete(out, spec):
+def ensure_run(out: Path, spec: RunSpec, build: Path, ledger: Ledger) -> int:
+    """Launch the run unless the ledger has it or its folder is complete; a run interrupted under the same settings
+    resumes from its last checkpoint (main runs; sweep runs start over), and a failed launch is retried once (the
+    machine is shared). A complete run is recorded in the ledger. Returns the exit code (0 if complete)."""
+    if ledger.summary(out, spec) is not None:
         return 0
     out.mkdir(parents=True, exist_ok=True)
     record = out / RUN_RECORD
@@ -290,7 +301,45 @@ def ensure_run(out: Path, spec: RunSpec, build: Path) -> int:
         code = launch_run(recipe, out, spec.steps, spec.seed, build, overrides, timeout_s=timeout_s)
         if code == 0:
             break
+    ledger.summary(out, spec)
     return code
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Finished runs' summaries, ``<root>/<setting>/<sweep|main>/<run>.json``, keyed by the run folder's place under
+    ``runs_root``; paths in the launch settings are kept relative to ``runs_root`` so another checkout matches them."""
+    root: Path
+    runs_root: Path
+
+    def path(self, out: Path) -> Path:
+        relative = out.relative_to(self.runs_root)
+        return self.root / relative.parent / f"{relative.name}.json"  # not with_suffix: "lr0.0001" has a dot
+
+    def portable(self, spec: RunSpec) -> dict:
+        record = spec.record()
+        record["overrides"] = [item.replace(str(self.runs_root), RUNS_ROOT_MARK) for item in record["overrides"]]
+        return record
+
+    def read(self, out: Path, spec: RunSpec) -> dict | None:
+        """The ledger's summary of the run if it was recorded under exactly this launch."""
+        path = self.path(out)
+        if not path.exists():
+            return None
+        entry = json.loads(path.read_text())
+        return entry["summary"] if entry["spec"] == self.portable(spec) else None
+
+    def summary(self, out: Path, spec: RunSpec) -> dict | None:
+        """The run's summary: from the ledger, else from a complete run folder (then recorded); None if neither."""
+        recorded = self.read(out, spec)
+        if recorded is not None:
+            return recorded
+        if not run_complete(out, spec):
+            return None
+        summary = {**summarise_run(out), "source": "metrics"}
+        self.path(out).parent.mkdir(parents=True, exist_ok=True)
+        self.path(out).write_text(json.dumps({"spec": self.portable(spec), "summary": summary}, indent=1) + "\n")
+        return summary
 
 
 def schedule_overrides(steps: int, test_freq: int) -> tuple[str, ...]:
@@ -458,6 +507,12 @@ def binomial_interval(accuracies: list[float], val_size: int) -> list[float]:
     return [mean - half, mean + half]
 
 
+def mean_or_none(values: list) -> float | None:
+    """Mean of the values present (a run transcribed from a lost machine has no timings); None if none is."""
+    present = [value for value in values if value is not None]
+    return float(np.mean(present)) if present else None
+
+
 def mean_curve(runs: list[dict], val_size: int) -> list[dict]:
     """Seed-mean accuracy, its intervals and seconds at the validation steps all seeds share."""
     shared = set.intersection(*({v["step"] for v in run["validation"]} for run in runs)) if runs else set()
@@ -469,7 +524,7 @@ def mean_curve(runs: list[dict], val_size: int) -> list[dict]:
                       "accuracy_sd": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else 0.0,
                       "ci95_seeds": t_interval(accuracies),
                       "ci95_binomial": binomial_interval(accuracies, val_size),
-                      "seconds": float(np.mean([p["seconds"] for p in points]))})
+                      "seconds": mean_or_none([p["seconds"] for p in points])})
     return curve
 
 
@@ -482,7 +537,8 @@ def swept_methods(methods) -> list[str]:
     return list(dict.fromkeys(LEARNING_RATE_FROM.get(method, method) for method in methods))
 
 
-def choose_learning_rates(setting_dir: Path, methods, steps: int, test_freq: int, data: tuple[str, ...]) -> dict:
+def choose_learning_rates(setting_dir: Path, methods, steps: int, test_freq: int, data: tuple[str, ...],
+                          ledger: Ledger) -> dict:
     """Per method: the AUC of each complete sweep run and the chosen rate (highest AUC, ties to the smaller
     rate); a method whose sweep is incomplete gets ``lr`` None and no main runs. A method in ``LEARNING_RATE_FROM``
     gets the rate chosen for its source (``lr_from``) and no AUCs."""
@@ -490,8 +546,8 @@ def choose_learning_rates(setting_dir: Path, methods, steps: int, test_freq: int
     for method in swept_methods(methods):
         aucs = {}
         for lr, spec in sweep_specs(method, steps, test_freq, data).items():
-            out = sweep_dir(setting_dir, method, lr)
-            aucs[lr] = summarise_run(out)["auc"] if run_complete(out, spec) else None
+            summary = ledger.summary(sweep_dir(setting_dir, method, lr), spec)
+            aucs[lr] = summary["auc"] if summary else None
         complete = all(auc is not None for auc in aucs.values())
         best = max(SWEEP_LRS, key=lambda lr: (aucs[lr], -lr)) if complete else None
         chosen[method] = {"lr": best, "auc_by_lr": {f"{lr:g}": auc for lr, auc in aucs.items()}}
@@ -516,13 +572,34 @@ def mean_over_runs(per_run: list[dict | None]) -> dict | None:
     return merged
 
 
-def analyse(setting_dir: Path, specs: dict, val_size: int) -> dict:
+def paired_with_grpo(runs: dict[str, dict], grpo_runs: dict[str, dict]) -> dict | None:
+    """Per seed both have, the method's run minus GRPO's on the validation steps both runs share (segment_mc's
+    shorter runs against GRPO's first steps): AUC and accuracy at the last shared step, seed mean and 95% t interval.
+    Seeds pair the training data order and the warm start, so the differences cancel what they share."""
+    auc_differences, final_differences, last_steps = [], [], set()
+    for seed in sorted(set(runs) & set(grpo_runs), key=int):
+        mine, theirs = ({p["step"]: p for p in run["validation"]} for run in (runs[seed], grpo_runs[seed]))
+        shared = sorted(set(mine) & set(theirs))
+        if len(shared) < 2:
+            continue
+        auc_differences.append(area_under_curve([mine[step] for step in shared])
+                               - area_under_curve([theirs[step] for step in shared]))
+        final_differences.append(mine[shared[-1]]["accuracy"] - theirs[shared[-1]]["accuracy"])
+        last_steps.add(shared[-1])
+    if not auc_differences:
+        return None
+    return {"seeds": len(auc_differences), "up_to_step": max(last_steps),
+            "auc_difference": float(np.mean(auc_differences)), "auc_difference_ci95": t_interval(auc_differences),
+            "final_difference": float(np.mean(final_differences)),
+            "final_difference_ci95": t_interval(final_differences)}
+
+
+def analyse(setting_dir: Path, specs: dict, val_size: int, ledger: Ledger) -> dict:
     """Summaries of the complete main runs; ``specs``: {method: [RunSpec per seed]}."""
     per_method = {}
     for method, method_specs in specs.items():
-        runs = {spec.seed: summarise_run(main_dir(setting_dir, method, spec.seed)) for spec in method_specs
-                if run_complete(main_dir(setting_dir, method, spec.seed), spec)}
-        runs = {seed: run for seed, run in runs.items() if run["validation"]}
+        runs = {spec.seed: ledger.summary(main_dir(setting_dir, method, spec.seed), spec) for spec in method_specs}
+        runs = {seed: run for seed, run in runs.items() if run and run["validation"]}
         if not runs:
             continue
 
@@ -542,6 +619,8 @@ def analyse(setting_dir: Path, specs: dict, val_size: int) -> dict:
                                              "grad_norm_mean", "grad_norm_variance")},
         }
     grpo = per_method.get("grpo")
+    for method, entry in per_method.items():
+        entry["paired_with_grpo"] = paired_with_grpo(entry["runs"], grpo["runs"]) if grpo and method != "grpo" else None
     target = grpo["curve"][-1]["accuracy"] if grpo and grpo["curve"] else None
     grpo_reached = first_reaching(grpo["curve"], target) if target is not None else None
     for entry in per_method.values():
@@ -575,7 +654,8 @@ def plot(result: dict, path: Path) -> None:
         if all(p["ci95_seeds"] for p in curve):
             by_step.fill_between(steps, [p["ci95_seeds"][0] for p in curve], [p["ci95_seeds"][1] for p in curve],
                                  alpha=0.12)
-        by_time.plot([p["seconds"] for p in curve], accuracy, marker="o", label=method)
+        timed = [(p["seconds"], p["accuracy"]) for p in curve if p["seconds"] is not None]
+        by_time.plot([t for t, _ in timed], [a for _, a in timed], marker="o", label=method)
     if result["grpo_final_accuracy"] is not None:
         for axis in (by_step, by_time):
             axis.axhline(result["grpo_final_accuracy"], color="grey", linestyle=":", linewidth=1)
@@ -599,6 +679,14 @@ def print_table(result: dict) -> None:
               f"{fmt(e['final_accuracy'], 7, 3)}{fmt(e['auc'], 7, 3)}{reached if reached is not None else '-':>7}"
               f"{fmt(e['steps_to_grpo_final_over_grpo'], 7)}{fmt(e['seconds_to_grpo_final'], 7, 0)}"
               f"{fmt(e['median_step_s'])}{fmt(e['advantage_range_mean'])}{fmt(e['grad_norm_variance'], 9, 4)}")
+    print("\nminus GRPO, paired by seed (mean [95% t interval]): AUC, accuracy at the last shared step")
+    for method, e in result["methods"].items():
+        paired = e["paired_with_grpo"]
+        if paired:
+            cells = [f"{fmt(paired[key], 0, 3)} [{', '.join(fmt(v, 0, 3) for v in paired[key + '_ci95'] or ())}]"
+                     for key in ("auc_difference", "final_difference")]
+            print(f"{method:<22}{paired['seeds']:>3} seeds, to step {paired['up_to_step']:<4}" + "".join(
+                f"{cell:>26}" for cell in cells))
     print(f"\nfirst → last {DIAGNOSTIC_WINDOW} steps: train reward, redistributed fraction, clipped-trace fraction, "
           "localisation of the first wrong step (chance)")
     for method, e in result["methods"].items():
@@ -655,6 +743,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "--smoke)")
     parser.add_argument("--runs-root", type=Path, default=ROOT / "outputs" / "bench" / "sample_efficiency",
                         help="runs go to <runs-root>/<setting>/{sweep,main}/")
+    parser.add_argument("--ledger", type=Path, default=LEDGER_DIR,
+                        help="finished runs' summaries, read before launching (temp with --smoke)")
     parser.add_argument("--build", type=Path, default=ROOT / "outputs" / "tiny_cpu" / "build")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
@@ -672,9 +762,11 @@ def main(argv: list[str] | None = None) -> dict:
     setting = SETTINGS[args.setting]
     if args.smoke:
         args.runs_root = Path(tempfile.mkdtemp()) / "runs"
+        args.ledger = args.runs_root.parent / "ledger"
         args.seeds, args.steps, args.segment_mc_steps, args.test_freq = [1, 2], 6, 6, 2
         args.sweep_steps, args.sweep_test_freq, args.no_launch = 4, 2, True
     setting_dir, sweep_setting_dir = args.runs_root / args.setting, args.runs_root / SWEEP_SETTING
+    ledger = Ledger(args.ledger, args.runs_root)
     sweep_setting = SETTINGS[SWEEP_SETTING]
     default_out = RESULTS_PATH if args.setting == "default" else RESULTS_PATH.with_stem(
         f"{RESULTS_PATH.stem}_{args.setting}")
@@ -712,22 +804,24 @@ def main(argv: list[str] | None = None) -> dict:
         for method, specs in sweep.items():
             for lr, spec in specs.items():
                 out_dir = sweep_dir(sweep_setting_dir, method, lr)
-                codes[f"sweep/{method}_lr{lr:g}"] = ensure_run(out_dir, spec, args.build)
+                codes[f"sweep/{method}_lr{lr:g}"] = ensure_run(out_dir, spec, args.build, ledger)
     lrs = choose_learning_rates(sweep_setting_dir, args.methods, args.sweep_steps, args.sweep_test_freq,
-                                sweep_overrides)
+                                sweep_overrides, ledger)
     specs = main_specs(lrs)  # with --sweep too: the JSON keeps the main runs already complete
     if not args.no_launch and not args.sweep:
         for seed in args.seeds:  # seed-major: an interrupted study has every method at the same number of seeds
             for method, method_specs in specs.items():
                 spec = next(s for s in method_specs if s.seed == seed)
-                codes[f"main/{method}_seed{seed}"] = ensure_run(main_dir(setting_dir, method, seed), spec, args.build)
+                codes[f"main/{method}_seed{seed}"] = ensure_run(main_dir(setting_dir, method, seed), spec, args.build,
+                                                                ledger)
 
-    result = analyse(setting_dir, specs, args.val_size)
+    result = analyse(setting_dir, specs, args.val_size, ledger)
     for method, entry in result["methods"].items():
         entry["sweep"] = lrs[method]["auc_by_lr"]
     result["sweep"] = lrs
     result["meta"] = {
         "setting": args.setting, "setting_parameters": asdict(setting), "runs_dir": str(setting_dir),
+        "ledger": str(ledger.root),
         "seeds": args.seeds, "steps": args.steps, "segment_mc_steps": args.segment_mc_steps,
         "test_freq": args.test_freq, "val_size": args.val_size, "val_files": main_data["val_files"],
         "sweep_setting": SWEEP_SETTING, "sweep_lrs": list(SWEEP_LRS), "sweep_seed": SWEEP_SEED,

@@ -147,6 +147,12 @@ def test_sample_efficiency_smoke_reads_synthetic_runs(tmp_path):
     assert grpo["diagnostics"]["first"]["critic/score/mean"] == pytest.approx(0.3 + 0.01 * 3.5)
     assert rredcot["diagnostics"]["last"]["critic/score/mean"] == pytest.approx(0.3 + 0.02 * 3.5)
     assert grpo["localisation"] is None  # synthetic runs write no snapshots
+    # Paired by seed, the seed offset cancels: rredcot gains 0.01 a step more than grpo over steps 0..6.
+    paired = rredcot["paired_with_grpo"]
+    assert paired["seeds"] == 2 and paired["up_to_step"] == 6 and grpo["paired_with_grpo"] is None
+    assert paired["auc_difference"] == pytest.approx(0.01 * 3)
+    assert paired["auc_difference_ci95"] == pytest.approx([0.03, 0.03])
+    assert paired["final_difference"] == pytest.approx(0.01 * 6)
     assert (tmp_path / "curves.png").stat().st_size > 0
 
 
@@ -194,6 +200,49 @@ def test_sample_efficiency_localisation_finds_the_segment_of_the_first_wrong_ste
     (snapshots / "step_00001.json").write_text(json.dumps({"step": 1, "traces": [grpo_like]}))
     (snapshots / "step_00002.json").write_text(json.dumps({"step": 2, "traces": [grpo_like]}))
     assert sample_efficiency.snapshot_localisation(sample_efficiency.read_snapshots(tmp_path)) is None
+
+
+def test_sample_efficiency_ledger_resumes_a_study_on_another_machine(tmp_path):
+    """A finished run is recorded in the ledger; another checkout (other runs root, run folder gone) reads it and
+    launches nothing, and a run recorded under other settings is not taken for it."""
+    se = sample_efficiency
+    first_root, second_root, ledger_dir = tmp_path / "a" / "runs", tmp_path / "b" / "runs", tmp_path / "ledger"
+
+    def spec(runs_root: Path, lr: float = 3e-5) -> se.RunSpec:
+        out = se.main_dir(runs_root / "default", "grpo", 1)
+        return se.RunSpec("grpo", 1, 6, lr, (f"data.train_files={runs_root}/default/data_main/train.parquet",
+                                             *se.checkpoint_overrides(out, 2)))
+
+    out = se.main_dir(first_root / "default", "grpo", 1)
+    se.write_synthetic_metrics(out, 0.01, 1, 6, 2, 5.0)
+    (out / se.RUN_RECORD).write_text(json.dumps(spec(first_root).record()))
+    recorded = se.Ledger(ledger_dir, first_root).summary(out, spec(first_root))
+    assert recorded["source"] == "metrics" and recorded["auc"] == pytest.approx(0.3 + 0.01 * 3 + 0.001)
+    assert (ledger_dir / "default" / "main" / "grpo_seed1.json").exists()
+    swept = se.sweep_dir(first_root / "default", "grpo", 1e-4)
+    assert se.Ledger(ledger_dir, first_root).path(swept) == ledger_dir / "default" / "sweep" / "grpo_lr0.0001.json"
+
+    elsewhere = se.Ledger(ledger_dir, second_root)
+    moved_out = se.main_dir(second_root / "default", "grpo", 1)
+    assert not moved_out.exists()
+    assert elsewhere.summary(moved_out, spec(second_root)) == recorded
+    assert se.ensure_run(moved_out, spec(second_root), tmp_path / "no-build", elsewhere) == 0
+    assert not moved_out.exists()  # nothing was launched
+    assert elsewhere.summary(moved_out, spec(second_root, lr=1e-5)) is None
+
+
+def test_sample_efficiency_pairs_a_shorter_run_with_grpo_on_the_steps_both_have():
+    def run(accuracies):
+        return {"validation": [{"step": 10 * i, "seconds": None, "accuracy": a} for i, a in enumerate(accuracies)]}
+
+    grpo = {"1": run([0.5, 0.6, 0.7, 0.8]), "2": run([0.5, 0.5, 0.6, 0.6]), "3": run([0.5, 0.6])}
+    short = {"1": run([0.5, 0.7, 0.7]), "2": run([0.5, 0.6, 0.6])}  # seed 3 missing: not paired
+    paired = sample_efficiency.paired_with_grpo(short, grpo)
+    assert paired["seeds"] == 2 and paired["up_to_step"] == 20
+    # Over steps 0..20 seed 1 differs by (0, +0.1, 0) and seed 2 by (0, +0.1, 0): AUC +0.05 each, final 0 each.
+    assert paired["auc_difference"] == pytest.approx(0.05)
+    assert paired["final_difference"] == pytest.approx(0.0)
+    assert sample_efficiency.paired_with_grpo({"4": run([0.5, 0.6])}, grpo) is None
 
 
 def _write_launch(path: Path, rows: list[tuple[int, dict]], cut_last_line: bool = False) -> None:
