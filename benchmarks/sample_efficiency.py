@@ -575,7 +575,7 @@ def mean_over_runs(per_run: list[dict | None]) -> dict | None:
 def paired_with_grpo(runs: dict[str, dict], grpo_runs: dict[str, dict]) -> dict | None:
     """Per seed both have, the method's run minus GRPO's on the validation steps both runs share (segment_mc's
     shorter runs against GRPO's first steps): AUC and accuracy at the last shared step, seed mean and 95% t interval.
-    Seeds pair the training data order and the warm start, so the differences cancel what they share."""
+    A seed fixes the order of the training prompts, which both runs of a pair then see alike."""
     auc_differences, final_differences, last_steps = [], [], set()
     for seed in sorted(set(runs) & set(grpo_runs), key=int):
         mine, theirs = ({p["step"]: p for p in run["validation"]} for run in (runs[seed], grpo_runs[seed]))
