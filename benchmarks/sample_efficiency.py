@@ -603,10 +603,6 @@ def analyse(setting_dir: Path, specs: dict, val_size: int, ledger: Ledger) -> di
         if not runs:
             continue
 
-        def mean_of(key):
-            values = [run[key] for run in runs.values() if run[key] is not None]
-            return float(np.mean(values)) if values else None
-
         curve = mean_curve(list(runs.values()), val_size)
         per_method[method] = {
             "seeds": sorted(runs), "steps": method_specs[0].steps, "val_size": val_size, "lr": method_specs[0].lr,
@@ -615,8 +611,9 @@ def analyse(setting_dir: Path, specs: dict, val_size: int, ledger: Ledger) -> di
             "runs": {str(s): r for s, r in runs.items()},
             "diagnostics": mean_over_runs([run["diagnostics"] for run in runs.values()]),
             "localisation": mean_over_runs([run["localisation"] for run in runs.values()]),
-            **{key: mean_of(key) for key in ("median_step_s", "advantage_range_mean", "token_advantage_variance",
-                                             "grad_norm_mean", "grad_norm_variance")},
+            **{key: mean_or_none([run[key] for run in runs.values()])
+               for key in ("median_step_s", "advantage_range_mean", "token_advantage_variance",
+                           "grad_norm_mean", "grad_norm_variance")},
         }
     grpo = per_method.get("grpo")
     for method, entry in per_method.items():
@@ -697,7 +694,7 @@ def print_table(result: dict) -> None:
         loc = e["localisation"]
         cells.append(f"{fmt(loc['first']['localisation'], 0, 2)}→{fmt(loc['last']['localisation'], 0, 2)} "
                      f"({fmt(loc['last']['chance'], 0, 2)})" if loc else "-")
-        print(f"{method:<22}" + "".join(f"{cell:>16}" for cell in cells))
+        print(f"{method:<22}" + "".join(f"{cell:>16}" for cell in cells[:3]) + f"  {cells[3]}")
 
 
 def write_synthetic_metrics(out: Path, slope: float, seed: int, steps: int, test_freq: int, step_s: float) -> None:
