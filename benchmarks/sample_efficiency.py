@@ -65,7 +65,9 @@ Reported per method (JSON ``methods.<method>``; runs that are not complete are l
 * ``curve``: per validation step, the seed-mean accuracy (``val-core/rredcot_arithmetic/acc/mean@1``, greedy), its
   95% seed-level t interval (``ci95_seeds``: mean ± t₀.₉₇₅,ₖ₋₁ · sd/√k over k seeds) and its 95% within-run binomial
   interval (``ci95_binomial``: the sampling error of the validation set alone, mean ± 1.96 · √(Σᵢ pᵢ(1−pᵢ)/n)/k with
-  n = ``val_size``), and the seed-mean training seconds (cumulative ``timing_s/step``, validation left out);
+  n = ``val_size``), and the seed-mean training seconds (cumulative ``timing_s/step``, validation left out) over
+  the ``--timing-seeds`` (default all): seconds compare only between runs made back to back in one sitting, since
+  the shared machine's speed changes from day to day;
 * ``auc``: area under the seed-mean accuracy curve (trapezoid over the validated steps) divided by the step span,
   so a flat curve at accuracy a has AUC a; ``auc_ci95_seeds``: the t interval of the per-seed AUCs;
 * ``steps_to_grpo_final`` / ``seconds_to_grpo_final``: first validated step (and its training seconds) at which the
@@ -84,6 +86,8 @@ Commands (each resumable: run it again after an interruption; runs it finds comp
     nohup nice -n 10 python -m benchmarks.sample_efficiency --setting hard > outputs/se_hard.log 2>&1 &
     # tables and JSON from whatever runs are complete, launching nothing
     python -m benchmarks.sample_efficiency --setting hard --no-launch
+    # ... with training seconds from seed 3 only (its seven runs ran back to back in one sitting)
+    python -m benchmarks.sample_efficiency --setting default --no-launch --timing-seeds 3
     python -m benchmarks.sample_efficiency --smoke      # seconds, no training: synthetic metrics (tests)
 
 JSON: ``benchmarks/results/sample_efficiency.json`` (``default``) and ``sample_efficiency_hard.json``; curves
@@ -594,12 +598,22 @@ def paired_with_grpo(runs: dict[str, dict], grpo_runs: dict[str, dict]) -> dict 
             "final_difference_ci95": t_interval(final_differences)}
 
 
-def analyse(setting_dir: Path, specs: dict, val_size: int, ledger: Ledger) -> dict:
-    """Summaries of the complete main runs; ``specs``: {method: [RunSpec per seed]}."""
+def without_timings(run: dict) -> dict:
+    """The run's summary with its seconds dropped, for a run outside the timing seeds."""
+    return {**run, "median_step_s": None,
+            "validation": [{**point, "seconds": None} for point in run["validation"]]}
+
+
+def analyse(setting_dir: Path, specs: dict, val_size: int, ledger: Ledger,
+            timing_seeds: list[int] | None = None) -> dict:
+    """Summaries of the complete main runs; ``specs``: {method: [RunSpec per seed]}. Training seconds (curve,
+    median step, seconds to GRPO's final) come from ``timing_seeds`` only, when given: seconds measured in different
+    sittings of a shared machine are not comparable (the same run's steps took up to 5x longer on one day)."""
     per_method = {}
     for method, method_specs in specs.items():
         runs = {spec.seed: ledger.summary(main_dir(setting_dir, method, spec.seed), spec) for spec in method_specs}
-        runs = {seed: run for seed, run in runs.items() if run and run["validation"]}
+        runs = {seed: run if timing_seeds is None or seed in timing_seeds else without_timings(run)
+                for seed, run in runs.items() if run and run["validation"]}
         if not runs:
             continue
 
@@ -658,7 +672,10 @@ def plot(result: dict, path: Path) -> None:
             axis.axhline(result["grpo_final_accuracy"], color="grey", linestyle=":", linewidth=1)
     by_step.set(xlabel="training step", ylabel="validation accuracy (mean@1)",
                 title=f"accuracy vs step (95% seed t interval), {result['meta']['setting']}")
-    by_time.set(xlabel="training seconds (cumulative timing_s/step)", title="accuracy vs wall-clock")
+    timing_seeds = result["meta"]["timing_seeds"]
+    by_time.set(xlabel="training seconds (cumulative timing_s/step)",
+                title=f"accuracy vs wall-clock (seconds of seed{'s' if len(timing_seeds) > 1 else ''} "
+                      f"{' '.join(map(str, timing_seeds))})")
     by_step.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -753,6 +770,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sweep-steps", type=int, default=30)
     parser.add_argument("--sweep-test-freq", type=int, default=10)
     parser.add_argument("--no-launch", action="store_true", help="only analyse the runs already there")
+    parser.add_argument("--timing-seeds", nargs="+", type=int, default=None,
+                        help="seeds whose runs' training seconds enter the analysis (default all): those whose runs "
+                             "of every method ran back to back in one sitting, so that their seconds compare")
     args = parser.parse_args(argv)
     if SWEEP_SEED in args.seeds:
         parser.error(f"seed {SWEEP_SEED} is the sweep's; main runs must use others")
@@ -812,14 +832,15 @@ def main(argv: list[str] | None = None) -> dict:
                 codes[f"main/{method}_seed{seed}"] = ensure_run(main_dir(setting_dir, method, seed), spec, args.build,
                                                                 ledger)
 
-    result = analyse(setting_dir, specs, args.val_size, ledger)
+    result = analyse(setting_dir, specs, args.val_size, ledger, args.timing_seeds)
     for method, entry in result["methods"].items():
         entry["sweep"] = lrs[method]["auc_by_lr"]
     result["sweep"] = lrs
     result["meta"] = {
         "setting": args.setting, "setting_parameters": asdict(setting), "runs_dir": str(setting_dir),
         "ledger": str(ledger.root),
-        "seeds": args.seeds, "steps": args.steps, "segment_mc_steps": args.segment_mc_steps,
+        "seeds": args.seeds, "timing_seeds": args.timing_seeds or args.seeds, "steps": args.steps,
+        "segment_mc_steps": args.segment_mc_steps,
         "test_freq": args.test_freq, "val_size": args.val_size, "val_files": main_data["val_files"],
         "sweep_setting": SWEEP_SETTING, "sweep_lrs": list(SWEEP_LRS), "sweep_seed": SWEEP_SEED,
         "sweep_steps": args.sweep_steps,

@@ -245,6 +245,25 @@ def test_sample_efficiency_pairs_a_shorter_run_with_grpo_on_the_steps_both_have(
     assert sample_efficiency.paired_with_grpo({"4": run([0.5, 0.6])}, grpo) is None
 
 
+def test_sample_efficiency_training_seconds_come_from_the_timing_seeds_only(tmp_path):
+    se = sample_efficiency
+    runs_root = tmp_path / "runs"
+    ledger = se.Ledger(tmp_path / "ledger", runs_root)
+    specs = {"grpo": []}
+    for seed, step_s in ((1, 50.0), (2, 5.0)):  # seed 1 ran on a day the machine was 10x slower
+        spec = se.RunSpec("grpo", seed, 6, 3e-5, ("trainer.test_freq=2",))
+        out = se.main_dir(runs_root / "default", "grpo", seed)
+        se.write_synthetic_metrics(out, 0.01, seed, 6, 2, step_s)
+        (out / se.RUN_RECORD).write_text(json.dumps(spec.record()))
+        specs["grpo"].append(spec)
+    every = se.analyse(runs_root / "default", specs, 1000, ledger)["methods"]["grpo"]
+    timed = se.analyse(runs_root / "default", specs, 1000, ledger, timing_seeds=[2])["methods"]["grpo"]
+    assert every["median_step_s"] == pytest.approx(27.5) and every["final_seconds"] == pytest.approx(6 * 27.5)
+    assert timed["median_step_s"] == pytest.approx(5.0) and timed["final_seconds"] == pytest.approx(6 * 5.0)
+    assert timed["seeds"] == [1, 2]  # accuracy still averages both seeds
+    assert [p["accuracy"] for p in timed["curve"]] == [p["accuracy"] for p in every["curve"]]
+
+
 def _write_launch(path: Path, rows: list[tuple[int, dict]], cut_last_line: bool = False) -> None:
     text = "".join(json.dumps({"step": step, "data": data}) + "\n" for step, data in rows)
     path.write_text(text[: text.rstrip().rfind("\n") + 20] if cut_last_line else text)
