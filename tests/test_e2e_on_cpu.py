@@ -274,8 +274,18 @@ def test_segment_mc_two_steps_then_resume_trains_step_3_on_the_uninterrupted_bat
     assert (checkpoints / "global_step_2" / "data.pt").is_file()
     assert not (checkpoints / "global_step_2" / "transfer_queue").exists(), "an async-mode checkpoint was written"
 
+    # The value gate's window is saved with the checkpoint: both steps' counts, as their metrics report them.
+    saved = json.loads((checkpoints / "global_step_2" / "value_gate.json").read_text())["previous_batches"]
+    assert [comparisons for _, comparisons in saved] == [row["segment_mc/value_concordance_comparisons"] for row in rows]
+
     _ok(_train("segment_mc", build, resumed, steps=3, extra=[*common, f"trainer.rollout_data_dir={resumed / 'rollouts'}"]))
-    assert [row["step"] for row in load_metrics(resumed / "metrics.jsonl")] == [3]
+    [step_3] = load_metrics(resumed / "metrics.jsonl")
+    assert step_3["step"] == 3
+    # ... and restored: step 3's pooled concordance counts steps 1 and 2 as the uninterrupted run would.
+    comparisons = step_3["segment_mc/value_concordance_comparisons"]
+    concordant = step_3.get("segment_mc/value_concordance", 0.0) * comparisons
+    expected = (concordant + sum(c for c, _ in saved)) / (comparisons + sum(n for _, n in saved))
+    assert step_3["segment_mc/value_concordance_pooled"] == pytest.approx(expected)
     reference = _prompts_per_step(grpo_reference / "rollouts")
     assert _prompts_per_step(first / "rollouts") == {1: reference[1], 2: reference[2]}
     assert _prompts_per_step(resumed / "rollouts") == {3: reference[3]}
