@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta
+from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta, write_result
 from benchmarks.sample_efficiency import SETTINGS, write_setting_data
 from benchmarks.value_quality import RECIPE_SEGMENTATION, holder_segment, load_problems, sample_traces
 from rredcot_verl.core.concordance import ConcordanceCounts, ConcordanceWindow, gate_is_open, value_outcome_concordance
@@ -294,11 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "sources": {k: list(v) for k, v in SOURCES.items()}, "thresholds": list(THRESHOLDS),
                       "windows": list(WINDOWS), "wall_s": time.perf_counter() - started, **machine_meta()}
     print_tables(result)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
-    result["out"] = str(out)
-    return result
+    return write_result(result, out)
 
 
 if __name__ == "__main__":
