@@ -7,6 +7,7 @@ EOS inside the budget is truncated and counts as a failure, as in ``segment_mc``
 
 from __future__ import annotations
 
+import json
 import math
 import platform
 from dataclasses import dataclass
@@ -178,6 +179,14 @@ def binomial_tolerance(p: float, n: int, sigmas: float = 4.0) -> float:
 def machine_meta() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "machine": platform.machine(),
             "python": platform.python_version()}
+
+
+def write_result(result: dict, out: Path) -> dict:
+    """Write a benchmark's JSON to ``out`` (folders made), say where, and return the result with its path."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return {**result, "out": str(out)}
 
 
 def fmt(value, width: int = 8, digits: int = 2) -> str:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ from benchmarks.common import (
     monte_carlo_values,
     pearson,
     spearman,
+    write_result,
 )
 from benchmarks.attribution import gradient_times_input_attribution, leave_one_out_attribution
 from rredcot_verl.core.profiles import PROFILE_PRESETS
@@ -349,11 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "max_response_tokens": MAX_RESPONSE_TOKENS, "wall_s": time.perf_counter() - started,
                       **machine_meta()}
     print_tables(result)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
-    result["out"] = str(out)
-    return result
+    return write_result(result, out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import cost, sample_efficiency, value_quality
+from benchmarks import cost, sample_efficiency, value_gate, value_quality
 from benchmarks.common import (
     binomial_tolerance,
     build_task,
@@ -14,6 +14,7 @@ from benchmarks.common import (
     monte_carlo_values,
     spearman,
 )
+from rredcot_verl.core.concordance import ConcordanceCounts
 from rredcot_verl.tasks import load_model_dir, parse_prompt, reference_response
 from rredcot_verl.tasks.model import chat_prompt_ids, response_ids
 
@@ -79,6 +80,47 @@ def test_value_quality_smoke(build, tmp_path):
         values = [v for trace in result["per_trace"] for v in trace[name] if v is not None]
         assert values and all(0.0 <= v <= 1.0 for v in values)
     assert any(len(set(trace["reference"])) > 1 for trace in result["per_trace"])
+
+
+def test_value_gate_smoke_decides_as_the_gate_would(build, tmp_path):
+    result = value_gate.main(["--smoke", "--build", str(build), "--out", str(tmp_path / "vg.json"), "--runs"])
+    part = json.loads((tmp_path / "vg.json").read_text())["warm_start"]["default"]
+    assert set(part["sources"]) == {*value_gate.SOURCES, value_gate.RANDOM_CONTROL}
+    threshold = f"{result['threshold']:g}"
+    for name, row in part["sources"].items():
+        assert row["comparisons_per_batch"] > 0, name  # 2 x 4 traces at the warm start's ~35% have mixed groups
+        concordance = row["concordance"]["mean"]
+        assert 0.0 <= concordance <= 1.0
+        # One batch: the gate is open exactly when its own concordance reaches the threshold, whatever the window.
+        for window in row["gate_open_share"].values():
+            assert window[threshold] == float(concordance >= result["threshold"])
+        if row["localisation_traces"]:
+            assert 0.0 <= row["localisation"] <= 1.0 and 0.0 < row["localisation_chance"] <= 0.5
+
+
+def test_value_gate_replay_pools_the_window_like_the_trainer():
+    counts = [ConcordanceCounts(0.0, 10), ConcordanceCounts(10.0, 10), ConcordanceCounts(10.0, 10), ConcordanceCounts()]
+    assert value_gate.replay_gate(counts, 0.6, 1) == [False, True, True, False]  # no comparisons: closed
+    assert value_gate.replay_gate(counts, 0.6, 2) == [False, False, True, True]  # 0/10, 10/20, 20/20, 10/10
+
+
+def test_value_gate_reads_training_snapshots(tmp_path):
+    def trace(uid: str, values: list[float], outcome: float) -> dict:
+        return {"uid": uid, "outcome": outcome, "seg_ends": [2, 4, 6], "seg_raw_values": [*values, outcome],
+                "response_tokens": ["a"] * 6 + ["<|pad|>"] * 2}
+
+    snapshots = tmp_path / "run" / "snapshots"
+    snapshots.mkdir(parents=True)
+    ordered = [trace("q", [0.5, 0.9, 0.8], 1.0), trace("q", [0.5, 0.2, None], 0.0), trace("r", [0.5, 0.1, 0.1], 1.0)]
+    reversed_ = [trace("q", [0.5, 0.1, 0.1], 1.0), trace("q", [0.5, 0.9, 0.9], 0.0)]
+    for step, traces in enumerate([ordered, reversed_], start=1):
+        (snapshots / f"step_{step:05d}.json").write_text(json.dumps({"step": step, "traces": traces}))
+    # Step 1: one pair; shares 10%..90% of 6 tokens read boundary 1 (v = .9 against .2) at 40%..60% and boundary 2
+    # at 70%..90% where the wrong trace has no value: 3 comparisons, all concordant. Group "r" has one trace.
+    assert value_gate.snapshot_counts(json.loads((snapshots / "step_00001.json").read_text())) == ConcordanceCounts(3.0, 3)
+    run = value_gate.training_run(tmp_path / "run")
+    assert run["steps"] == 2 and run["concordance"]["first"] == pytest.approx(3 / 9)  # step 2: 6 discordant
+    assert run["gate_open_share"]["window 1"]["0.6"] == 0.5
 
 
 def test_cost_smoke(build, tmp_path):

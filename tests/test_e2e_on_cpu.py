@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -215,16 +216,26 @@ def grpo_reference(build, tmp_path_factory) -> Path:
     start = [
         ray, "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=32", "--num-gpus=1",
         "--include-dashboard=true", f"--dashboard-port={dashboard_port}", "--dashboard-host=127.0.0.1",
+        # Ports of its own for the agents that take job submissions: Ray's fixed defaults (52365, ...) are taken
+        # when another Ray instance runs on the machine, and the head then never gets an agent to submit to.
+        f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--runtime-env-agent-port={_free_port()}",
         f"--temp-dir={temp_dir}", "--disable-usage-stats",
     ]
     head_log = open(out / "ray_head.log", "w")
     head = subprocess.Popen(start, env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_for_dashboard(dashboard_port, timeout_s=180)
-        result = _train(
-            "grpo", build, out, steps=3, extra=[f"trainer.rollout_data_dir={out / 'rollouts'}"],
-            env_extra={**env, "RAY_ADDRESS": f"http://127.0.0.1:{dashboard_port}"},
-        )
+        # The dashboard answers before the head's job agent has registered, and Ray refuses a submission meanwhile
+        # ("No available agent to submit job, please try again later").
+        for _ in range(6):
+            result = _train(
+                "grpo", build, out, steps=3, extra=[f"trainer.rollout_data_dir={out / 'rollouts'}"],
+                env_extra={**env, "RAY_ADDRESS": f"http://127.0.0.1:{dashboard_port}"},
+            )
+            if "No available agent to submit job" not in result.stdout + result.stderr:
+                break
+            time.sleep(10)
         assert result.returncode == 0, (
             result.stdout[-4000:] + result.stderr[-4000:] + (out / "ray_head.log").read_text()[-2000:]
         )
@@ -274,8 +285,18 @@ def test_segment_mc_two_steps_then_resume_trains_step_3_on_the_uninterrupted_bat
     assert (checkpoints / "global_step_2" / "data.pt").is_file()
     assert not (checkpoints / "global_step_2" / "transfer_queue").exists(), "an async-mode checkpoint was written"
 
+    # The value gate's window is saved with the checkpoint: both steps' counts, as their metrics report them.
+    saved = json.loads((checkpoints / "global_step_2" / "value_gate.json").read_text())["previous_batches"]
+    assert [comparisons for _, comparisons in saved] == [row["segment_mc/value_concordance_comparisons"] for row in rows]
+
     _ok(_train("segment_mc", build, resumed, steps=3, extra=[*common, f"trainer.rollout_data_dir={resumed / 'rollouts'}"]))
-    assert [row["step"] for row in load_metrics(resumed / "metrics.jsonl")] == [3]
+    [step_3] = load_metrics(resumed / "metrics.jsonl")
+    assert step_3["step"] == 3
+    # ... and restored: step 3's pooled concordance counts steps 1 and 2 as the uninterrupted run would.
+    comparisons = step_3["segment_mc/value_concordance_comparisons"]
+    concordant = step_3.get("segment_mc/value_concordance", 0.0) * comparisons
+    expected = (concordant + sum(c for c, _ in saved)) / (comparisons + sum(n for _, n in saved))
+    assert step_3["segment_mc/value_concordance_pooled"] == pytest.approx(expected)
     reference = _prompts_per_step(grpo_reference / "rollouts")
     assert _prompts_per_step(first / "rollouts") == {1: reference[1], 2: reference[2]}
     assert _prompts_per_step(resumed / "rollouts") == {3: reference[3]}
@@ -288,7 +309,6 @@ def _free_port() -> int:
 
 
 def _wait_for_dashboard(port: int, timeout_s: float) -> None:
-    import time
     import urllib.request
 
     deadline = time.monotonic() + timeout_s

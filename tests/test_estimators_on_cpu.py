@@ -9,6 +9,7 @@ from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, compute_grpo_out
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
 import rredcot_verl.integration.plugin
+from rredcot_verl.core.concordance import ConcordanceCounts
 from rredcot_verl.integration.estimators import estimator_inputs
 
 UID = np.array(["a", "a", "a", "a", "b", "b"], dtype=object)
@@ -70,6 +71,20 @@ def test_rredcot_redistributes_within_traces_through_compute_advantage():
         assert advantages[i, :length].sum() == pytest.approx(float(grpo[i, :length].sum()), rel=1e-5)
     assert torch.all(advantages[4:] == 0)
     assert record["metrics"]["rredcot/degenerate_groups"] == 1.0
+
+
+def test_a_window_of_uninformative_values_closes_the_gate_to_verls_grpo():
+    # This batch's values order group "a" perfectly (4 pairs, each readable at the shares 50%..90% past the first
+    # boundary: 20 comparisons, all concordant), but the trainer's window of previous batches holds 200 comparisons
+    # at chance: (20 + 100) / 220 < 0.6.
+    with estimator_inputs(UID, _segments(), prior_concordance=ConcordanceCounts(100.0, 200)) as record:
+        out = compute_advantage(_batch(), adv_estimator="rredcot", config=_algorithm(1.0))
+    expected, _ = compute_grpo_outcome_advantage(_batch().batch["token_level_rewards"], _batch().batch["response_mask"], UID)
+    assert torch.equal(out.batch["advantages"], expected)
+    assert record["metrics"]["rredcot/value_gate_open"] == 0.0
+    assert record["metrics"]["rredcot/fallback/low_value_concordance"] == 4.0  # group "b" counts as degenerate
+    assert record["details"]["concordance"] == ConcordanceCounts(20.0, 20)
+    assert record["metrics"]["rredcot/value_concordance_pooled"] == pytest.approx(120 / 220)
 
 
 def test_missing_segment_data_names_the_switch():

@@ -19,6 +19,12 @@ from rredcot_verl.core.redistribution import (
 
 torch.set_num_threads(1)
 NAN = float("nan")
+
+
+def _config(**settings) -> RedistributionConfig:
+    """The redistribution's mechanics with the value gate open (tests/test_value_gate_on_cpu.py tests the gate): the
+    hand-made and random values of these tests would close it."""
+    return RedistributionConfig(**{"min_value_concordance": 0.0, **settings})
 PROPERTY_SETTINGS = settings(max_examples=60, deadline=None)
 
 
@@ -94,7 +100,7 @@ def test_group_outcome_advantage_is_verl_bit_for_bit(batch, norm, epsilon):
 @given(batch=batches(), norm=st.booleans())
 def test_mix_zero_is_verl_grpo_bit_for_bit(batch, norm):
     scores, mask, index, ends, raw = batch
-    result = redistribute(scores, mask, index, ends, raw, RedistributionConfig(mix=0.0, norm_adv_by_std=norm))
+    result = redistribute(scores, mask, index, ends, raw, _config(mix=0.0, norm_adv_by_std=norm))
     expected, expected_returns = _verl_grpo(scores, mask, index, norm_adv_by_std=norm)
     assert torch.equal(result.advantages, expected)
     assert torch.equal(result.returns, expected_returns)
@@ -105,7 +111,7 @@ def test_mix_zero_is_verl_grpo_bit_for_bit(batch, norm):
 def test_token_mean_of_advantage_is_grpo_advantage(batch, mix, anchored):
     """Σ_k σ_k = 1 (clipped or not), so Σ_t A_t = L_i · Â_i on every trace, redistributed or not."""
     scores, mask, index, ends, raw = batch
-    result = redistribute(scores, mask, index, ends, raw, RedistributionConfig(mix=mix, anchored=anchored))
+    result = redistribute(scores, mask, index, ends, raw, _config(mix=mix, anchored=anchored))
     grpo, _ = _verl_grpo(scores, mask, index)
     assert torch.allclose(result.advantages.double().sum(1), grpo.double().sum(1), rtol=1e-5, atol=1e-4)
     assert torch.equal(result.advantages[result.fallback], grpo[result.fallback])
@@ -118,7 +124,7 @@ def test_token_mean_of_advantage_is_grpo_advantage(batch, mix, anchored):
 def test_permuting_traces_permutes_outputs(batch, data):
     scores, mask, index, ends, raw = batch
     order = torch.tensor(data.draw(st.permutations(range(len(scores))), label="permutation"))
-    cfg = RedistributionConfig()
+    cfg = _config()
     result = redistribute(scores, mask, index, ends, raw, cfg)
     permuted = redistribute(scores[order], mask[order], index[order.numpy()], ends[order], raw[order], cfg)
     assert torch.equal(permuted.fallback, result.fallback[order])
@@ -140,7 +146,7 @@ def test_values_linear_in_token_position_give_grpo():
         raw_rows.append([start] + [start + (zeta - start) * end / length for end in row])
     batch = _batch(scores, lengths, ["q"] * 4, cuts, raw_rows)
     # The affine map keeps probes that are linear in tokens linear in tokens, now from V_0 = 0.5 to ζ.
-    result = redistribute(*batch, RedistributionConfig())
+    result = redistribute(*batch, _config())
     grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
     assert not result.fallback.any()
     assert torch.allclose(result.advantages, grpo, atol=1e-6)
@@ -158,7 +164,7 @@ def test_values_linear_in_token_position_give_grpo():
     value_mapping=st.sampled_from(["affine", "raw"]),
 )
 def test_segment_rewards_telescope(values, outcome, group_mean, anchored, value_mapping):
-    cfg = RedistributionConfig(anchored=anchored, value_mapping=value_mapping)
+    cfg = _config(anchored=anchored, value_mapping=value_mapping)
     anchored_values = anchor_values(torch.tensor(values, dtype=torch.float64), outcome, group_mean, cfg)
     rewards = segment_rewards(anchored_values)
     assert rewards.shape == (len(values) - 1,)
@@ -170,27 +176,27 @@ def test_segment_rewards_telescope(values, outcome, group_mean, anchored, value_
 
 def test_anchor_values_mappings():
     raw = torch.tensor([0.2, 0.6, 0.4, 0.9], dtype=torch.float64)  # last entry is replaced by ζ
-    affine = anchor_values(raw, 1.0, 0.5, RedistributionConfig())
+    affine = anchor_values(raw, 1.0, 0.5, _config())
     # The affine map sends 0.2 -> 0.5 and 1 -> 1: v -> 1 + (v - 1) * 0.5 / 0.8.
     assert torch.allclose(affine, torch.tensor([0.5, 0.75, 0.625, 1.0], dtype=torch.float64))
-    assert torch.equal(anchor_values(raw, 1.0, 0.5, RedistributionConfig(value_mapping="raw")),
+    assert torch.equal(anchor_values(raw, 1.0, 0.5, _config(value_mapping="raw")),
                        torch.tensor([0.5, 0.6, 0.4, 1.0], dtype=torch.float64))  # fmt: skip
-    assert torch.equal(anchor_values(raw, 0.0, 0.5, RedistributionConfig(anchored=False)),
+    assert torch.equal(anchor_values(raw, 0.0, 0.5, _config(anchored=False)),
                        torch.tensor([0.2, 0.6, 0.4, 0.0], dtype=torch.float64))  # fmt: skip
     # Stretching (0.9 -> 0.25, 1 -> 1 is a factor 7.5) can leave [0, 1]: 1 + (0 - 1) * 7.5 = -6.5 is clamped to 0.
-    clamped = anchor_values(torch.tensor([0.9, 0.0, 0.5], dtype=torch.float64), 1.0, 0.25, RedistributionConfig())
+    clamped = anchor_values(torch.tensor([0.9, 0.0, 0.5], dtype=torch.float64), 1.0, 0.25, _config())
     assert clamped.tolist() == [0.25, 0.0, 1.0]
     # ζ == v̂_0: the affine map is undefined, values interpolate in token position from V_0 to ζ (equally long
     # segments when no ends are given).
     probes = torch.tensor([1.0, 0.3, 0.8, 0.0], dtype=torch.float64)
-    flat = anchor_values(probes, 1.0, 0.4, RedistributionConfig())
+    flat = anchor_values(probes, 1.0, 0.4, _config())
     assert torch.allclose(flat, torch.tensor([0.4, 0.6, 0.8, 1.0], dtype=torch.float64))
-    by_tokens = anchor_values(probes, 1.0, 0.4, RedistributionConfig(), segment_ends=torch.tensor([1, 4, 10]))
+    by_tokens = anchor_values(probes, 1.0, 0.4, _config(), segment_ends=torch.tensor([1, 4, 10]))
     assert torch.allclose(by_tokens, torch.tensor([0.4, 0.46, 0.64, 1.0], dtype=torch.float64))
 
 
 def test_anchor_values_rejects_bad_input():
-    cfg = RedistributionConfig()
+    cfg = _config()
     with pytest.raises(ValueError, match="NaN or inf"):
         anchor_values(torch.tensor([0.2, NAN, 0.3]), 1.0, 0.5, cfg)
     with pytest.raises(ValueError, match="probabilities"):
@@ -212,7 +218,7 @@ def test_credit_lands_where_the_value_moves():
         [0.5, 0.5, 0.5, 0.5, NAN],  # wrong, likewise
     ]
     batch = _batch([1.0, 0.0, 1.0, 0.0], [16] * 4, ["q"] * 4, cuts, raw)
-    result = redistribute(*batch, RedistributionConfig(value_mapping="raw"))
+    result = redistribute(*batch, _config(value_mapping="raw"))
     per_segment = result.advantages.view(4, 4, 4)[:, :, 0]  # uniform within a segment
     assert torch.equal(result.advantages.view(4, 4, 4), per_segment.unsqueeze(-1).expand(4, 4, 4))
     correct, wrong = per_segment[0], per_segment[1]
@@ -231,7 +237,7 @@ def test_clipping_bounds_coefficients_and_keeps_their_sum():
     batch = _batch([1.0, 0.0], [10, 10], ["q", "q"], cuts, raw)
     grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
     for clip, clipped_frac in [(2.0, 1.0), (4.0, 0.5), (5.0, 0.0)]:
-        result = redistribute(*batch, RedistributionConfig(value_mapping="raw", clip=clip))
+        result = redistribute(*batch, _config(value_mapping="raw", clip=clip))
         # σ_k = A_t · n_k / (L · Â) with L = 10, n_k = 2; K = 5.
         sigma = (result.advantages[:, ::2] / grpo[:, :1] * 2 / 10).double()
         assert torch.allclose(sigma.sum(1), torch.ones(2, dtype=torch.float64), atol=1e-6)
@@ -246,9 +252,9 @@ def test_mix_interpolates_between_grpo_and_full_redistribution():
     cuts = [[3, 5, 9]] * 3
     raw = [[0.4, 0.7, 0.2, NAN], [0.4, 0.1, 0.3, NAN], [0.5, 0.6, 0.6, NAN]]
     batch = _batch([1.0, 0.0, 1.0], [9, 9, 9], ["q"] * 3, cuts, raw)
-    full = redistribute(*batch, RedistributionConfig(mix=1.0)).advantages
-    none = redistribute(*batch, RedistributionConfig(mix=0.0)).advantages
-    half = redistribute(*batch, RedistributionConfig(mix=0.5)).advantages
+    full = redistribute(*batch, _config(mix=1.0)).advantages
+    none = redistribute(*batch, _config(mix=0.0)).advantages
+    half = redistribute(*batch, _config(mix=0.5)).advantages
     assert torch.allclose(half, (full + none) / 2, atol=1e-6)
     assert not torch.allclose(full, none)
 
@@ -260,7 +266,7 @@ def test_all_correct_and_all_wrong_groups_give_zero():
     cuts = [[3, 6]] * 4
     raw = [[0.2, 0.9, NAN]] * 4
     batch = _batch([1.0, 1.0, 0.0, 0.0], [6] * 4, ["a", "a", "b", "b"], cuts, raw)
-    result = redistribute(*batch, RedistributionConfig())
+    result = redistribute(*batch, _config())
     assert torch.all(result.advantages == 0)
     assert result.fallback.all()
     assert result.metrics["degenerate_groups"] == 2.0
@@ -286,7 +292,7 @@ def test_fallback_reasons_are_counted_and_keep_grpo():
         [0.3, 0.8, NAN],  # group of one
     ]
     batch = _batch(scores, lengths, ["q"] * 6 + ["solo"], cuts, raw)
-    result = redistribute(*batch, RedistributionConfig())
+    result = redistribute(*batch, _config())
     grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
     assert result.fallback.tolist() == [False, True, True, True, True, True, True]
     assert torch.equal(result.advantages[1:], grpo[1:])
@@ -300,6 +306,7 @@ def test_fallback_reasons_are_counted_and_keep_grpo():
         "fallback/zero_return": 0.0,
         "fallback/missing_segments": 2.0,
         "fallback/nonfinite": 2.0,
+        "fallback/low_value_concordance": 0.0,
     }
     assert result.metrics["redistributed_frac"] == pytest.approx(1 / 7)
     assert result.metrics["segments_per_trace"] == 2.0
@@ -310,7 +317,7 @@ def test_unanchored_falls_back_when_outcome_equals_first_value():
     cuts = [[2, 4]] * 3
     raw = [[1.0, 0.5, NAN], [0.3, 0.1, NAN], [0.6, 0.9, NAN]]
     batch = _batch([1.0, 0.0, 1.0], [4, 4, 4], ["q"] * 3, cuts, raw)
-    result = redistribute(*batch, RedistributionConfig(anchored=False))
+    result = redistribute(*batch, _config(anchored=False))
     assert result.fallback.tolist() == [True, False, False]
     assert result.metrics["fallback/zero_return"] == 1.0
     assert result.values[2].tolist()[:3] == pytest.approx([0.6, 0.9, 1.0])  # V_0 = v̂_0, V_K = ζ
@@ -346,9 +353,9 @@ def _valid_batch():
     ],
 )
 def test_bad_batches_raise(change, message):
-    redistribute(*_valid_batch(), RedistributionConfig())  # the unchanged batch is fine
+    redistribute(*_valid_batch(), _config())  # the unchanged batch is fine
     with pytest.raises(ValueError, match=message):
-        redistribute(*change(_valid_batch()), RedistributionConfig())
+        redistribute(*change(_valid_batch()), _config())
 
 
 @pytest.mark.parametrize(
@@ -363,6 +370,11 @@ def test_bad_batches_raise(change, message):
         (dict(max_token_advantage_ratio=0.9), "max_token_advantage_ratio must be >= 1"),
         (dict(max_affine_gain=0.0), "max_affine_gain must be > 0"),
         (dict(degenerate_groups="zero"), "degenerate_groups must be one of"),
+        (dict(min_value_concordance=1.5), "min_value_concordance must lie in"),
+        (dict(min_value_concordance=-0.1), "min_value_concordance must lie in"),
+        (dict(concordance_window=0), "concordance_window must be an integer >= 1"),
+        (dict(concordance_window=2.5), "concordance_window must be an integer >= 1"),
+        (dict(concordance_window=True), "concordance_window must be an integer >= 1"),
     ],
 )
 def test_config_validation(kwargs, message):
@@ -372,7 +384,7 @@ def test_config_validation(kwargs, message):
 
 def test_log_affine_mapping_spreads_credit_and_blames_the_collapse():
     """Reference-continuation values: rising log-probability on a correct trace, a collapse after a wrong step."""
-    cfg = RedistributionConfig(value_mapping="log_affine")
+    cfg = _config(value_mapping="log_affine")
     start = math.exp(-4.0)
     correct = anchor_values(torch.tensor([start, math.exp(-3.0), math.exp(-2.0), math.exp(-1.0), 0.0]), 1.0, 0.5, cfg)
     expected = [0.5, 0.5 + 0.5 * 0.25, 0.5 + 0.5 * 0.5, 0.5 + 0.5 * 0.75, 1.0]
@@ -394,7 +406,7 @@ def test_flat_values_give_verls_grpo_exactly_whatever_the_segment_lengths():
     batch = _batch([0.0, 1.0, 0.0, 1.0], [1000] * 4, ["q"] * 4, [[32, 1000]] * 4,
                    [[0.0, 0.0, NAN], [0.4, 0.8, NAN], [0.3, 0.1, NAN], [0.5, 0.7, NAN]])  # fmt: skip
     grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
-    result = redistribute(*batch, RedistributionConfig())
+    result = redistribute(*batch, _config())
     assert not result.fallback.any() and result.metrics["affine_flat_traces"] == 1.0
     # torch.equal, not allclose: the interpolated trace takes GRPO's own row, so any difference is a bug.
     assert torch.equal(result.advantages[0], grpo[0])
@@ -402,7 +414,7 @@ def test_flat_values_give_verls_grpo_exactly_whatever_the_segment_lengths():
     # V(b) = V_0 + (ζ − V_0)·b/L with V_0 = 0.5, ζ = 0.
     assert torch.allclose(result.values[0], torch.tensor([0.5, 0.5 - 0.5 * 32 / 1000, 0.0], dtype=torch.float64))
     # Same with λ < 1 and for log_affine's undefined case (v̂_0 = 0).
-    for cfg in (RedistributionConfig(mix=0.5), RedistributionConfig(value_mapping="log_affine")):
+    for cfg in (_config(mix=0.5), _config(value_mapping="log_affine")):
         assert torch.equal(redistribute(*batch, cfg).advantages[0], grpo[0])
 
 
@@ -410,20 +422,20 @@ def test_affine_gain_beyond_the_bound_interpolates_in_token_position():
     # Self-normalised probes that barely move on a correct trace, group mean 0.75: gain (1 − .75)/(1 − .995) = 50.
     probes = torch.tensor([0.995, 0.990, 0.985, 0.999, NAN], dtype=torch.float64)
     ends = torch.tensor([10, 20, 30, 100])
-    loose = anchor_values(probes, 1.0, 0.75, RedistributionConfig(max_affine_gain=100.0), segment_ends=ends)
+    loose = anchor_values(probes, 1.0, 0.75, _config(max_affine_gain=100.0), segment_ends=ends)
     assert torch.allclose(loose, torch.tensor([0.75, 0.5, 0.25, 0.95, 1.0], dtype=torch.float64))  # noise amplified
-    guarded = anchor_values(probes, 1.0, 0.75, RedistributionConfig(), segment_ends=ends)
+    guarded = anchor_values(probes, 1.0, 0.75, _config(), segment_ends=ends)
     assert torch.allclose(guarded, torch.tensor([0.75, 0.775, 0.8, 0.825, 1.0], dtype=torch.float64))
 
     others = [[0.5, 0.4, 0.1, 0.1, NAN], [0.5, 0.6, 0.2, 0.1, NAN], [0.5, 0.6, 0.7, 0.8, NAN]]
     batch = _batch([1.0, 0.0, 0.0, 1.0], [100] * 4, ["q"] * 4, [[10, 20, 30, 100]] * 4, [probes.tolist()] + others)
     grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
-    result = redistribute(*batch, RedistributionConfig())
+    result = redistribute(*batch, _config())
     assert result.metrics["affine_gain_traces"] == 1.0 and result.metrics["affine_flat_traces"] == 0.0
     assert torch.equal(result.advantages[0], grpo[0])
     assert not result.fallback[0]
     assert not torch.equal(result.advantages[1], grpo[1])
-    loose = redistribute(*batch, RedistributionConfig(max_affine_gain=1000.0))  # this group's gain is 100
+    loose = redistribute(*batch, _config(max_affine_gain=1000.0))  # this group's gain is 100
     assert loose.metrics["affine_gain_traces"] == 0.0 and not torch.equal(loose.advantages[0], grpo[0])
 
 
@@ -431,7 +443,7 @@ def test_negative_affine_gain_from_partial_credit_interpolates():
     # ζ = 0.5 between v̂_0 = 0.6 and the group mean 1/3: the affine map would reverse the probes' order.
     batch = _batch([0.5, 0.0, 0.5], [6] * 3, ["q"] * 3, [[3, 6]] * 3,
                    [[0.6, 0.9, NAN], [0.5, 0.2, NAN], [0.2, 0.4, NAN]])  # fmt: skip
-    result = redistribute(*batch, RedistributionConfig())
+    result = redistribute(*batch, _config())
     grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
     assert result.metrics["affine_gain_traces"] == 1.0
     assert torch.equal(result.advantages[0], grpo[0])
@@ -447,11 +459,11 @@ def test_token_bound_caps_a_short_segment_at_the_clip_and_keeps_the_token_sum():
     raw = [[0.5] * 40 + [NAN], [0.5] * 40 + [NAN]]  # flat probes: everything happens in the last segment
     batch = _batch([1.0, 0.0], [length] * 2, ["q", "q"], [ends] * 2, raw)
     grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
-    unbounded = redistribute(*batch, RedistributionConfig(value_mapping="raw", max_token_advantage_ratio=math.inf))
+    unbounded = redistribute(*batch, _config(value_mapping="raw", max_token_advantage_ratio=math.inf))
     ratio = unbounded.advantages.double() / grpo.double()
     assert ratio.max().item() == pytest.approx(length * (5 / 40) / 32, rel=1e-5)  # 97.6
     assert unbounded.metrics["token_bound_trace_frac"] == 0.0
-    result = redistribute(*batch, RedistributionConfig(value_mapping="raw"))  # default bound 10
+    result = redistribute(*batch, _config(value_mapping="raw"))  # default bound 10
     ratio = result.advantages.double() / grpo.double()
     assert ratio.abs().max().item() == pytest.approx(10.0, rel=1e-6)
     assert torch.allclose(result.advantages.double().sum(1), grpo.double().sum(1), rtol=1e-6)
@@ -468,7 +480,7 @@ def test_token_bound_caps_a_short_segment_at_the_clip_and_keeps_the_token_sum():
 )
 def test_token_bound_holds_on_every_token_and_keeps_the_token_sum(batch, bound, mix, mapping):
     scores, mask, index, ends, raw = batch
-    cfg = RedistributionConfig(mix=mix, value_mapping=mapping, max_token_advantage_ratio=bound)
+    cfg = _config(mix=mix, value_mapping=mapping, max_token_advantage_ratio=bound)
     result = redistribute(scores, mask, index, ends, raw, cfg)
     grpo, _ = _verl_grpo(scores, mask, index)
     assert torch.isfinite(result.advantages).all()
@@ -490,11 +502,11 @@ def _all_wrong_group():
 def test_value_differences_blame_the_collapse_in_an_all_wrong_group():
     batch = _all_wrong_group()
     grpo, _ = _verl_grpo(batch[0], batch[1], batch[2])
-    plain = redistribute(*batch, RedistributionConfig())
+    plain = redistribute(*batch, _config())
     assert torch.equal(plain.advantages, grpo)  # default: GRPO's zeros (and the singleton's score)
     assert plain.metrics["degenerate_groups_with_signal"] == 0.0
 
-    result = redistribute(*batch, RedistributionConfig(degenerate_groups="value_differences"))
+    result = redistribute(*batch, _config(degenerate_groups="value_differences"))
     per_segment = result.advantages[0].view(4, 4)[:, 0]
     assert int(per_segment.argmin()) == 2 and per_segment[2] < 0  # the collapse carries the blame
     assert per_segment[0] > 0 and per_segment[1] > 0  # the rises before it are pushed up
@@ -505,16 +517,16 @@ def test_value_differences_blame_the_collapse_in_an_all_wrong_group():
     assert torch.equal(result.advantages[4], grpo[4])  # a group of one keeps GRPO
     assert result.metrics["degenerate_groups"] == 1.0 and result.metrics["degenerate_groups_with_signal"] == 1.0
     assert result.fallback.tolist() == [False, False, False, False, True]
-    dr_grpo = redistribute(*batch, RedistributionConfig(degenerate_groups="value_differences", norm_adv_by_std=False))
+    dr_grpo = redistribute(*batch, _config(degenerate_groups="value_differences", norm_adv_by_std=False))
     assert torch.allclose(dr_grpo.advantages[0], result.advantages[0] / 2, atol=1e-6)  # s = 1 without the std
-    assert torch.equal(redistribute(*batch, RedistributionConfig(degenerate_groups="value_differences", mix=0.0))
+    assert torch.equal(redistribute(*batch, _config(degenerate_groups="value_differences", mix=0.0))
                        .advantages, grpo)  # fmt: skip
 
 
 def test_value_differences_respect_the_token_bound():
     batch = _all_wrong_group()
     result = redistribute(
-        *batch, RedistributionConfig(degenerate_groups="value_differences", max_token_advantage_ratio=3.0)
+        *batch, _config(degenerate_groups="value_differences", max_token_advantage_ratio=3.0)
     )
     # The bound on |A_t| is B times the advantage unit (1 here, a 50/50 group's |Â|), at an unchanged token sum.
     assert result.advantages[:4].abs().max().item() == pytest.approx(3.0, rel=1e-6)
@@ -526,9 +538,9 @@ def test_value_differences_respect_the_token_bound():
 @given(batch=batches(any_float_scores=False), mix=st.sampled_from([0.5, 1.0]), norm=st.booleans())
 def test_value_differences_are_finite_bounded_and_leave_mixed_groups_alone(batch, mix, norm):
     scores, mask, index, ends, raw = batch
-    cfg = RedistributionConfig(mix=mix, norm_adv_by_std=norm)
+    cfg = _config(mix=mix, norm_adv_by_std=norm)
     plain = redistribute(scores, mask, index, ends, raw, cfg)
-    result = redistribute(scores, mask, index, ends, raw, RedistributionConfig(
+    result = redistribute(scores, mask, index, ends, raw, _config(
         mix=mix, norm_adv_by_std=norm, degenerate_groups="value_differences"))  # fmt: skip
     assert torch.isfinite(result.advantages).all() and torch.all(result.advantages[mask == 0] == 0)
     degenerate = torch.tensor([

@@ -17,7 +17,9 @@ Where the values carry no usable information about the trace (the affine map is 
 bounds) they are interpolated in token position, V(b) = V_0 + (ζ_i − V_0)·b / L_i; then σ_k = n_k / L_i and the trace
 gets exactly its GRPO advantage. Traces where the redistribution is undefined keep their GRPO advantage and are
 counted (``RedistributionResult.metrics``); all-correct and all-wrong groups can optionally learn from unanchored
-value differences instead (``degenerate_groups``).
+value differences instead (``degenerate_groups``). A whole batch keeps GRPO's advantage while its values (pooled with
+recent batches') do not order the traces of a prompt by their outcomes (``min_value_concordance``,
+``core.concordance``).
 Imports only torch; ``group_outcome_advantage`` mirrors verl's ``compute_grpo_outcome_advantage`` bit for bit.
 """
 
@@ -28,6 +30,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+
+from rredcot_verl.core.concordance import ConcordanceCounts, gate_is_open, value_outcome_concordance
 
 __all__ = [
     "RedistributionConfig",
@@ -89,6 +93,17 @@ class RedistributionConfig:
             fixed s keeps these magnitudes those of a 50/50 group's traces, whatever the rest of the batch holds.
             Their token sum is L·λ·(ζ − v̂_0)/s, the push of a baseline at the probe's start value. Groups of one
             keep GRPO's advantage either way.
+        min_value_concordance: the value gate. The redistribution applies only while the concordance of the values
+            with the outcomes (``core.concordance``: how often, within a group, the trace with the better outcome
+            has the higher value at the same share of its response; 0.5 for values unrelated to the outcome),
+            pooled over the last ``concordance_window`` batches, is at least this; otherwise every trace of the
+            batch keeps its GRPO advantage, counted in ``fallback/low_value_concordance``. It needs no ground truth
+            and guards against value sources that do not work on the model at hand: on the embedded task the exit
+            probe scores 0.55–0.57 per batch and redistributing it trained worse than GRPO, reference continuations
+            and Monte-Carlo values score 0.68–0.75 (docs/choices.md). Default 0.6; 0 never closes the gate.
+        concordance_window: batches whose comparisons the gate pools, the current one included (the trainer keeps
+            the previous ones and saves them with its checkpoints). One 8 × 4 batch gives about 130 comparisons
+            and a concordance with a standard deviation of about 0.06; ten pool them to about 0.02. Default 10.
         epsilon: added to the group std as in verl, and the threshold below which an outcome gap counts as zero
             (as a share of the reward range). Default 1e-6.
         norm_adv_by_std: divide the GRPO advantage by the group std (GRPO) or not (Dr.GRPO). Default True.
@@ -101,6 +116,8 @@ class RedistributionConfig:
     max_token_advantage_ratio: float = 10.0
     max_affine_gain: float = 10.0
     degenerate_groups: str = "grpo"
+    min_value_concordance: float = 0.6
+    concordance_window: int = 10
     epsilon: float = 1e-6
     norm_adv_by_std: bool = True
 
@@ -122,6 +139,12 @@ class RedistributionConfig:
             raise ValueError(f"max_affine_gain must be > 0, got {self.max_affine_gain}")
         if self.degenerate_groups not in DEGENERATE_GROUPS:
             raise ValueError(f"degenerate_groups must be one of {DEGENERATE_GROUPS}, got {self.degenerate_groups!r}")
+        if not 0.0 <= self.min_value_concordance <= 1.0:
+            raise ValueError(f"min_value_concordance must lie in [0, 1], got {self.min_value_concordance}")
+        if isinstance(self.concordance_window, bool) or not (
+            isinstance(self.concordance_window, int) and self.concordance_window >= 1
+        ):
+            raise ValueError(f"concordance_window must be an integer >= 1, got {self.concordance_window!r}")
         if not self.epsilon > 0.0:
             raise ValueError(f"epsilon must be > 0, got {self.epsilon}")
         for name in ("anchored", "norm_adv_by_std"):
@@ -140,6 +163,7 @@ class RedistributionResult:
         segment_rewards: (bs, Kmax) R_1..R_K per trace, NaN beyond K and on traces that fell back.
         fallback: (bs,) bool, the redistribution was not applicable and the trace kept its GRPO advantage.
         metrics: scalar diagnostics, see ``redistribute``.
+        concordance: this batch's value-outcome comparisons, for the caller's ``ConcordanceWindow``.
     """
 
     advantages: torch.Tensor
@@ -148,6 +172,7 @@ class RedistributionResult:
     segment_rewards: torch.Tensor
     fallback: torch.Tensor
     metrics: dict[str, float]
+    concordance: ConcordanceCounts
 
 
 def group_outcome_advantage(
@@ -281,6 +306,7 @@ def redistribute(
     raw_values: torch.Tensor,
     cfg: RedistributionConfig,
     reward_range: tuple[float, float] = (0.0, 1.0),
+    prior_concordance: ConcordanceCounts = ConcordanceCounts(),
 ) -> RedistributionResult:
     """Token advantages from outcome scores and per-segment probe values.
 
@@ -294,6 +320,8 @@ def redistribute(
             NaN-padded.
         cfg: settings.
         reward_range: (low, high) with low < high, the scale of the outcomes (high = correct). Default (0, 1).
+        prior_concordance: the value-outcome comparisons of the previous ``cfg.concordance_window − 1`` batches
+            (``ConcordanceWindow.pooled``); the gate decides on them plus this batch's.
 
     Returns:
         ``RedistributionResult``. With ``cfg.mix == 0`` its advantages are verl's GRPO tensor unchanged; the
@@ -302,9 +330,13 @@ def redistribute(
     A trace keeps its GRPO advantage (``fallback``) when its response is empty, its group has one trace, its outcome
     lies outside ``reward_range`` (a reward function that breaks its declared scale mid-run must not stop training),
     its outcome equals the anchor (|Σ R| < epsilon; this includes all-correct and all-wrong groups, where Â = 0,
-    unless ``degenerate_groups="value_differences"``), it has no segment data, or its values or result hold NaN/inf.
+    unless ``degenerate_groups="value_differences"``), it has no segment data, its values or result hold NaN/inf,
+    or the value gate is closed for the batch (``min_value_concordance``; closed too when neither this batch nor the
+    window has a comparison).
     Metrics (floats): ``redistributed_frac``; ``fallback/{empty,singleton_group,outside_reward_range,zero_return,
-    missing_segments,nonfinite}`` (trace counts, each trace counted under its first reason in that order);
+    missing_segments,nonfinite,low_value_concordance}`` (trace counts, each trace counted under its first reason in
+    that order); ``value_gate_open`` (1 or 0), ``value_concordance_comparisons`` (this batch's) and, when there are
+    comparisons, ``value_concordance`` (this batch) and ``value_concordance_pooled`` (the window's);
     ``degenerate_groups`` (groups of two or more where every outcome equals the mean);
     ``degenerate_groups_with_signal`` (of those, groups where some trace got a nonzero advantage from value
     differences); ``affine_flat_traces`` / ``affine_gain_traces`` (redistributed traces whose values were
@@ -365,17 +397,23 @@ def redistribute(
     in_segment = torch.arange(max_segments) < num_segments.unsqueeze(1)
     total_reward = rewards.where(in_segment, 0.0).sum(1)
 
-    fallback, counts = _first_reasons(
-        [
-            ("empty", lengths == 0),
-            ("singleton_group", singleton),
-            ("outside_reward_range", ~in_range),
-            ("zero_return", outcome_at_mean & ~differences),
-            ("missing_segments", ~has_segments),
-            ("nonfinite", ~finite_raw),
-            ("zero_return", (total_reward.abs() < cfg.epsilon * width) & ~differences),  # unanchored: ζ == v̂_0
-        ]
+    reasons = [
+        ("empty", lengths == 0),
+        ("singleton_group", singleton),
+        ("outside_reward_range", ~in_range),
+        ("zero_return", outcome_at_mean & ~differences),
+        ("missing_segments", ~has_segments),
+        ("nonfinite", ~finite_raw),
+        ("zero_return", (total_reward.abs() < cfg.epsilon * width) & ~differences),  # unanchored: ζ == v̂_0
+    ]
+    undefined, _ = _first_reasons(reasons)
+    concordance = value_outcome_concordance(
+        raw_values, segment_ends, lengths, scores, index, ~undefined, tie=cfg.epsilon * width
     )
+    pooled = prior_concordance + concordance
+    gate_open = gate_is_open(pooled, cfg.min_value_concordance)
+    reasons.append(("low_value_concordance", torch.full((bsz,), not gate_open)))
+    fallback, counts = _first_reasons(reasons)
 
     mixed = ~fallback & ~differences
     sigma = rewards / total_reward.unsqueeze(1)
@@ -428,7 +466,13 @@ def redistribute(
         sigma=sigma, clipped=clipped, bounded=bounded, flat=flat, steep=steep,
         differences=differences, degenerate=degenerate, signal=signal,
     )  # fmt: skip
-    return RedistributionResult(advantages, advantages, values, rewards, fallback, metrics)
+    metrics["value_gate_open"] = float(gate_open)
+    metrics["value_concordance_comparisons"] = float(concordance.comparisons)
+    if concordance.concordance is not None:
+        metrics["value_concordance"] = concordance.concordance
+    if pooled.concordance is not None:
+        metrics["value_concordance_pooled"] = pooled.concordance
+    return RedistributionResult(advantages, advantages, values, rewards, fallback, metrics, concordance)
 
 
 def _check_reward_range(reward_range) -> tuple[float, float]:

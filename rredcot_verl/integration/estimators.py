@@ -3,7 +3,9 @@
 verl's ``compute_advantage`` passes a registered estimator only ``token_level_rewards``, ``response_mask``, ``index``
 and ``config``; the per-trace segment or repair data that these estimators need travels beside that call in
 ``estimator_inputs`` (a context manager the trainer opens around verl's own ``_compute_advantage``). Rows are checked
-against ``index`` so a reordering inside verl cannot silently misalign them.
+against ``index`` so a reordering inside verl cannot silently misalign them. State that outlives a step (the value
+gate's window of recent batches) stays with the trainer: it goes in as ``prior_concordance`` and this batch's counts
+come back in the record's ``details``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, register_adv_est
 
+from rredcot_verl.core.concordance import ConcordanceCounts
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.core.ibpo import shaped_advantages
 from rredcot_verl.core.redistribution import redistribute
@@ -29,9 +32,18 @@ _INPUTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("rredcot_e
 
 
 @contextmanager
-def estimator_inputs(uid: np.ndarray, tensors: dict[str, torch.Tensor]):
-    """Make per-trace inputs (rows aligned with ``uid``) visible to the estimators; collects their metrics."""
-    record = {"uid": np.asarray(uid, dtype=object), "tensors": tensors, "metrics": {}, "details": {}}
+def estimator_inputs(
+    uid: np.ndarray, tensors: dict[str, torch.Tensor], prior_concordance: ConcordanceCounts = ConcordanceCounts()
+):
+    """Make per-trace inputs (rows aligned with ``uid``) and the value gate's window (``prior_concordance``)
+    visible to the estimators; collects their metrics and details."""
+    record = {
+        "uid": np.asarray(uid, dtype=object),
+        "tensors": tensors,
+        "prior_concordance": prior_concordance,
+        "metrics": {},
+        "details": {},
+    }
     token = _INPUTS.set(record)
     try:
         yield record
@@ -69,9 +81,13 @@ def _redistributed(name: str, token_level_rewards, response_mask, index, config)
         record["tensors"]["seg_raw_values"],
         redistribution,
         reward_range=settings.reward_range,
+        prior_concordance=record["prior_concordance"],
     )
     record["metrics"].update({f"{name}/{k}": v for k, v in result.metrics.items()})
-    record["details"].update(values=result.values, segment_rewards=result.segment_rewards, fallback=result.fallback)
+    record["details"].update(
+        values=result.values, segment_rewards=result.segment_rewards, fallback=result.fallback,
+        concordance=result.concordance,
+    )  # fmt: skip
     return result.advantages, result.returns
 
 

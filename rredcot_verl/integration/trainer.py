@@ -7,13 +7,17 @@ Registered as ``trainer.v1.trainer_mode=rredcot`` (the launcher selects it); to 
 - after verl's old-log-prob pass, the estimator's producer (``ESTIMATORS``) writes its per-trace fields: ``rredcot``
   plans probes from the whole batch here and scores them on the actor, ``segment_mc`` samples continuations from each
   boundary prefix and ``ibpo`` generates repairs, both through the running rollout engine;
-- the advantage step passes those fields to the registered estimator (``estimators.estimator_inputs``).
+- the advantage step passes those fields to the registered estimator (``estimators.estimator_inputs``), with the
+  value gate's window of recent batches (``core.concordance.ConcordanceWindow``), which is saved with verl's
+  checkpoints (``value_gate.json`` in each ``global_step_*`` folder) and restored on resume.
 For ``grpo`` and every other estimator (no entry in ``ESTIMATORS``) it behaves exactly like ``PPOTrainerSync``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -32,12 +36,15 @@ from verl.utils.debug import marked_timer
 from verl.utils.metric import reduce_metrics
 
 from rredcot_verl.compat import REPLAY_POLL_INTERVAL_S, cpu_mode_requested
+from rredcot_verl.core.concordance import ConcordanceWindow
 from rredcot_verl.core.planning import plan_traces, records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration import rollouts
 from rredcot_verl.integration.estimators import IBPO_FIELDS, SEGMENT_FIELDS, estimator_inputs
 from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
 from rredcot_verl.tasks import resolve_task
+
+logger = logging.getLogger(__name__)
 
 # A producer returns the estimator's per-trace tensors (rows in batch order) and step metrics.
 Producer = Callable[["SegmentCreditTrainer", DataProto], tuple[dict[str, torch.Tensor], dict[str, float]]]
@@ -134,6 +141,7 @@ def _non_tensor(data: TensorDict, key: str):
 # class the trainer presents itself as "sync" (``SYNC_MODE``).
 TRAINER_NAME = "rredcot"
 SYNC_MODE = "sync"
+VALUE_GATE_FILE = "value_gate.json"
 
 
 @register_trainer(TRAINER_NAME)
@@ -143,6 +151,8 @@ class SegmentCreditTrainer(PPOTrainerSync):
         self.spec = ESTIMATORS.get(self.estimator)
         self.settings = settings_from_config(config.algorithm)
         self.task = resolve_task(self.settings.task)
+        self.value_window = ConcordanceWindow(self.settings.redistribution.concordance_window)
+        self.value_gate_open = True
         super().__init__(config)
 
     # verl's PPOTrainer reads ``self.trainer_mode`` (assigned from ``trainer.v1.trainer_mode``, i.e. our registered
@@ -256,12 +266,49 @@ class SegmentCreditTrainer(PPOTrainerSync):
         data = self._fetch(batch, ["uid", *fields])
         uid = np.array(_non_tensor(data, "uid"), dtype=object)
         tensors = {key: _padded(data[key]) for key in fields}
-        with estimator_inputs(uid, tensors) as record:
+        with estimator_inputs(uid, tensors, self.value_window.pooled()) as record:
             batch = super()._compute_advantage(batch, metrics)
         metrics.update(record["metrics"])
+        if "concordance" in record["details"]:
+            self.value_window.push(record["details"]["concordance"])
+            self._report_value_gate(record["metrics"])
         if self.settings.snapshot_dir:
             self._write_snapshot(batch, tensors, record["details"])
         return batch
+
+    def _report_value_gate(self, step_metrics: dict) -> None:
+        """Say in the log when the value gate closes or opens again (the metrics carry it every step)."""
+        is_open = bool(step_metrics.get(f"{self.estimator}/value_gate_open", 1.0))
+        if is_open != self.value_gate_open:
+            pooled = step_metrics.get(f"{self.estimator}/value_concordance_pooled")
+            logger.warning(
+                "%s step %d: value gate %s (pooled value-outcome concordance %s, threshold %s)%s",
+                self.estimator, self.global_steps, "opened" if is_open else "closed",
+                "n/a" if pooled is None else f"{pooled:.3f}", self.settings.redistribution.min_value_concordance,
+                "" if is_open else ": this batch trains with GRPO's advantages; see docs/choices.md, 'Value gate'",
+            )  # fmt: skip
+        self.value_gate_open = is_open
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        with open(os.path.join(folder, VALUE_GATE_FILE), "w") as handle:
+            json.dump({"previous_batches": self.value_window.state_dict()}, handle)
+
+    def _load_checkpoint(self):
+        super()._load_checkpoint()
+        if self.global_steps == 0:
+            return
+        if self.config.trainer.resume_mode == "resume_path":
+            folder = self.config.trainer.resume_from_path
+        else:
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        path = os.path.join(folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder), VALUE_GATE_FILE)
+        if os.path.exists(path):
+            with open(path) as handle:
+                self.value_window.load_state_dict(json.load(handle)["previous_batches"])
+        else:
+            logger.warning("no %s in %s: the value gate's window starts empty", VALUE_GATE_FILE, folder)
 
     def _write_snapshot(self, batch, tensors: dict, details: dict) -> None:
         """The step's traces with segment data and token advantages, for the credit report."""
