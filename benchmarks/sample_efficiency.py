@@ -430,6 +430,16 @@ def blamed_segment(trace: dict) -> int | None:
     return None
 
 
+def localisation_hit(segment_rewards: list, holder: int | None) -> tuple[float, float] | None:
+    """For one incorrect trace: (1 if its most negative segment reward R_k falls on ``holder``, the segment holding
+    the first wrong step, else 0; the chance level 1/K). None when it cannot be scored: no holder, fewer than two
+    segment rewards (None and NaN entries are padding or fallback), or a holder beyond them."""
+    rewards = [r for r in segment_rewards if r is not None and math.isfinite(r)]
+    if holder is None or len(rewards) < 2 or holder >= len(rewards):
+        return None
+    return float(int(np.argmin(rewards)) == holder), 1.0 / len(rewards)
+
+
 def snapshot_localisation(snapshots: list[dict]) -> dict | None:
     """Value quality during training, from the estimator's per-step snapshots: on incorrect traces with a known first
     wrong step, how often the most negative segment reward falls on the segment holding that step ("first" and
@@ -440,20 +450,18 @@ def snapshot_localisation(snapshots: list[dict]) -> dict | None:
     windows = {"first": snapshots[:DIAGNOSTIC_WINDOW], "last": snapshots[-DIAGNOSTIC_WINDOW:]}
     result = {}
     for name, window in windows.items():
-        hits, chance = [], []
+        scored = []
         for snapshot in window:
             for trace in snapshot.get("traces", []):
-                rewards = [r for r in trace.get("segment_rewards") or [] if r is not None]
-                if trace.get("outcome") != 0.0 or len(rewards) < 2:
-                    continue
-                holder = blamed_segment(trace)
-                if holder is None or holder >= len(rewards):
-                    continue
-                hits.append(float(int(np.argmin(rewards)) == holder))
-                chance.append(1.0 / len(rewards))
-        if not hits:
+                rewards = trace.get("segment_rewards") or []
+                # The annotator runs only on incorrect traces that have segment rewards to compare.
+                if trace.get("outcome") == 0.0 and sum(r is not None for r in rewards) >= 2:
+                    scored.append(localisation_hit(rewards, blamed_segment(trace)))
+        scored = [s for s in scored if s is not None]
+        if not scored:
             return None
-        result[name] = {"localisation": float(np.mean(hits)), "chance": float(np.mean(chance)), "traces": len(hits)}
+        result[name] = {"localisation": float(np.mean([hit for hit, _ in scored])),
+                        "chance": float(np.mean([chance for _, chance in scored])), "traces": len(scored)}
     return result
 
 

@@ -32,10 +32,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scipy import stats
 
 from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta, write_result
-from benchmarks.sample_efficiency import SETTINGS, write_setting_data
+from benchmarks.sample_efficiency import SETTINGS, localisation_hit, t_interval, write_setting_data
 from benchmarks.value_quality import RECIPE_SEGMENTATION, holder_segment, load_problems, sample_traces
 from rredcot_verl.core.concordance import ConcordanceCounts, ConcordanceWindow, gate_is_open, value_outcome_concordance
 from rredcot_verl.core.planning import TraceRecord
@@ -84,22 +83,8 @@ def mean_interval(values: list[float]) -> dict:
     values = [v for v in values if v is not None]
     if not values:
         return {"mean": None, "ci95": None, "sd": None, "n": 0}
-    mean = float(np.mean(values))
-    half = float(stats.t.ppf(0.975, len(values) - 1) * stats.sem(values)) if len(values) > 1 else None
-    return {"mean": mean, "ci95": None if half is None else [mean - half, mean + half],
+    return {"mean": float(np.mean(values)), "ci95": t_interval(values),
             "sd": float(np.std(values, ddof=1)) if len(values) > 1 else None, "n": len(values)}
-
-
-def localisation_hits(segment_rewards: list[list[float]], holders: list[int | None]) -> tuple[list[float], list[float]]:
-    """Per incorrect trace with a known holder: 1 if argmin R_k is the holder, and the chance level 1/K."""
-    hits, chance = [], []
-    for rewards, holder in zip(segment_rewards, holders):
-        rewards = [r for r in rewards if np.isfinite(r)]
-        if holder is None or len(rewards) < 2 or holder >= len(rewards):
-            continue
-        hits.append(float(int(np.argmin(rewards)) == holder))
-        chance.append(1.0 / len(rewards))
-    return hits, chance
 
 
 # ---------------------------------------------------------------- warm start
@@ -144,7 +129,9 @@ def warm_start_batch(model, tokenizer, problems, samples: int, seed: int, rng: n
             wrong = first_wrong_step(trace.problem, trace.text) if trace.outcome == 0.0 else None
             holders.append(None if wrong is None or redistributed.fallback[i]
                            else holder_segment(tokenizer, trace, trace_ends[i], wrong))
-        hits, chance = localisation_hits(redistributed.segment_rewards.double().tolist(), holders)
+        scored = [localisation_hit(rewards, holder)
+                  for rewards, holder in zip(redistributed.segment_rewards.double().tolist(), holders)]
+        hits, chance = [s[0] for s in scored if s is not None], [s[1] for s in scored if s is not None]
         counts = redistributed.concordance
         result["sources"][name] = {"concordant": counts.concordant, "comparisons": counts.comparisons,
                                    "hits": hits, "chance": chance}
