@@ -7,7 +7,9 @@ import torch
 
 from rredcot_verl.core.montecarlo import (
     Continuation,
+    ContinuationTally,
     MonteCarloSettings,
+    continuation_chunks,
     monte_carlo_values,
     plan_continuations,
 )
@@ -54,6 +56,38 @@ def test_plan_continuations_k_per_state_with_room():
     assert {r.state for r in tighter if r.trace == 0} == {0, 1}
 
     assert plan_continuations([[1]], [[]], [[]], cfg, 100) == []  # empty response: nothing to value
+
+
+def test_default_budget_is_the_rollouts_room_from_each_prefix():
+    """No cap by default: a continuation from mid-thinking may run as long as the rollout could have from there."""
+    requests = plan_continuations([[1, 2]], [list(range(10, 40))], [[10, 20, 30]], MonteCarloSettings(), 100)
+    assert sorted({(r.start, r.max_tokens) for r in requests}) == [(0, 98), (10, 88), (20, 78)]
+
+
+def test_chunks_bound_the_prefix_tokens_and_tally_to_the_same_values():
+    """Chunks hold whole traces and at most ``max_prefix_tokens_per_call`` distinct prefix tokens (a larger trace
+    alone); judging chunk by chunk gives the values of judging everything at once."""
+    cfg = MonteCarloSettings(num_continuations=3, max_tokens=10, max_prefix_tokens_per_call=12)
+    prompts = [[1, 2, 3], [4], [5, 6], [7]]
+    responses = [[10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33], list(range(40, 60))]
+    ends = [[2, 4, 6], [2], [2, 4], [5, 10, 15, 20]]
+    chunks = list(continuation_chunks(prompts, responses, ends, cfg, max_total_length=100))
+    assert [r for chunk in chunks for r in chunk] == plan_continuations(prompts, responses, ends, cfg, 100)
+    assert len(chunks) == 3
+    for chunk in chunks:
+        traces = {r.trace for r in chunk}
+        distinct = {(r.trace, r.state): len(r.prefix_ids) for r in chunk}
+        assert sum(distinct.values()) <= cfg.max_prefix_tokens_per_call or len(traces) == 1
+    correct = {(r.trace, r.state): (r.trace + r.state) % 4 for chunk in chunks for r in chunk}
+    outcomes = [1.0, 0.0, 1.0, 0.0]
+    everything = [r for chunk in chunks for r in chunk]
+    expected = monte_carlo_values(responses, ends, outcomes, everything, fake_generate(everything, correct), judge, 4)
+    tally = ContinuationTally(len(responses), 4)
+    for chunk in chunks:
+        tally.add(responses, chunk, fake_generate(chunk, correct), judge)
+    seg_ends, raw_values, metrics = tally.values(ends, outcomes)
+    assert torch.equal(seg_ends, expected[0]) and metrics == expected[2]
+    torch.testing.assert_close(raw_values, expected[1], equal_nan=True)
 
 
 def test_monte_carlo_values_are_fractions_of_correct_continuations():

@@ -344,12 +344,6 @@ def value_pass_attention(model):
             config._attn_implementation_internal = saved[key]
 
 
-def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(N, V) logits, (N,) targets → (N,) fp32 log-probs, without materialising the full log-softmax."""
-    logits = logits.float()
-    return logits.gather(-1, targets[:, None])[:, 0] - logits.logsumexp(-1)
-
-
 def _log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(L, V) logits, (L,) targets → per-token log-prob and entropy (L,), fp32 (what verl's log-prob pass gives)."""
     logits = logits.float()
@@ -360,29 +354,60 @@ def _log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple
 
 
 def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor, *, entropy: bool):
-    """Log-probs (and entropies) of ``targets`` from hidden states, a bounded number of logit rows at a time.
+    """Log-probs (and entropies) of ``targets`` from hidden states, in fp32, a bounded block of logits at a time.
+
+    The projection itself runs in fp32 (hidden states and a vocabulary slice of the weight upcast): a bf16 matmul
+    rounds its output to bf16, which at |logit| 16-32 resolves only 0.125, i.e. about ±0.06 nats of noise on every
+    scored token. Only the read rows are projected, so the upcast costs one (rows, vocabulary slice) fp32 block at a
+    time; the log-normaliser (and entropy) accumulate over vocabulary slices with a running maximum.
 
     Args:
-        head: the output projection (``model.get_output_embeddings()``), called inside its own forward so that a
-            sharded weight is gathered.
+        head: the output projection (``model.get_output_embeddings()``), read where its weight is gathered.
         hidden: (N, d) final hidden states; targets: (N,) token ids.
 
     Returns:
         (N,) fp32 log-probs, and (N,) fp32 entropies or None.
     """
-    rows = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
-    log_probs, entropies = [], []
-    for start in range(0, hidden.shape[0], rows):
-        logits = torch.nn.functional.linear(hidden[start : start + rows], head.weight, head.bias)
-        if entropy:
-            chunk_log_probs, chunk_entropy = _log_probs_and_entropy(logits, targets[start : start + rows])
-            entropies.append(chunk_entropy)
-        else:
-            chunk_log_probs = _token_log_probs(logits, targets[start : start + rows])
-        log_probs.append(chunk_log_probs)
-    empty = hidden.new_zeros(0, dtype=torch.float32)
-    log_probs = torch.cat(log_probs) if log_probs else empty
-    return log_probs, (torch.cat(entropies) if entropies else empty) if entropy else None
+    weight, bias = head.weight, head.bias
+    vocab, width = weight.shape
+    vocab_step = min(vocab, max(1, LOGIT_CHUNK_ELEMENTS // width))  # an fp32 weight slice of ≤ 64 MiB
+    rows = max(1, LOGIT_CHUNK_ELEMENTS // vocab_step)  # an fp32 logit block of ≤ 64 MiB
+    n = hidden.shape[0]
+    target_logit = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
+    exp_sum = torch.zeros_like(target_logit)
+    weighted = torch.zeros_like(target_logit)  # Σ exp(l − max) · l, for the entropy
+    for lo in range(0, vocab, vocab_step):
+        hi = min(lo + vocab_step, vocab)
+        weight_slice = weight[lo:hi].float()
+        bias_slice = None if bias is None else bias[lo:hi].float()
+        for start in range(0, n, rows):
+            block = slice(start, min(start + rows, n))
+            logits = torch.nn.functional.linear(hidden[block].float(), weight_slice, bias_slice)
+            inside = (targets[block] >= lo) & (targets[block] < hi)
+            local = (targets[block] - lo).clamp(0, hi - lo - 1)
+            target_logit[block] = torch.where(inside, logits.gather(-1, local[:, None])[:, 0], target_logit[block])
+            new_max = torch.maximum(running_max[block], logits.amax(-1))
+            rescale = torch.exp(running_max[block] - new_max)
+            shifted = torch.exp(logits - new_max[:, None])
+            exp_sum[block] = exp_sum[block] * rescale + shifted.sum(-1)
+            if entropy:
+                weighted[block] = weighted[block] * rescale + (shifted * logits).sum(-1)
+            running_max[block] = new_max
+    log_norm = running_max + exp_sum.log()
+    return target_logit - log_norm, (log_norm - weighted / exp_sum) if entropy else None
+
+
+def execution_device(model) -> torch.device:
+    """Where the model computes: the device of its buffers (rotary frequencies), else of its input embedding.
+
+    Under FSDP2 with ``offload_policy=True`` the sharded parameters stay on the CPU while FSDP moves the inputs and
+    buffers to the GPU, so a parameter's device is not where activations live.
+    """
+    for buffer in model.buffers():
+        if buffer.device.type != "meta":
+            return buffer.device
+    return model.get_input_embeddings().weight.device
 
 
 @dataclass
@@ -487,7 +512,7 @@ def _forward_micro_batch(model, rows: Sequence[_Row], temperature: float = 1.0) 
         Per row: ``reads`` (len(row.reads),), ``nodes`` (len(row.nodes),) and, with trace stats, ``log_probs``
         and ``entropy`` (L,), all fp32 on CPU.
     """
-    device = model.get_input_embeddings().weight.device
+    device = execution_device(model)
     trace_len = max(row.tokens.numel() for row in rows)
     tree_len = max(len(row.tree_ids) for row in rows)
     input_ids = torch.zeros(len(rows), trace_len + tree_len, dtype=torch.long)
@@ -520,29 +545,31 @@ def _forward_micro_batch(model, rows: Sequence[_Row], temperature: float = 1.0) 
     head = model.get_output_embeddings()
     results = {}
 
-    def read_log_probs(module, args):
-        # Inside the model's forward (so a sharded head weight is gathered), the final hidden states (B, T + Tp, d)
-        # give exactly the log-probs that are read; the head itself then projects one position per row.
-        (hidden,) = args
+    def read_log_probs(module, args, output):
+        # On the decoder's output, inside the model's forward (so a sharded head weight is gathered): the final hidden
+        # states (B, T + Tp, d) give exactly the log-probs that are read, whatever the model's own head does after
+        # (transformers' lm_head, or verl's fused-kernel forward, which reads lm_head.weight without calling it).
+        hidden = output[0]
         # logits / T = W (h / T) for a bias-free head (checked in score_batch_packed_with_stats).
         scaled = hidden / temperature if temperature != 1.0 else hidden
-        as_index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        as_index = lambda values: torch.tensor(values, dtype=torch.long, device=hidden.device)  # noqa: E731
         results["points"], _ = _chunked_head(
-            module, scaled[as_index(point_rows), as_index(point_positions)], as_index(point_targets), entropy=False
+            head, scaled[as_index(point_rows), as_index(point_positions)], as_index(point_targets), entropy=False
         )
         results["span"] = _chunked_head(
-            module, scaled[as_index(span_rows), as_index(span_positions)], as_index(span_targets), entropy=True
+            head, scaled[as_index(span_rows), as_index(span_positions)], as_index(span_targets), entropy=True
         )
-        return (hidden[:, -1:],)
+        # The head then projects one position per row.
+        output.last_hidden_state = hidden[:, -1:]
+        return output
 
-    handle = head.register_forward_pre_hook(read_log_probs)
+    handle = model.get_decoder().register_forward_hook(read_log_probs)
     try:
         model(
             input_ids=input_ids.to(device),
             position_ids=position_ids.to(device),
             attention_mask=allowed.to(device) if tree_len else None,
-            use_cache=False,
-            logits_to_keep=0,
+            **_one_position_kwargs(model, len(rows), device),
         )
     finally:
         handle.remove()
@@ -563,17 +590,29 @@ def _forward_micro_batch(model, rows: Sequence[_Row], temperature: float = 1.0) 
     return outputs
 
 
+def _one_position_kwargs(model, batch_size: int, device) -> dict:
+    """Forward arguments under which the model's head projects one position per row.
+
+    verl's fused-kernel forward (``use_fused_kernels``, which replaces the model class's ``forward``) needs
+    ``return_dict`` and takes its targets from ``labels``: labels of width 1 match the one hidden position the
+    decoder hook leaves. transformers' own forward keeps every position of that one (``logits_to_keep=0``).
+    """
+    if getattr(model, "_verl_fused_kernels_backend", None) is not None:
+        return {"use_cache": False, "return_dict": True, "labels": torch.zeros(batch_size, 1, dtype=torch.long, device=device)}
+    return {"use_cache": False, "logits_to_keep": 0}
+
+
 def _dummy_forward(model) -> None:
     """A one-token forward: its only purpose is to join the parameter all-gathers of the other ranks."""
-    device = model.get_input_embeddings().weight.device
-    model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1)
+    device = execution_device(model)
+    model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), **_one_position_kwargs(model, 1, device))
 
 
 def _forwards_on_every_rank(model, local: int) -> int:
     """The largest number of forwards any data-parallel rank makes (``local`` without torch.distributed)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return local
-    count = torch.tensor([local], dtype=torch.long, device=model.get_input_embeddings().weight.device)
+    count = torch.tensor([local], dtype=torch.long, device=execution_device(model))
     torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
     return int(count.item())
 

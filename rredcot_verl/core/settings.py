@@ -47,10 +47,14 @@ class RRedCoTSettings:
             ``arithmetic``: the embedded task, one step per line; ``paragraphs``: exact boxed answers, paragraphs)
             or ``module:attr`` of an object with the same functions. Resolved by the trainer
             (``tasks.resolve_task``): the core receives the task, it does not import it.
+        max_failed_group_share: the largest share of a step's prompt groups that may lose traces to exceptions in
+            verl's agent loop (a reward function that raises, a failed generation) before the trainer stops the run
+            with the first error; the count is logged every step as ``rollout/failed_groups``.
     """
 
     snapshot_dir: str | None = None
     task: str = "boxed_math"
+    max_failed_group_share: float = 0.1
     reward_range: tuple[float, float] = (0.0, 1.0)
     segmentation: SegmentationConfig = field(default_factory=SegmentationConfig)
     probe: ProbeSettings = field(default_factory=ProbeSettings)
@@ -63,6 +67,8 @@ class RRedCoTSettings:
     def __post_init__(self):
         if not isinstance(self.task, str) or not self.task.strip():
             raise ValueError(f"task must be a task name or 'module:attr', got {self.task!r}")
+        if not 0.0 <= float(self.max_failed_group_share) <= 1.0:
+            raise ValueError(f"max_failed_group_share must lie in [0, 1], got {self.max_failed_group_share}")
         low, high = (float(x) for x in self.reward_range)
         if not low < high:
             raise ValueError(f"reward_range must be (low, high) with low < high, got {self.reward_range}")

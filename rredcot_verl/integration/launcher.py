@@ -4,14 +4,17 @@ Config: verl's ``ppo_trainer`` composed with ``conf/rredcot_trainer.yaml`` (hydr
 ``algorithm.adv_estimator`` may be ``grpo`` or any verl estimator, or ``rredcot`` / ``ibpo`` / ``segment_mc``, whose
 settings live under ``algorithm.rredcot``. Every estimator trains with the rredcot trainer, verl's sync trainer plus
 the estimators' hooks. Before Ray starts, the launcher checks what would otherwise fail late or hang: one of verl's
-async trainer modes, unknown estimator or ``algorithm.rredcot`` keys, a missing/broken model folder, datasets without
-``reward_model.ground_truth``. On a machine without an accelerator it switches on ``rredcot_verl.compat`` and the
+async trainer modes, unknown estimator or ``algorithm.rredcot`` keys, a missing/broken model folder (hub ids are
+verl's to download), datasets without ``reward_model.ground_truth`` or whose prompts all exceed
+``data.max_prompt_length``, a log-prob token budget whose unchunked entropy cannot fit a GPU, an engine context too
+short for IBPO's revisions. On a machine without an accelerator it switches on ``rredcot_verl.compat`` and the
 matching config (``RREDCOT_CPU=0`` forces it off; ``RREDCOT_CPU=1`` forces it on).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -79,10 +82,25 @@ def use_cpu_mode() -> bool:
     return not accelerator_present()
 
 
+# A Hugging Face hub id ("Qwen/Qwen3-4B"), which verl downloads itself (workers/config/model.py: copy_to_local).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_remote_model(path: str) -> bool:
+    """A hub id or a ``scheme://`` location (hdfs://...) that verl fetches, rather than a local folder."""
+    return "://" in path or (_HUB_ID.match(path) is not None and not Path(path).exists())
+
+
 def check_model_dir(path: str) -> None:
+    """A local model folder must hold a config, a tokenizer and weights; hub ids and remote paths are verl's to fetch."""
+    if is_remote_model(path):
+        return
     folder = Path(path)
     if not folder.is_dir():
-        raise LaunchError(f"model folder {path!r} does not exist (actor_rollout_ref.model.path)")
+        raise LaunchError(
+            f"model folder {path!r} does not exist (actor_rollout_ref.model.path); give a local folder or a hub id "
+            "such as Qwen/Qwen3-4B"
+        )
     missing = [name for name in ("config.json", "tokenizer_config.json") if not (folder / name).is_file()]
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         missing.append("*.safetensors weights")
@@ -104,6 +122,87 @@ def check_dataset(path: str, key: str) -> None:
         bad = sum(1 for row in rows if not isinstance(row, dict) or row.get("ground_truth") is None)
         if bad:
             raise LaunchError(f"{key} file {file!r}: {bad} of {len(rows)} rows lack reward_model.ground_truth")
+
+
+def _local_pretrained(loader, path: str):
+    """``loader.from_pretrained`` on a local folder or a hub id already in the local cache; None otherwise (the
+    checks that need it are skipped rather than download at launch)."""
+    try:
+        return loader.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
+def check_prompt_lengths(config: DictConfig, tokenizer, sample: int = 64) -> None:
+    """Refuse a training set whose sampled prompts all exceed ``data.max_prompt_length`` with the chat template: verl
+    would filter every row out and fail later with ``num_samples=0``."""
+    import pyarrow.parquet as pq
+
+    if tokenizer is None or not config.data.get("filter_overlong_prompts", True):
+        return
+    files = config.data.train_files
+    first = files if isinstance(files, str) else list(files)[0]
+    key = config.data.get("prompt_key", "prompt")
+    prompts = pq.read_table(first, columns=[key]).column(key).to_pylist()[:sample]
+    kwargs = dict(config.data.get("apply_chat_template_kwargs", None) or {})
+    lengths = [
+        len(tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs))
+        for p in prompts
+    ]
+    limit = int(config.data.max_prompt_length)
+    if lengths and min(lengths) > limit:
+        raise LaunchError(
+            f"every sampled prompt of {first!r} is longer than data.max_prompt_length={limit} tokens with the chat "
+            f"template (shortest {min(lengths)}): verl would filter out the whole dataset; raise data.max_prompt_length"
+        )
+
+
+# Bytes per logit verl's unchunked entropy holds beside the logits (fp32 softmax and product).
+_ENTROPY_BYTES_PER_LOGIT = 8
+LOGIT_MEMORY_LIMIT_BYTES = 16 << 30
+
+
+def check_log_prob_memory(config: DictConfig, vocab_size: int | None) -> None:
+    """Refuse a log-prob token budget whose unchunked full-vocabulary entropy alone would not fit a GPU (verl computes
+    entropy in every log-prob pass, whatever the estimator)."""
+    actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    if vocab_size is None or not rollout.get("log_prob_use_dynamic_bsz", False):
+        return
+    if actor.get("entropy_from_logits_with_chunking", False) or config.actor_rollout_ref.model.get("use_fused_kernels", False):
+        return
+    tokens = int(rollout.log_prob_max_token_len_per_gpu)
+    need = tokens * vocab_size * _ENTROPY_BYTES_PER_LOGIT
+    if need > LOGIT_MEMORY_LIMIT_BYTES:
+        raise LaunchError(
+            f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={tokens} with a {vocab_size}-token vocabulary "
+            f"needs ~{need / 2**30:.0f} GiB for the log-prob pass's unchunked entropy: set "
+            "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true (or lower the token budget)"
+        )
+
+
+def check_ibpo_context(config: DictConfig, settings, hf_config) -> None:
+    """Refuse an engine context in which IBPO could not revise a failure of the full response budget: its revision
+    prompt holds the question, the trace and a reference, and the repair may be ``revision_budget`` tokens."""
+    from rredcot_verl.core.ibpo import revision_budget
+
+    if str(config.algorithm.adv_estimator) != "ibpo":
+        return
+    context = config.actor_rollout_ref.rollout.get("max_model_len", None)
+    if context is None:
+        if hf_config is None:
+            return
+        from verl.workers.rollout.utils import get_max_position_embeddings
+
+        context = get_max_position_embeddings(hf_config)
+    prompt, response = int(config.data.max_prompt_length), int(config.data.max_response_length)
+    need = prompt + 2 * response + revision_budget(response, settings.ibpo)
+    if int(context) < need:
+        raise LaunchError(
+            f"algorithm.adv_estimator=ibpo: revising a {response}-token failure needs at least {need} tokens of engine "
+            f"context (question {prompt} + trace and reference 2 x {response} + repair {need - prompt - 2 * response}), "
+            f"the engine has {context}: set actor_rollout_ref.rollout.max_model_len >= {need} (within the model's "
+            "context), or lower data.max_response_length or algorithm.rredcot.ibpo.revision_length_factor"
+        )
 
 
 def check_estimator(name: str) -> None:
@@ -149,12 +248,19 @@ def prepare(config: DictConfig) -> DictConfig:
     check_estimator(estimator)
     check_value_pass_parallelism(config, estimator)
     try:
-        settings_from_config(config.algorithm)
+        settings = settings_from_config(config.algorithm)
     except ValueError as error:
         raise LaunchError(str(error)) from error
-    check_model_dir(str(config.actor_rollout_ref.model.path))
+    model_path = str(config.actor_rollout_ref.model.path)
+    check_model_dir(model_path)
     check_dataset(config.data.train_files, "data.train_files")
     check_dataset(config.data.val_files, "data.val_files")
+    from transformers import AutoConfig, AutoTokenizer
+
+    hf_config = _local_pretrained(AutoConfig, model_path)
+    check_prompt_lengths(config, _local_pretrained(AutoTokenizer, model_path))
+    check_log_prob_memory(config, getattr(hf_config, "vocab_size", None))
+    check_ibpo_context(config, settings, hf_config)
     select_trainer(config)
     env = {"VERL_USE_EXTERNAL_MODULES": PLUGIN_MODULE}
     env.update({key: os.environ[key] for key in FORWARDED_ENV if key in os.environ})

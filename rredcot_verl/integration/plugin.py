@@ -3,7 +3,8 @@
 verl imports it in each of its processes (entry point in ``setup.py``; the launcher also names it in
 ``VERL_USE_EXTERNAL_MODULES`` for workers on clusters where the package is installed without entry points). It applies
 the CPU accommodations when ``RREDCOT_CPU=1``, then registers the estimators ``rredcot``, ``ibpo`` and ``segment_mc``
-(``register_adv_est``) and the trainer (``register_trainer``). Importing it twice is harmless.
+(``register_adv_est``) and the trainer (``register_trainer``), and keeps the first error of verl's agent loop for the
+trainer (``failures.install_error_recorder``). Importing it twice is harmless.
 """
 
 from rredcot_verl.compat import cpu_mode_requested, enable_cpu_mode
@@ -12,4 +13,7 @@ if cpu_mode_requested():
     enable_cpu_mode()
 
 from rredcot_verl.integration import estimators as _estimators  # noqa: E402,F401  (registers the estimators)
+from rredcot_verl.integration.failures import install_error_recorder  # noqa: E402
 from rredcot_verl.integration import trainer as _trainer  # noqa: E402,F401  (registers the trainer)
+
+install_error_recorder()

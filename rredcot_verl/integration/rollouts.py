@@ -265,19 +265,6 @@ def monte_carlo_values(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str
         for i, (_, response) in enumerate(rows)
     ]
     prompts, responses = [p for p, _ in rows], [r for _, r in rows]
-    requests = montecarlo.plan_continuations(
-        prompts, responses, ends, mc, ctx.max_prompt_length + ctx.max_response_length
-    )
-    outputs = ctx.generate(
-        [(list(r.prefix_ids), {"temperature": mc.temperature, "top_p": 1.0, "max_tokens": r.max_tokens}) for r in requests]
-    )
-    if len(outputs) != len(requests):
-        raise ValueError(f"generate returned {len(outputs)} outputs for {len(requests)} continuation requests")
-    continuations = [
-        montecarlo.Continuation(tuple(o.token_ids), _truncated(o, r.max_tokens, tokenizer.eos_token_id))
-        for r, o in zip(requests, outputs)
-    ]
-
     low, high = ctx.settings.reward_range
 
     def judge(i: int, response_ids: list[int]) -> float:
@@ -286,13 +273,21 @@ def monte_carlo_values(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str
         reward = ctx.score(source, tokenizer.decode(response_ids, skip_special_tokens=True), truth, extra)
         return min(max((float(reward) - low) / (high - low), 0.0), 1.0)
 
-    seg_ends, raw_values, metrics = montecarlo.monte_carlo_values(
-        responses,
-        ends,
-        traces.batch["outcome"].tolist(),
-        requests,
-        continuations,
-        judge,
-        ctx.settings.segmentation.max_segments,
-    )
+    # Requested and judged a chunk of traces at a time (MonteCarloSettings.max_prefix_tokens_per_call).
+    tally = montecarlo.ContinuationTally(len(rows), montecarlo.max_k(ends, ctx.settings.segmentation.max_segments))
+    for requests in montecarlo.continuation_chunks(
+        prompts, responses, ends, mc, ctx.max_prompt_length + ctx.max_response_length
+    ):
+        outputs = ctx.generate(
+            [(list(r.prefix_ids), {"temperature": mc.temperature, "top_p": 1.0, "max_tokens": r.max_tokens})
+             for r in requests]
+        )  # fmt: skip
+        if len(outputs) != len(requests):
+            raise ValueError(f"generate returned {len(outputs)} outputs for {len(requests)} continuation requests")
+        continuations = [
+            montecarlo.Continuation(tuple(o.token_ids), _truncated(o, r.max_tokens, tokenizer.eos_token_id))
+            for r, o in zip(requests, outputs)
+        ]
+        tally.add(responses, requests, continuations, judge)
+    seg_ends, raw_values, metrics = tally.values(ends, traces.batch["outcome"].tolist())
     return {"seg_ends": seg_ends, "seg_raw_values": raw_values}, metrics

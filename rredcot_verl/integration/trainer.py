@@ -4,9 +4,13 @@ Registered as ``trainer.v1.trainer_mode=rredcot`` (the launcher selects it); to 
 (sync replay buffer, the configured ``data.gen_batch_size``, sync checkpoints and resume). Compared with verl's
 ``PPOTrainerSync``:
 - the actor worker class gains ``compute_segment_data`` (``workers.py``);
-- after verl's old-log-prob pass, the estimator's producer (``ESTIMATORS``) writes its per-trace fields: ``rredcot``
-  plans probes from the whole batch here and scores them on the actor, ``segment_mc`` samples continuations from each
-  boundary prefix and ``ibpo`` generates repairs, both through the running rollout engine;
+- the estimator's producer (``ESTIMATORS``) writes its per-trace fields: ``rredcot`` plans probes from the whole batch
+  after verl's old-log-prob pass and scores them on the actor; ``ibpo`` generates repairs through the rollout engine
+  before that pass; ``segment_mc`` needs the pass's entropies for its boundaries, so it wakes the engine after the pass
+  (``update_weights``, verl's wake-and-sync, with the unchanged weights) to sample continuations. Either way the engine
+  sleeps through the actor's forward passes, as in ``PPOTrainerSync`` (``EngineUse``);
+- every step counts the groups that verl's agent loop lost to an exception and stops the run past
+  ``algorithm.rredcot.max_failed_group_share`` (``failures.py``);
 - the advantage step passes those fields to the registered estimator (``estimators.estimator_inputs``), with the
   value gate's window of recent batches (``core.concordance.ConcordanceWindow``), which is saved with verl's
   checkpoints (``value_gate.json`` in each ``global_step_*`` folder) and restored on resume.
@@ -16,6 +20,7 @@ For ``grpo`` and every other estimator (no entry in ``ESTIMATORS``) it behaves e
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import logging
 import os
@@ -39,7 +44,7 @@ from rredcot_verl.compat import REPLAY_POLL_INTERVAL_S, cpu_mode_requested
 from rredcot_verl.core.concordance import ConcordanceWindow
 from rredcot_verl.core.planning import plan_traces, records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
-from rredcot_verl.integration import rollouts
+from rredcot_verl.integration import failures, rollouts
 from rredcot_verl.integration.estimators import IBPO_FIELDS, SEGMENT_FIELDS, estimator_inputs
 from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
 from rredcot_verl.tasks import resolve_task
@@ -50,19 +55,38 @@ logger = logging.getLogger(__name__)
 Producer = Callable[["SegmentCreditTrainer", DataProto], tuple[dict[str, torch.Tensor], dict[str, float]]]
 
 
+class EngineUse(enum.Enum):
+    """When a producer generates with the rollout engine, relative to verl's old-log-prob pass.
+
+    The engine's weights and KV cache must not sit beside the actor's log-prob micro-batches (on a GPU they hold
+    ``rollout.gpu_memory_utilization`` of its memory), so a producer generates while the engine is still awake from
+    the rollouts (``BEFORE_LOG_PROB_PASS``), or wakes it after the pass (``AFTER_LOG_PROB_PASS``, for a producer that
+    reads the pass's outputs); the engine sleeps again before the next actor forward.
+    """
+
+    NONE = "none"
+    BEFORE_LOG_PROB_PASS = "before"
+    AFTER_LOG_PROB_PASS = "after"
+
+
 @dataclass(frozen=True)
 class EstimatorSpec:
     """What an estimator needs from a training step beyond verl's own fields.
 
     Attributes:
         fields: per-trace batch keys its producer writes and the registered estimator reads.
-        uses_rollout_engine: the producer generates (the vLLM replicas stay awake until it is done).
-        produce: runs after verl's old-log-prob pass on the step's traces.
+        engine_use: whether and when the producer generates (``EngineUse``); a producer that runs after the pass may
+            read the pass's ``entropy``.
+        produce: runs on the step's traces (``_trace_batch``).
     """
 
     fields: tuple[str, ...]
-    uses_rollout_engine: bool
+    engine_use: EngineUse
     produce: Producer
+
+    @property
+    def runs_before_log_prob_pass(self) -> bool:
+        return self.engine_use is EngineUse.BEFORE_LOG_PROB_PASS
 
 
 def _segment_values(trainer: "SegmentCreditTrainer", traces: DataProto):
@@ -112,9 +136,9 @@ def _monte_carlo_values(trainer: "SegmentCreditTrainer", traces: DataProto):
 
 
 ESTIMATORS: dict[str, EstimatorSpec] = {
-    "rredcot": EstimatorSpec(SEGMENT_FIELDS, uses_rollout_engine=False, produce=_segment_values),
-    "segment_mc": EstimatorSpec(SEGMENT_FIELDS, uses_rollout_engine=True, produce=_monte_carlo_values),
-    "ibpo": EstimatorSpec(IBPO_FIELDS, uses_rollout_engine=True, produce=_ibpo_repairs),
+    "rredcot": EstimatorSpec(SEGMENT_FIELDS, EngineUse.NONE, produce=_segment_values),
+    "segment_mc": EstimatorSpec(SEGMENT_FIELDS, EngineUse.AFTER_LOG_PROB_PASS, produce=_monte_carlo_values),
+    "ibpo": EstimatorSpec(IBPO_FIELDS, EngineUse.BEFORE_LOG_PROB_PASS, produce=_ibpo_repairs),
 }
 
 
@@ -153,6 +177,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
         self.task = resolve_task(self.settings.task)
         self.value_window = ConcordanceWindow(self.settings.redistribution.concordance_window)
         self.value_gate_open = True
+        self.sampled_groups: failures.GroupCount | None = None  # the last training batch's, set by the replay buffer
         super().__init__(config)
 
     # verl's PPOTrainer reads ``self.trainer_mode`` (assigned from ``trainer.v1.trainer_mode``, i.e. our registered
@@ -175,7 +200,33 @@ class SegmentCreditTrainer(PPOTrainerSync):
         replay_buffer = super()._build_replay_buffer()
         if cpu_mode_requested():  # compat/cpu.py, item 5: steps of seconds, verl's 2 s poll would round them up
             replay_buffer.poll_interval = REPLAY_POLL_INTERVAL_S
+        sample = replay_buffer.sample
+
+        def sample_and_count(global_steps: int, partition_id: str, batch_size: int):
+            batch, metrics = sample(global_steps=global_steps, partition_id=partition_id, batch_size=batch_size)
+            if partition_id == "train":
+                self.sampled_groups = failures.count_groups(
+                    batch.keys, batch_size, int(self.config.actor_rollout_ref.rollout.n)
+                )
+            return batch, metrics
+
+        replay_buffer.sample = sample_and_count
         return replay_buffer
+
+    def _init_dataloader(self):
+        try:
+            super()._init_dataloader()
+        except ValueError as error:
+            # An empty dataset fails in torch's RandomSampler ("num_samples=0") with nothing naming the cause.
+            for split in ("train", "val"):
+                dataset = getattr(self, f"{split}_dataset", None)
+                if dataset is not None and len(dataset) == 0:
+                    raise ValueError(
+                        f"the {split} dataset is empty after verl's filtering: every prompt is longer than "
+                        f"data.max_prompt_length={self.config.data.max_prompt_length} tokens with the chat template "
+                        "(raise data.max_prompt_length, or set data.filter_overlong_prompts=false to truncate)"
+                    ) from error
+            raise
 
     def _init_tokenizer(self):
         super()._init_tokenizer()
@@ -202,9 +253,9 @@ class SegmentCreditTrainer(PPOTrainerSync):
 
     # ------------------------------------------------------------------------------------------------------------
     def on_sample_end(self):
-        # Extra generation (repairs, continuations) happens after the old-log-prob pass: keep the replicas awake
-        # until then; they are put to sleep in _compute_old_log_prob.
-        if self.spec is None or not self.spec.uses_rollout_engine:
+        # A producer that generates before the log-prob pass needs the replicas awake until it is done; they are put
+        # to sleep in _compute_old_log_prob, before the actor's first forward.
+        if self.spec is None or not self.spec.runs_before_log_prob_pass:
             super().on_sample_end()
 
     def _fetch(self, batch, fields) -> TensorDict:
@@ -215,31 +266,25 @@ class SegmentCreditTrainer(PPOTrainerSync):
             keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(tensors, batch_size=len(batch))
         )
 
-    def _trace_batch(self, batch) -> DataProto:
-        """Prompts, responses, masks, entropies, outcomes and dataset fields of the step, as one DataProto."""
-        data = self._fetch(
-            batch,
-            [
-                "prompts", "responses", "response_mask", "entropy", "rm_scores", "uid",
-                "reward_model", "extra_info", "data_source", "raw_prompt",
-            ],
-        )
+    def _trace_batch(self, batch, with_entropy: bool) -> DataProto:
+        """Prompts, responses, masks, outcomes, dataset fields and (after the log-prob pass) entropies of the step."""
+        fields = ["prompts", "responses", "response_mask", "rm_scores", "uid", "reward_model", "extra_info",
+                  "data_source", "raw_prompt"]  # fmt: skip
+        data = self._fetch(batch, [*fields, "entropy"] if with_entropy else fields)
         pad = self.tokenizer.pad_token_id
         prompt_lengths = data["prompts"].offsets().diff()
         prompts = data["prompts"].to_padded_tensor(padding=pad)
         responses = _padded(data["responses"], pad)
-        response_mask = _padded(data["response_mask"])
-        entropy = _padded(data["entropy"])
         width = responses.size(1)
-        response_mask, entropy = response_mask[:, :width], entropy[:, :width]
         tensors = {
             "prompts": prompts,
             "responses": responses,
             "prompt_mask": self._lengths_to_mask(prompt_lengths, prompts.size(1)),
-            "response_mask": response_mask,
-            "entropy": entropy,
+            "response_mask": _padded(data["response_mask"])[:, :width],
             "outcome": _padded(data["rm_scores"]).float().sum(-1),
         }
+        if with_entropy:
+            tensors["entropy"] = _padded(data["entropy"])[:, :width]
         non_tensors = {"uid": _object_array(_non_tensor(data, "uid"))}
         for key in ("reward_model", "extra_info", "data_source", "raw_prompt"):
             values = _non_tensor(data, key)
@@ -247,18 +292,47 @@ class SegmentCreditTrainer(PPOTrainerSync):
                 non_tensors[key] = _object_array(values)
         return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
 
-    def _compute_old_log_prob(self, batch, metrics: dict):
-        batch = super()._compute_old_log_prob(batch, metrics)
-        if self.spec is None:
-            return batch
+    def _produce(self, batch, metrics: dict, with_entropy: bool) -> None:
+        """Run the estimator's producer on the step's traces and write its fields to the batch."""
         with marked_timer(f"{self.estimator}_inputs", self.timing_raw, color="purple"):
             started = time.perf_counter()
-            tensors, extra_metrics = self.spec.produce(self, self._trace_batch(batch))
+            tensors, extra_metrics = self.spec.produce(self, self._trace_batch(batch, with_entropy))
             self._put(batch, {key: tensors[key] for key in self.spec.fields})
             extra_metrics[f"{self.estimator}/inputs_time_s"] = time.perf_counter() - started
             metrics.update(extra_metrics)
-        if self.spec.uses_rollout_engine:
+
+    def _check_rollout_failures(self, metrics: dict) -> None:
+        """Log the groups verl's agent loop lost this step; stop the run when they pass the configured share."""
+        count = self.sampled_groups
+        if count is None:
+            return
+        metrics["rollout/failed_groups"] = float(count.failed)
+        metrics["rollout/failed_group_share"] = count.share
+        metrics["rollout/missing_traces"] = float(count.missing_traces)
+        if count.failed and count.share > self.settings.max_failed_group_share:
+            raise failures.RolloutFailure(
+                f"step {self.global_steps}: {count.failed} of {count.requested} prompt groups lost "
+                f"{count.missing_traces} traces to exceptions in verl's agent loop (reward function or generation), "
+                f"more than algorithm.rredcot.max_failed_group_share={self.settings.max_failed_group_share}. "
+                f"First error:\n{failures.first_error() or '(not recorded; see Error in _run_prompt in the log)'}"
+            )
+
+    def _compute_old_log_prob(self, batch, metrics: dict):
+        self._check_rollout_failures(metrics)
+        if self.spec is None:
+            return super()._compute_old_log_prob(batch, metrics)
+        if self.spec.runs_before_log_prob_pass:
+            self._produce(batch, metrics, with_entropy=False)
             super().on_sample_end()
+        batch = super()._compute_old_log_prob(batch, metrics)
+        if self.spec.engine_use is EngineUse.AFTER_LOG_PROB_PASS:
+            # Wake the replicas with the actor's (unchanged) weights, as verl's step end does; sleep them again
+            # before the actor update.
+            self.checkpoint_manager.update_weights(self.global_steps)
+            self._produce(batch, metrics, with_entropy=True)
+            super().on_sample_end()
+        elif self.spec.engine_use is EngineUse.NONE:
+            self._produce(batch, metrics, with_entropy=True)
         return batch
 
     def _compute_advantage(self, batch, metrics: dict):
@@ -290,10 +364,13 @@ class SegmentCreditTrainer(PPOTrainerSync):
         self.value_gate_open = is_open
 
     def _save_checkpoint(self):
-        super()._save_checkpoint()
+        # Written first: verl's save ends by writing latest_checkpointed_iteration.txt and calling the checkpoint
+        # callback (remote upload), after which the checkpoint counts as complete.
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, VALUE_GATE_FILE), "w") as handle:
             json.dump({"previous_batches": self.value_window.state_dict()}, handle)
+        super()._save_checkpoint()
 
     def _load_checkpoint(self):
         super()._load_checkpoint()

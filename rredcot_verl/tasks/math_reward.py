@@ -1,35 +1,23 @@
 """Outcome reward for competition maths (Numina-CoT, open-rs) with math-verify, in verl's custom reward signature.
 
-Use with ``reward.custom_reward_function.path=<this file>``. The answer is the last ``\\boxed{}`` of the response;
-it is compared with the ground truth by ``math_verify`` (symbolic equivalence: 1/2 = 0.5, \\frac{1}{2}, ...).
-A response without a boxed answer, or one math-verify cannot parse, scores 0.
+Name it by module, ``reward.custom_reward_function.path=pkg://rredcot_verl.tasks.math_reward``, so that reward workers
+on every node import it from the installed package. The answer is the last ``\\boxed{}`` of the response; it is
+compared with the ground truth by the ``boxed_math`` task's equivalence (math-verify: 1/2 = 0.5 = \\frac{1}{2}, ...),
+which is safe in verl's reward workers: they call it outside the main thread, where math-verify's default SIGALRM
+timeout raises. A response without a boxed answer, or one math-verify cannot parse, scores 0.
 """
 
 from __future__ import annotations
 
-from math_verify import parse, verify
-
-
-def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 1, start + len("\\boxed{")
-    for i in range(begin, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[start : i + 1]
-    return None
+from rredcot_verl.tasks.base import BOXED_MATH
 
 
 def compute_score(data_source, solution_str: str, ground_truth, extra_info=None, **kwargs) -> float:
-    """1.0 iff the last ``\\boxed{}`` of ``solution_str`` is mathematically equal to ``ground_truth``."""
-    boxed = _last_boxed(solution_str)
-    if boxed is None:
+    """1.0 iff the last ``\\boxed{}`` of ``solution_str`` is mathematically equal to ``ground_truth``.
+
+    ``ground_truth`` may be the bare answer or a text with a ``\\boxed{}``; the other arguments are verl's signature.
+    """
+    answer = BOXED_MATH.extract_answer(solution_str)
+    if answer is None:
         return 0.0
-    truth = str(ground_truth)
-    gold = parse(truth if "\\boxed" in truth else f"\\boxed{{{truth}}}")
-    answer = parse(boxed)
-    if not gold or not answer:
-        return 0.0
-    return 1.0 if verify(gold, answer) else 0.0
+    return 1.0 if BOXED_MATH.equivalent(BOXED_MATH.answer_text(ground_truth), answer) else 0.0
