@@ -203,6 +203,32 @@ def test_ibpo_generates_repairs_and_localises_blame(build, tmp_path):
     assert non_uniform_incorrect, "no incorrect trace got a localised (non-uniform) advantage"
 
 
+# A reward function that raises on about half of the responses, as math-verify's SIGALRM timeout did in verl's
+# reward workers: verl logs each error and carries on with the traces that did not raise.
+RAISING_REWARD = """
+import zlib
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    if zlib.crc32(solution_str.encode()) % 2:
+        raise ValueError("signal only works in main thread of the main interpreter")
+    return 0.0
+"""
+
+
+def test_a_reward_that_raises_stops_the_run_with_its_first_error(build, tmp_path):
+    reward = tmp_path / "raising_reward.py"
+    reward.write_text(RAISING_REWARD)
+    result = _train("grpo", build, tmp_path, steps=2, env_extra={"RREDCOT_REWARD_FILE": str(reward)})
+    log = result.stdout + result.stderr
+    assert result.returncode != 0, log[-4000:]
+    assert "RolloutFailure" in log and "prompt groups lost" in log, log[-6000:]
+    failure = log[log.index("prompt groups lost") :]
+    assert "max_failed_group_share=0.1" in failure
+    # The first error, recorded in the reward worker, travelled with the failure to the trainer's message.
+    assert "First error:" in failure and "signal only works in main thread" in failure.split("First error:")[1][:6000]
+    assert not (tmp_path / "metrics.jsonl").exists() or load_metrics(tmp_path / "metrics.jsonl") == []
+
+
 @pytest.fixture(scope="module")
 def grpo_reference(build, tmp_path_factory) -> Path:
     """Three uninterrupted grpo steps through our launcher (the rredcot trainer), rollouts dumped per step, sent with

@@ -4,6 +4,7 @@
 # Env: RREDCOT_BUILD  task + model folder (default outputs/tiny_cpu/build; built and cached if missing)
 #      OUT            run folder (default outputs/tiny_cpu/<estimator>): metrics.jsonl, train.log, snapshots/
 #      RREDCOT_STEPS  training steps (default 30)      RREDCOT_SEED  data seed (default 1)
+#      RREDCOT_REWARD_FILE  reward function file (default rredcot_verl/tasks/reward.py, the task's exact-integer reward)
 #      RAY_ADDRESS    submit to an existing Ray cluster with `ray job submit` instead of a local run. On a CPU
 #                     cluster start the head with: ray start --head --num-cpus=32 --num-gpus=<trainer.n_gpus_per_node>
 #      RUN_TIMEOUT    hard wall-clock limit in seconds (default 3600); on expiry the run and its Ray processes end.
@@ -15,7 +16,7 @@ shift
 [ -f "recipes/tiny_cpu/$EST.yaml" ] || { echo "run.sh: no recipe recipes/tiny_cpu/$EST.yaml" >&2; exit 2; }
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 export RREDCOT_BUILD="${RREDCOT_BUILD:-$ROOT/outputs/tiny_cpu/build}"
-export RREDCOT_REWARD_FILE="$ROOT/rredcot_verl/tasks/reward.py"
+export RREDCOT_REWARD_FILE="${RREDCOT_REWARD_FILE:-$ROOT/rredcot_verl/tasks/reward.py}"
 OUT="${OUT:-$ROOT/outputs/tiny_cpu/$EST}"
 mkdir -p "$OUT"
 export VERL_FILE_LOGGER_PATH="$OUT/metrics.jsonl"
