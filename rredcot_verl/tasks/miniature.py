@@ -1,0 +1,354 @@
+"""Miniature stand-ins for the paper recipes (Qwen3-4B thinking, DeepSeek-R1-Distill-Qwen), built from code on CPU.
+
+    python -m rredcot_verl.tasks.miniature --family {qwen3,r1_distill} --out DIR [--problems N] [--threads T]
+
+writes what a paper recipe reads, at toy scale, so it can be launched in CI without the hub:
+
+- ``DIR/data/{train,val}.parquet``: the word problems shipped in ``assets/math_problems.jsonl`` (solutions are
+  blank-line paragraphs ending in ``\\boxed{}``), shuffled, split 4:1 and converted by ``tasks/math_data.convert``,
+  the converter of ``recipes/paper/prepare_math_data.py``.
+- ``DIR/model/``: a byte-level BPE tokenizer with the family's special tokens and chat template
+  (``assets/chat_templates/``), and a two-layer model of the family's class, warm-started by SFT on the training
+  problems written as the family responds: ``<think>\\n{solution}\\n</think>\\n\\n**Final Answer**\\n\\boxed{a}``
+  then eos (R1's prompt already ends with ``<think>\\n``). The SFT memorises rather than solves: it makes sampled
+  responses carry a boxed answer (for the reward and the exit probe) that is sometimes right.
+- ``DIR/miniature.json``: the build record (fingerprint, boxed rate and accuracy on training prompts, token lengths
+  for ``max_prompt_length`` / ``max_response_length``). A run whose fingerprint matches returns it without building.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from rredcot_verl.tasks import math_data
+from rredcot_verl.tasks.math_data import convert
+from rredcot_verl.tasks.model import check_vllm_head_dim, chat_prompt_ids, load_model_dir, response_ids, save_model_dir
+from rredcot_verl.tasks.reward import extract_boxed_answer
+
+RECORD = "miniature.json"
+DATA_SOURCE = "miniature/math"
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+PROBLEMS_PATH = os.path.join(ASSETS, "math_problems.jsonl")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class Family:
+    """Tokens, template and model class of one paper model family.
+
+    Attributes:
+        model_type: ``qwen3`` or ``qwen2`` (the transformers config class, hence what vLLM serves).
+        template: chat template file under ``assets/chat_templates``.
+        bos_token: written by the chat template (None: the family has no bos).
+        config_bos_token: what the model config's ``bos_token_id`` names (Qwen3: ``<|endoftext|>``, though unused).
+        stop_tokens: the generation config's eos ids (Qwen3 stops at ``<|im_end|>`` or ``<|endoftext|>``).
+        special_tokens: single tokens that ``decode(..., skip_special_tokens=True)`` drops; bos/eos/pad among them.
+        added_tokens: single tokens that decoding keeps (thinking markers, R1's role markers), as the real ones do.
+        thinks_in_prompt: the generation prompt ends with ``<think>\\n``, so the response starts inside thinking.
+        tie_word_embeddings: as the full-size checkpoint.
+    """
+
+    model_type: str
+    template: str
+    bos_token: str | None
+    eos_token: str
+    pad_token: str
+    config_bos_token: str
+    stop_tokens: tuple[str, ...]
+    special_tokens: tuple[str, ...]
+    added_tokens: tuple[str, ...]
+    thinks_in_prompt: bool
+    tie_word_embeddings: bool
+
+
+_R1_BOS, _R1_EOS, _R1_PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
+FAMILIES: dict[str, Family] = {
+    "qwen3": Family(
+        model_type="qwen3", template="qwen3.jinja", bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        config_bos_token="<|endoftext|>", stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), added_tokens=(THINK_OPEN, THINK_CLOSE),
+        thinks_in_prompt=False, tie_word_embeddings=True,
+    ),
+    # The real tokenizer pads with eos; a distinct pad (DeepSeek's spelling) keeps eos out of padding masks.
+    "r1_distill": Family(
+        model_type="qwen2", template="r1_distill.jinja", bos_token=_R1_BOS, eos_token=_R1_EOS, pad_token=_R1_PAD,
+        config_bos_token=_R1_BOS, stop_tokens=(_R1_EOS,), special_tokens=(_R1_BOS, _R1_EOS, _R1_PAD),
+        added_tokens=("<｜User｜>", "<｜Assistant｜>", THINK_OPEN, THINK_CLOSE), thinks_in_prompt=True,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class MiniatureConfig:
+    """Sizes of the tokenizer, model and warm start (defaults: about 10 s per family on two idle cores).
+
+    Attributes:
+        vocab_size: BPE target, reached on the shipped text (digits stay single tokens: the pre-tokenizer splits them).
+        hidden_size, num_attention_heads, num_key_value_heads, num_hidden_layers, intermediate_size: model shape;
+            head_dim = hidden_size / num_attention_heads must be one vLLM's CPU attention supports.
+        max_position_embeddings: longest prompt + response a miniature recipe may ask for.
+        sft_steps, batch_size, lr, warmup_steps: AdamW steps on random batches of training sequences, linear warmup
+            then cosine decay to 0.1x.
+        n_eval: training prompts generated for (sampled at temperature 1, then greedy) to measure the warm start.
+        seed: shuffle, initialisation, batches and sampling.
+    """
+
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    num_hidden_layers: int = 2
+    intermediate_size: int = 384
+    max_position_embeddings: int = 2048
+    sft_steps: int = 120
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    n_eval: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_vllm_head_dim(self.hidden_size // self.num_attention_heads)
+        if min(self.sft_steps, self.batch_size, self.warmup_steps, self.n_eval) < 1:
+            raise ValueError(f"sft_steps, batch_size, warmup_steps and n_eval must be >= 1: {self}")
+
+
+@dataclass(frozen=True)
+class MathRow:
+    """One training problem as the SFT and the evaluation see it (``prompt`` is the user message verl builds)."""
+
+    prompt: str
+    answer: str
+    solution: str
+
+
+def load_problems(n: int | None = None, path: str = PROBLEMS_PATH) -> list[dict]:
+    """The first ``n`` (default all) ``{"problem", "solution"}`` records of the shipped problem file."""
+    with open(path, encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return problems[:n]
+
+
+def write_data(problems: list[dict], data_dir: str, seed: int) -> tuple[list[MathRow], list[MathRow]]:
+    """Shuffle, split 4:1 and write ``train.parquet`` / ``val.parquet``; returns the (train, val) rows."""
+    if len(problems) < 2:
+        raise ValueError(f"need at least 2 problems (one is held out for validation), got {len(problems)}")
+    order = list(problems)
+    random.Random(seed).shuffle(order)
+    n_val = max(1, len(order) // 5)
+    os.makedirs(data_dir, exist_ok=True)
+    splits = []
+    for split, rows in (("train", order[n_val:]), ("val", order[:n_val])):
+        frame = convert(rows, DATA_SOURCE, split)
+        frame.to_parquet(os.path.join(data_dir, f"{split}.parquet"))
+        splits.append([MathRow(p[0]["content"], r["ground_truth"], e["reference_solution"])
+                       for p, r, e in zip(frame["prompt"], frame["reward_model"], frame["extra_info"])])
+    return splits[0], splits[1]
+
+
+def response_text(family: Family, row: MathRow) -> str:
+    """The SFT target: thinking (the solution's paragraphs), then the final answer, as the family writes it."""
+    thinking = f"{row.solution}\n{THINK_CLOSE}\n\n**Final Answer**\n\\boxed{{{row.answer}}}"
+    return thinking if family.thinks_in_prompt else f"{THINK_OPEN}\n{thinking}"
+
+
+def build_tokenizer(family: Family, rows: list[MathRow], config: MiniatureConfig):
+    """Byte-level BPE with Qwen2's normalizer and pre-tokenizer (tasks/model.py says why), wrapped with the family's
+    special tokens and chat template; returns a ``PreTrainedTokenizerFast``. Deterministic."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=config.vocab_size, special_tokens=list(family.special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    # Special and added tokens are split off before the BPE sees text, so the chat scaffolding needs only its words.
+    corpus = ["system\nuser\nassistant\nYou are a helpful assistant."]
+    corpus += [f"{row.prompt}\n{response_text(family, row)}" for row in rows]
+    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in family.added_tokens])
+    named = {family.bos_token, family.eos_token, family.pad_token}
+    # transformers rebuilds a qwen2 folder's tokenizer as Qwen2Tokenizer, whose unk defaults to <|endoftext|>: a token
+    # the R1 vocabulary lacks, which loading would append. Naming eos as unk avoids it (byte-level BPE never emits unk).
+    unk_token = family.eos_token if family.model_type == "qwen2" else None
+    with open(os.path.join(ASSETS, "chat_templates", family.template), encoding="utf-8") as f:
+        template = f.read()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=family.bos_token,
+        eos_token=family.eos_token,
+        pad_token=family.pad_token,
+        unk_token=unk_token,
+        additional_special_tokens=[t for t in family.special_tokens if t not in named],
+        chat_template=template,
+        clean_up_tokenization_spaces=False,
+        model_max_length=config.max_position_embeddings,
+    )
+
+
+def build_model(family: Family, tokenizer, config: MiniatureConfig):
+    """Randomly initialised fp32 model of the family's class, sized to ``tokenizer``."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
+        family.model_type]
+    bos_id, eos_id = tokenizer.convert_tokens_to_ids([family.config_bos_token, family.eos_token])
+    pad_id, stop_ids = tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids(list(family.stop_tokens))
+    model_config = config_class(
+        vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.hidden_size // config.num_attention_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=family.tie_word_embeddings,
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, attn_implementation="sdpa", dtype="float32",
+    )
+    torch.manual_seed(config.seed)
+    model = model_class(model_config)
+    model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=stop_ids, pad_token_id=pad_id)
+    return model
+
+
+def warm_start(model, tokenizer, family: Family, rows: list[MathRow], config: MiniatureConfig) -> dict:
+    """Causal-LM SFT in place, loss on response tokens (and eos) only; returns ``{"steps", "final_loss"}``."""
+    import torch
+
+    sequences = [(chat_prompt_ids(tokenizer, row.prompt), response_ids(tokenizer, response_text(family, row)))
+                 for row in rows]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    rng = random.Random(config.seed)
+    model.train()
+    for step in range(config.sft_steps):
+        progress = max(0, step - config.warmup_steps) / max(1, config.sft_steps - config.warmup_steps)
+        scale = min(1.0, (step + 1) / config.warmup_steps) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * scale
+        batch = rng.sample(sequences, min(config.batch_size, len(sequences)))
+        width = max(len(p) + len(r) for p, r in batch)
+        # (batch, width), right-padded; labels -100 on the prompt and the padding
+        input_ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        labels = torch.full_like(input_ids, -100)
+        for i, (prompt, response) in enumerate(batch):
+            n = len(prompt) + len(response)
+            input_ids[i, :n] = torch.tensor(prompt + response)
+            attention_mask[i, :n] = 1
+            labels[i, len(prompt):n] = torch.tensor(response)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    model.eval()
+    return {"steps": config.sft_steps, "final_loss": round(loss.item(), 4)}
+
+
+def evaluate(model, tokenizer, rows: list[MathRow], max_new_tokens: int, seed: int) -> dict:
+    """Share of responses with a boxed answer and share scored correct by the paper reward (math-verify), for
+    temperature-1 samples and greedy decoding of ``rows``' prompts."""
+    from rredcot_verl.tasks.math_reward import compute_score
+    from rredcot_verl.tasks.sft import generate_responses
+
+    report = {}
+    for mode, do_sample in (("sampled", True), ("greedy", False)):
+        responses = generate_responses(model, tokenizer, rows, do_sample, max_new_tokens, seed=seed)
+        boxed = [extract_boxed_answer(response) is not None for response in responses]
+        scores = [compute_score(DATA_SOURCE, response, row.answer) for row, response in zip(rows, responses)]
+        report[mode] = {"boxed_rate": sum(boxed) / len(rows), "accuracy": sum(scores) / len(rows),
+                        "example": responses[0]}
+    return report
+
+
+def fingerprint(family_name: str, n_problems: int | None, config: MiniatureConfig) -> dict:
+    """What a build depends on: family, sizes, and the bytes of the problems, the template, this module and the
+    converter (a rebuild takes seconds, so any edit to them invalidates a cached build rather than a version number)."""
+    digest = hashlib.sha256()
+    template = os.path.join(ASSETS, "chat_templates", FAMILIES[family_name].template)
+    for path in (PROBLEMS_PATH, template, os.path.abspath(__file__), math_data.__file__):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return {"family": family_name, "problems": n_problems, "config": asdict(config),
+            "sources_sha256": digest.hexdigest()}
+
+
+def build(family_name: str, out_dir: str, n_problems: int | None = None,
+          config: MiniatureConfig = MiniatureConfig(), log: Callable[[str], None] = print) -> dict:
+    """Build (or reuse) ``out_dir/data`` and ``out_dir/model`` for one family; returns the record in ``RECORD``."""
+    import torch
+
+    family = FAMILIES[family_name]
+    out_dir = os.path.abspath(out_dir)
+    record_path, model_dir, data_dir = (os.path.join(out_dir, name) for name in (RECORD, "model", "data"))
+    parquets = [os.path.join(data_dir, f"{split}.parquet") for split in ("train", "val")]
+    expected = fingerprint(family_name, n_problems, config)
+    try:
+        with open(record_path) as f:
+            previous = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        previous = None
+    if previous and previous.get("fingerprint") == expected and all(map(os.path.isfile, parquets)):
+        try:
+            load_model_dir(model_dir, with_model=False)
+            log(f"miniature {family_name}: reusing {out_dir} (settings unchanged)")
+            return previous
+        except (FileNotFoundError, ValueError):
+            pass  # an incomplete folder is rebuilt
+    start = time.monotonic()
+    train, val = write_data(load_problems(n_problems), data_dir, config.seed)
+    tokenizer = build_tokenizer(family, train + val, config)
+    model = build_model(family, tokenizer, config)
+    sft = warm_start(model, tokenizer, family, train, config)
+    save_model_dir(model, tokenizer, model_dir)
+    _, loaded = load_model_dir(model_dir, with_model=False)
+    if loaded.get_vocab() != tokenizer.get_vocab():  # what verl and vLLM will load must be what was trained
+        raise ValueError(f"{model_dir}: the tokenizer loads back with a different vocabulary")
+    prompt_tokens = [len(chat_prompt_ids(tokenizer, row.prompt)) for row in train + val]
+    reference_tokens = [len(response_ids(tokenizer, response_text(family, row))) for row in train + val]
+    evaluation = evaluate(model, tokenizer, train[: config.n_eval], max(reference_tokens) + 32, config.seed)
+    record = {
+        "fingerprint": expected, "family": family_name, "n_train": len(train), "n_val": len(val),
+        "model_dir": model_dir, "train_parquet": parquets[0], "val_parquet": parquets[1],
+        "max_prompt_tokens": max(prompt_tokens), "max_reference_response_tokens": max(reference_tokens),
+        "vocab_size": len(tokenizer), "sft": sft, "eval": evaluation,
+        "seconds": round(time.monotonic() - start, 1), "torch_threads": torch.get_num_threads(),
+    }
+    with open(record_path, "w") as f:
+        json.dump(record, f, indent=2)
+    sampled, greedy = evaluation["sampled"], evaluation["greedy"]
+    log(f"miniature {family_name}: built in {record['seconds']:.0f} s; on {min(config.n_eval, len(train))} training "
+        f"prompts sampled boxed {sampled['boxed_rate']:.0%} / correct {sampled['accuracy']:.0%}, greedy boxed "
+        f"{greedy['boxed_rate']:.0%} / correct {greedy['accuracy']:.0%}")
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(description="Build a miniature paper model family: parquet data + tiny model.")
+    parser.add_argument("--family", required=True, choices=sorted(FAMILIES))
+    parser.add_argument("--out", required=True, help="output folder (data/, model/, miniature.json)")
+    parser.add_argument("--problems", type=int, default=None, help="use the first N shipped problems (default all)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for the warm start")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    record = build(args.family, args.out, args.problems)
+    print(json.dumps({k: v for k, v in record.items() if k not in ("fingerprint", "eval")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Every shipped GPU recipe, launched as a user launches it (``python -m rredcot_verl.main --config-dir ...
+--config-name ...``), in miniature on CPU: 2 training steps with a tiny model of the recipe's family (its chat
+template and thinking markers, so the ``qwen3`` / ``r1_distill`` probe profiles are the ones exercised), data written
+by the recipes' own converter, and only what cannot run here overridden (``PERMITTED_OVERRIDES``). Everything else is
+the recipe's: estimator, task, the math-verify reward through the recipe's own ``pkg://`` path, segmentation, dynamic
+batch size, checkpointing. The launcher's CPU accommodations (``launcher.CPU_CONFIG``: device, attention backend,
+remove-padding, vLLM sleep mode) apply as to any CPU run.
+
+A run that exits 0 is not enough: each test reads the step metrics (no failed groups, finite advantages, the
+estimator's own counts), the rollouts verl dumped (the reward workers' scores equal the recipe's reward function
+recomputed here, and some responses were parsed) and the log (no error that verl caught and carried on from).
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from rredcot_verl.runs import load_metrics
+from rredcot_verl.tasks.math_reward import compute_score
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# recipe -> (folder under recipes/, model family, data folder the recipe reads under $DATA_DIR, estimator override)
+RECIPES = {
+    "qwen3_4b_numina_grpo": ("paper", "qwen3", "numina", None),
+    "qwen3_4b_numina_rredcot": ("paper", "qwen3", "numina", None),
+    "r1_distill_1p5b_openrs_rredcot": ("paper", "r1_distill", "open_rs", None),
+    # The one-GPU recipe's comparison runs grpo, rredcot and ibpo; the paper recipes cover the first two.
+    "qwen3_0p6b_gsm8k": ("gpu_single", "qwen3", "gsm8k", "ibpo"),
+}
+
+# What a miniature run may change, and why: the model (a tiny one of the family, built here), lengths and batch
+# sizes (CPU scale), devices and workers (one CPU box), the number of steps and validation (time), output paths and
+# loggers (no wandb here), and the estimator of the one-GPU recipe (it is meant to be swapped).
+PERMITTED_OVERRIDES = frozenset(
+    {
+        "actor_rollout_ref.model.path",
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "data.train_batch_size",
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+        "actor_rollout_ref.rollout.agent.num_workers",
+        "reward.num_workers",
+        "data.dataloader_num_workers",
+        "trainer.n_gpus_per_node",
+        "trainer.nnodes",
+        "trainer.total_training_steps",
+        "trainer.val_before_train",
+        "trainer.test_freq",
+        "trainer.default_local_dir",
+        "trainer.rollout_data_dir",
+        "trainer.logger",
+        "algorithm.adv_estimator",
+    }
+)
+STEPS = 2
+RUN_TIMEOUT_S = 900
+
+
+def miniature_overrides(recipe: str, build: Path, out: Path) -> dict[str, object]:
+    """The overrides a miniature run of ``recipe`` passes (each key must be in ``PERMITTED_OVERRIDES``)."""
+    estimator = RECIPES[recipe][3]
+    overrides = {
+        "actor_rollout_ref.model.path": str(build / "model"),
+        "data.max_prompt_length": 192,
+        "data.max_response_length": 128,
+        "data.train_batch_size": 4,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+        "actor_rollout_ref.rollout.gpu_memory_utilization": 0.1,
+        "actor_rollout_ref.rollout.agent.num_workers": 1,
+        "reward.num_workers": 1,
+        "data.dataloader_num_workers": 0,
+        "trainer.n_gpus_per_node": 1,
+        "trainer.nnodes": 1,
+        "trainer.total_training_steps": STEPS,
+        "trainer.val_before_train": False,
+        "trainer.test_freq": -1,
+        "trainer.default_local_dir": str(out / "checkpoints"),
+        "trainer.rollout_data_dir": str(out / "rollouts"),
+        "trainer.logger": "[console,file]",
+    }
+    if estimator is not None:
+        overrides["algorithm.adv_estimator"] = estimator
+    return overrides
+
+
+def _as_cli(overrides: dict) -> list[str]:
+    return [f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in overrides.items()]
+
+
+def _recipe_dir(recipe: str) -> Path:
+    return ROOT / "recipes" / RECIPES[recipe][0]
+
+
+def test_every_shipped_gpu_recipe_has_a_miniature_run():
+    shipped = {path.stem for folder in ("paper", "gpu_single") for path in (ROOT / "recipes" / folder).glob("*.yaml")}
+    assert shipped == set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_miniature_runs_override_only_permitted_keys_that_exist(recipe, tmp_path, monkeypatch):
+    """A key outside the list fails here; so does a listed key the recipe's composed config does not have (a typo
+    would otherwise add a new key and leave the recipe's own value in force)."""
+    monkeypatch.setenv("DATA_DIR", str(tmp_path))
+    overrides = miniature_overrides(recipe, tmp_path, tmp_path)
+    assert set(overrides) <= PERMITTED_OVERRIDES, sorted(set(overrides) - PERMITTED_OVERRIDES)
+    with initialize_config_dir(config_dir=str(_recipe_dir(recipe)), version_base=None):
+        plain = compose(config_name=recipe)
+        overridden = compose(config_name=recipe, overrides=_as_cli(overrides))
+    from omegaconf import OmegaConf
+
+    for key in overrides:
+        assert OmegaConf.select(plain, key, default="<missing>") != "<missing>", key
+    # Nothing else differs from the recipe.
+    flat = lambda config: dict(_flatten(OmegaConf.to_container(config, resolve=False)))  # noqa: E731
+    changed = {key for key, value in flat(overridden).items() if flat(plain).get(key) != value}
+    assert changed <= set(overrides), sorted(changed - set(overrides))
+
+
+def _flatten(tree, prefix=""):
+    """(dotted key, leaf value) pairs of a nested dict."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flatten(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], tree
+
+
+@pytest.fixture(scope="module")
+def miniatures(tmp_path_factory) -> dict[str, Path]:
+    """One build per family, shared by the runs (data + warm-started tiny model)."""
+    builds = {}
+    for family in sorted({family for _, family, _, _ in RECIPES.values()}):
+        out = tmp_path_factory.mktemp(f"miniature_{family}")
+        subprocess.run(
+            [sys.executable, "-m", "rredcot_verl.tasks.miniature", "--family", family, "--out", str(out)],
+            check=True, capture_output=True, timeout=900,
+        )  # fmt: skip
+        builds[family] = out
+    return builds
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipe_trains_in_miniature(recipe, miniatures, tmp_path):
+    _, family, data_name, _ = RECIPES[recipe]
+    build = miniatures[family]
+    data_dir = tmp_path / "data"
+    shutil.copytree(build / "data", data_dir / data_name)
+    out = tmp_path / "run"
+    out.mkdir()
+    env = {**os.environ, "DATA_DIR": str(data_dir), "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")}
+    command = [
+        "timeout", "-k", "30", str(RUN_TIMEOUT_S), "setsid", sys.executable, "-m", "rredcot_verl.main",
+        "--config-dir", str(_recipe_dir(recipe)), "--config-name", recipe,
+        *_as_cli(miniature_overrides(recipe, build, out)),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 60)
+    log = result.stdout + result.stderr
+    (out / "stdout.log").write_text(log)
+    assert result.returncode == 0, log[-6000:]
+    # Errors verl catches and carries on from (a reward that raises, a failed agent loop) must not have happened.
+    for marker in ("Error in _run_prompt", "Traceback (most recent call last)"):
+        assert marker not in log, log[log.index(marker) - 2000 : log.index(marker) + 4000]
+
+    rows = load_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    for row in rows:
+        assert row["rollout/failed_groups"] == 0 and row["rollout/missing_traces"] == 0
+        for key in ("actor/grad_norm", "actor/pg_loss", "critic/advantages/mean", "critic/score/mean"):
+            assert math.isfinite(float(row[key])), (key, row[key])
+    estimator = RECIPES[recipe][3] or ("grpo" if recipe.endswith("_grpo") else "rredcot")
+    if estimator == "rredcot":
+        assert all(row["rredcot/fallback/nonfinite"] == 0 for row in rows)
+        assert any(row["rredcot/redistributed_frac"] > 0 for row in rows), "no trace was redistributed"
+    if estimator == "ibpo":
+        assert all(row["ibpo/incorrect_traces"] > 0 for row in rows)
+        assert any(row["ibpo/revisions"] > 0 for row in rows)
+
+    # The reward workers ran the recipe's reward (math-verify, off the main thread) on parsed answers: their scores
+    # equal the function's, recomputed here, and some responses had a boxed answer to parse.
+    dumped = [json.loads(line) for path in sorted((out / "rollouts").glob("*.jsonl")) for line in path.read_text().splitlines()]
+    assert len(dumped) == STEPS * 4 * 4
+    boxed = [row for row in dumped if "\\boxed{" in row["output"]]
+    assert len(boxed) >= len(dumped) // 4, f"only {len(boxed)} of {len(dumped)} responses wrote a boxed answer"
+    for row in dumped:
+        assert row["score"] == compute_score("miniature/math", row["output"], row["gts"]), row["output"]
+    assert (out / "checkpoints" / f"global_step_{STEPS}" / "value_gate.json").is_file()
