@@ -100,3 +100,64 @@ def test_cli_exits_with_code_2_and_one_line(build):
     )
     assert result.returncode == 2
     assert "rredcot_verl: model folder" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "recipe", ["qwen3_4b_numina_rredcot", "qwen3_4b_numina_grpo", "r1_distill_1p5b_openrs_rredcot"]
+)
+def test_the_launcher_accepts_the_paper_recipes_as_written(recipe, tmp_path, monkeypatch):
+    """The recipes name hub ids (verl downloads them) and read $DATA_DIR in prepare_math_data.py's format."""
+    from rredcot_verl.tasks.math_data import convert
+
+    rows = [{"problem": f"What is {i} + {i}?", "solution": f"Add them.\n\nSo $\\boxed{{{2 * i}}}$."} for i in range(4)]
+    for name in ("numina", "open_rs"):
+        (tmp_path / name).mkdir()
+        for split in ("train", "val"):
+            convert(rows, "test", split).to_parquet(tmp_path / name / f"{split}.parquet")
+    monkeypatch.setenv("DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("RREDCOT_CPU", "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "paper"), version_base=None):
+        config = prepare(compose(config_name=recipe))
+    assert config.actor_rollout_ref.model.path.count("/") == 1 and not Path(config.actor_rollout_ref.model.path).exists()
+    assert config.trainer.v1.trainer_mode == "rredcot"
+
+
+def test_prompts_all_longer_than_the_budget_are_refused(build):
+    with pytest.raises(LaunchError, match=r"every sampled prompt .* is longer than data.max_prompt_length=4 tokens"):
+        prepare(_config(["data.max_prompt_length=4", "data.filter_overlong_prompts=true"]))
+
+
+def test_an_empty_dataset_after_verls_filter_names_the_key(monkeypatch):
+    """The trainer's own message where the launcher could not tokenize (a hub model not cached at launch)."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from rredcot_verl.integration.trainer import SegmentCreditTrainer
+
+    def verl_init_dataloader(self):
+        self.train_dataset = []
+        raise ValueError("num_samples should be a positive integer value, but got num_samples=0")
+
+    monkeypatch.setattr(PPOTrainer, "_init_dataloader", verl_init_dataloader)
+    trainer = object.__new__(SegmentCreditTrainer)
+    trainer.config = OmegaConf.create({"data": {"max_prompt_length": 1024}})
+    with pytest.raises(ValueError, match="train dataset is empty .* data.max_prompt_length=1024"):
+        trainer._init_dataloader()
+
+
+def test_unchunked_entropy_that_cannot_fit_is_refused(build):
+    from rredcot_verl.integration.launcher import check_log_prob_memory
+
+    base = ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=65536"]
+    with pytest.raises(LaunchError, match="entropy_from_logits_with_chunking=true"):
+        check_log_prob_memory(_config(base), vocab_size=151_936)
+    check_log_prob_memory(_config([*base, "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true"]), 151_936)
+    check_log_prob_memory(_config(base), vocab_size=293)  # the embedded model: 65536 x 293 logits fit
+
+
+def test_ibpo_context_too_short_for_its_revisions_is_refused(build):
+    overrides = ["algorithm.adv_estimator=ibpo", "data.max_response_length=25000", "data.max_prompt_length=1024",
+                 "actor_rollout_ref.rollout.max_model_len=40960"]  # fmt: skip
+    with pytest.raises(LaunchError, match=r"needs at least 81152 tokens .*max_model_len >= 81152"):
+        prepare(_config(overrides))
