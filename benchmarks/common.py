@@ -181,10 +181,24 @@ def machine_meta() -> dict:
             "python": platform.python_version()}
 
 
+def relative_to_repository(value):
+    """``value`` with every absolute path inside the repository written relative to it (recursively through dicts
+    and lists): a committed result must not carry the paths of the machine that ran it."""
+    if isinstance(value, dict):
+        return {key: relative_to_repository(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [relative_to_repository(item) for item in value]
+    if isinstance(value, str) and value.startswith("/"):
+        path = Path(value)
+        return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else value
+    return value
+
+
 def write_result(result: dict, out: Path) -> dict:
-    """Write a benchmark's JSON to ``out`` (folders made), say where, and return the result with its path."""
+    """Write a benchmark's JSON to ``out`` (folders made; paths inside the repository made relative to it), say
+    where, and return the result with its path."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(json.dumps(relative_to_repository(result), indent=2) + "\n")
     print(f"wrote {out}")
     return {**result, "out": str(out)}
 
