@@ -1,10 +1,12 @@
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 setup(
     name="rredcot-verl",
     version="0.1.0",
     description="Segment-level credit assignment (RREDCoT, IBPO, segment MC) for verl",
-    packages=find_packages(include=["rredcot_verl", "rredcot_verl.*"]),
+    # Namespace discovery: asset folders (tasks/assets/...) are data, but setuptools sees them as importable and warns
+    # unless they are listed as packages too.
+    packages=find_namespace_packages(include=["rredcot_verl", "rredcot_verl.*"]),
     package_data={"rredcot_verl": ["conf/*.yaml", "tasks/assets/**/*"]},
     include_package_data=True,
     python_requires=">=3.10",

@@ -20,5 +20,6 @@ $PIP install -q --no-deps verl==0.9.1
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to load next to CPU torch
 # (transformers' Qwen2 import and vLLM's multimodal import break); vLLM and transformers fall back without them.
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-$PIP install -q --no-deps -e .
+# setuptools warns on every editable install that a folder named like the package may shadow it (it is the package).
+PYTHONWARNINGS=ignore $PIP install -q --no-deps -e .
 echo "$want" > "$STAMP"
