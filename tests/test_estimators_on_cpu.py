@@ -137,3 +137,27 @@ def test_bad_reward_range_is_a_settings_error_naming_the_key():
     with estimator_inputs(UID, _segments()):
         with pytest.raises(ValueError, match="reward_range"):
             compute_advantage(_batch(), adv_estimator="rredcot", config=config)
+
+
+def test_an_estimator_is_one_spec_that_verl_the_launcher_and_the_trainer_read(monkeypatch):
+    """Every spec is registered with verl under its name; a new spec in ``ESTIMATORS`` is all the launcher and the
+    trainer need (no name lists elsewhere)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from rredcot_verl.integration.estimators import ESTIMATORS, register
+    from rredcot_verl.integration.launcher import LaunchError, check_estimator, check_value_pass_parallelism
+
+    for name, spec in ESTIMATORS.items():
+        assert spec.name == name and ADV_ESTIMATOR_REGISTRY[name] is spec.advantage
+    new = dataclasses.replace(ESTIMATORS["rredcot"], name="rredcot_unit_test_copy")
+    monkeypatch.setitem(ESTIMATORS, new.name, new)
+    register(new)
+    try:
+        check_estimator(new.name)
+        config = OmegaConf.create({"actor_rollout_ref": {"actor": {"ulysses_sequence_parallel_size": 2}}})
+        with pytest.raises(LaunchError, match="rredcot_unit_test_copy"):
+            check_value_pass_parallelism(config, new.name)
+    finally:
+        ADV_ESTIMATOR_REGISTRY.pop(new.name, None)

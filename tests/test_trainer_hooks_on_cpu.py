@@ -2,6 +2,7 @@
 actor forwards and extra generation; the failed-group count; the checkpoint order. (The end-to-end runs exercise the
 same hooks with the real stack, where CPU mode turns vLLM's sleep mode off, so the order is only observable here.)"""
 
+import dataclasses
 import json
 import os
 from types import SimpleNamespace
@@ -12,7 +13,8 @@ from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
 from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration import failures, trainer as trainer_module
-from rredcot_verl.integration.trainer import ESTIMATORS, VALUE_GATE_FILE, EstimatorSpec, SegmentCreditTrainer
+from rredcot_verl.integration.estimators import ESTIMATORS
+from rredcot_verl.integration.trainer import VALUE_GATE_FILE, SegmentCreditTrainer
 
 
 class Engine:
@@ -51,13 +53,14 @@ def _trainer(estimator, events, monkeypatch):
     monkeypatch.setattr(PPOTrainer, "_compute_old_log_prob", lambda self, batch, metrics: actor_forward("log_prob") or batch)
     trainer.estimator = estimator
     spec = ESTIMATORS.get(estimator)
-    trainer.spec = None if spec is None else EstimatorSpec(spec.fields, spec.engine_use, produce)
+    trainer.spec = None if spec is None else dataclasses.replace(spec, produce=produce)
     trainer.settings = RRedCoTSettings()
     trainer.sampled_groups = None
     trainer.checkpoint_manager = engine
     trainer.curr_step_profile = False
     trainer.timing_raw = {}
     trainer.global_steps = 1
+    trainer.step_context = lambda: None
     trainer._trace_batch = lambda batch, with_entropy: SimpleNamespace(with_entropy=with_entropy)
     trainer._put = lambda batch, tensors: None
     return trainer, engine

@@ -213,15 +213,15 @@ def check_estimator(name: str) -> None:
         raise LaunchError(f"unknown algorithm.adv_estimator {name!r}; known: {sorted(ADV_ESTIMATOR_REGISTRY)}")
 
 
-# Estimators whose actor-side value pass (core.values.score_plans) runs whole traces on each rank.
-VALUE_PASS_ESTIMATORS = ("rredcot", "segment_mc")
-
-
 def check_value_pass_parallelism(config: DictConfig, estimator: str) -> None:
-    """Refuse Ulysses sequence parallelism with a value-pass estimator: the value pass feeds each rank whole traces
-    (plus probe tokens) with a probe mask, while Ulysses ranks each hold a slice of one sequence."""
+    """Refuse Ulysses sequence parallelism with an estimator whose inputs are computed on whole traces
+    (``EstimatorSpec.whole_traces_per_rank``: the value pass feeds each rank whole traces plus probe tokens with a
+    probe mask), while Ulysses ranks each hold a slice of one sequence."""
+    from rredcot_verl.integration.estimators import ESTIMATORS
+
     size = int(config.actor_rollout_ref.actor.get("ulysses_sequence_parallel_size", 1) or 1)
-    if estimator in VALUE_PASS_ESTIMATORS and size > 1:
+    spec = ESTIMATORS.get(estimator)
+    if spec is not None and spec.whole_traces_per_rank and size > 1:
         raise LaunchError(
             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={size} is not supported with "
             f"algorithm.adv_estimator={estimator}: the segment value pass scores whole traces per rank; set it to 1"

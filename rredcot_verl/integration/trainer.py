@@ -4,11 +4,12 @@ Registered as ``trainer.v1.trainer_mode=rredcot`` (the launcher selects it); to 
 (sync replay buffer, the configured ``data.gen_batch_size``, sync checkpoints and resume). Compared with verl's
 ``PPOTrainerSync``:
 - the actor worker class gains ``compute_segment_data`` (``workers.py``);
-- the estimator's producer (``ESTIMATORS``) writes its per-trace fields: ``rredcot`` plans probes from the whole batch
-  after verl's old-log-prob pass and scores them on the actor; ``ibpo`` generates repairs through the rollout engine
-  before that pass; ``segment_mc`` needs the pass's entropies for its boundaries, so it wakes the engine after the pass
-  (``update_weights``, verl's wake-and-sync, with the unchanged weights) to sample continuations. Either way the engine
-  sleeps through the actor's forward passes, as in ``PPOTrainerSync`` (``EngineUse``);
+- the estimator's producer (its ``SPEC`` in ``estimators/``) writes its per-trace fields, given a ``StepContext``:
+  ``rredcot`` plans probes from the whole batch after verl's old-log-prob pass and scores them on the actor; ``ibpo``
+  generates repairs through the rollout engine before that pass; ``segment_mc`` needs the pass's entropies for its
+  boundaries, so it wakes the engine after the pass (``update_weights``, verl's wake-and-sync, with the unchanged
+  weights) to sample continuations. Either way the engine sleeps through the actor's forward passes, as in
+  ``PPOTrainerSync`` (``EngineUse``);
 - every step counts the groups that verl's agent loop lost to an exception and stops the run past
   ``algorithm.rredcot.max_failed_group_share`` (``failures.py``);
 - the advantage step passes those fields to the registered estimator (``estimators.estimator_inputs``), with the
@@ -19,14 +20,10 @@ For ``grpo`` and every other estimator (no entry in ``ESTIMATORS``) it behaves e
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import ray
@@ -38,120 +35,21 @@ from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
-from verl.utils.metric import reduce_metrics
 
 from rredcot_verl.compat import REPLAY_POLL_INTERVAL_S, cpu_mode_requested
 from rredcot_verl.core.concordance import ConcordanceWindow
-from rredcot_verl.core.planning import plan_traces, records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration import failures, rollouts
-from rredcot_verl.integration.estimators import IBPO_FIELDS, SEGMENT_FIELDS, estimator_inputs
+from rredcot_verl.integration.estimators import ESTIMATORS, EngineUse, StepContext, estimator_inputs
+from rredcot_verl.integration.estimators.base import object_array
 from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
 from rredcot_verl.tasks import resolve_task
 
 logger = logging.getLogger(__name__)
 
-# A producer returns the estimator's per-trace tensors (rows in batch order) and step metrics.
-Producer = Callable[["SegmentCreditTrainer", DataProto], tuple[dict[str, torch.Tensor], dict[str, float]]]
-
-
-class EngineUse(enum.Enum):
-    """When a producer generates with the rollout engine, relative to verl's old-log-prob pass.
-
-    The engine's weights and KV cache must not sit beside the actor's log-prob micro-batches (on a GPU they hold
-    ``rollout.gpu_memory_utilization`` of its memory), so a producer generates while the engine is still awake from
-    the rollouts (``BEFORE_LOG_PROB_PASS``), or wakes it after the pass (``AFTER_LOG_PROB_PASS``, for a producer that
-    reads the pass's outputs); the engine sleeps again before the next actor forward.
-    """
-
-    NONE = "none"
-    BEFORE_LOG_PROB_PASS = "before"
-    AFTER_LOG_PROB_PASS = "after"
-
-
-@dataclass(frozen=True)
-class EstimatorSpec:
-    """What an estimator needs from a training step beyond verl's own fields.
-
-    Attributes:
-        fields: per-trace batch keys its producer writes and the registered estimator reads.
-        engine_use: whether and when the producer generates (``EngineUse``); a producer that runs after the pass may
-            read the pass's ``entropy``.
-        produce: runs on the step's traces (``_trace_batch``).
-    """
-
-    fields: tuple[str, ...]
-    engine_use: EngineUse
-    produce: Producer
-
-    @property
-    def runs_before_log_prob_pass(self) -> bool:
-        return self.engine_use is EngineUse.BEFORE_LOG_PROB_PASS
-
-
-def _segment_values(trainer: "SegmentCreditTrainer", traces: DataProto):
-    """rredcot: probes planned here from the whole batch (groups intact), scored by the actor workers."""
-    batch = traces.batch
-    prompt_mask, response_mask = batch["prompt_mask"].bool(), batch["response_mask"].bool()
-    records = records_from_arrays(
-        prompts=[batch["prompts"][i][prompt_mask[i]] for i in range(len(traces))],
-        responses=[batch["responses"][i][response_mask[i]] for i in range(len(traces))],
-        entropies=[batch["entropy"][i][response_mask[i]].float() for i in range(len(traces))],
-        outcomes=batch["outcome"].tolist(),
-        groups=list(traces.non_tensor_batch["uid"]),
-        reward_models=traces.non_tensor_batch.get("reward_model"),
-        extra_infos=traces.non_tensor_batch.get("extra_info"),
-    )
-    plans = plan_traces(
-        records,
-        trainer.settings,
-        trainer.tokenizer,
-        trainer.task,
-        vocab=trainer.boundary_vocab,
-        temperature=float(trainer.config.actor_rollout_ref.rollout.temperature),
-    )
-    if trainer.settings.snapshot_dir:
-        # The exact inputs of this step's value pass, to re-score offline (any model, any number of processes).
-        os.makedirs(trainer.settings.snapshot_dir, exist_ok=True)
-        torch.save(plans, os.path.join(trainer.settings.snapshot_dir, f"step_{trainer.global_steps:05d}_plans.pt"))
-    request = DataProto.from_dict(
-        tensors={"outcome": batch["outcome"]},
-        non_tensors={"plan": _object_array(plans)},
-        meta_info={
-            "max_segments": trainer.settings.segmentation.max_segments,
-            "value_pass": dataclasses.asdict(trainer.settings.value_pass),
-        },
-    )
-    output = trainer.actor_rollout_wg.compute_segment_data(request)
-    # verl's concat turns each rank's metrics dict into a dict of lists; average over ranks.
-    return {key: output.batch[key] for key in SEGMENT_FIELDS}, reduce_metrics(output.meta_info.get("metrics", {}))
-
-
-def _ibpo_repairs(trainer: "SegmentCreditTrainer", traces: DataProto):
-    return rollouts.ibpo_repairs(trainer.rollout_context(), traces)
-
-
-def _monte_carlo_values(trainer: "SegmentCreditTrainer", traces: DataProto):
-    return rollouts.monte_carlo_values(trainer.rollout_context(), traces)
-
-
-ESTIMATORS: dict[str, EstimatorSpec] = {
-    "rredcot": EstimatorSpec(SEGMENT_FIELDS, EngineUse.NONE, produce=_segment_values),
-    "segment_mc": EstimatorSpec(SEGMENT_FIELDS, EngineUse.AFTER_LOG_PROB_PASS, produce=_monte_carlo_values),
-    "ibpo": EstimatorSpec(IBPO_FIELDS, EngineUse.BEFORE_LOG_PROB_PASS, produce=_ibpo_repairs),
-}
-
 
 def _padded(value, padding=0):
     return value.to_padded_tensor(padding=padding) if getattr(value, "is_nested", False) else value
-
-
-def _object_array(values: list) -> np.ndarray:
-    """A 1-D object array, even when the elements are lists (chat messages) that numpy would broadcast."""
-    array = np.empty(len(values), dtype=object)
-    for i, value in enumerate(values):
-        array[i] = value
-    return array
 
 
 def _non_tensor(data: TensorDict, key: str):
@@ -233,6 +131,19 @@ class SegmentCreditTrainer(PPOTrainerSync):
         # The tokenizer exists from here on (verl loads it in init(), not in __init__).
         self.boundary_vocab = self.settings.boundary_vocab(self.tokenizer)
 
+    def step_context(self) -> StepContext:
+        """What the estimator's producer gets from this step."""
+        return StepContext(
+            settings=self.settings,
+            tokenizer=self.tokenizer,
+            task=self.task,
+            boundary_vocab=self.boundary_vocab,
+            step=int(self.global_steps),
+            temperature=float(self.config.actor_rollout_ref.rollout.temperature),
+            rollout=self.rollout_context,
+            value_pass=self.actor_rollout_wg.compute_segment_data,
+        )
+
     def rollout_context(self) -> rollouts.RolloutContext:
         return rollouts.RolloutContext(
             generate=rollouts.server_generate(self.get_llm_client()),
@@ -285,18 +196,18 @@ class SegmentCreditTrainer(PPOTrainerSync):
         }
         if with_entropy:
             tensors["entropy"] = _padded(data["entropy"])[:, :width]
-        non_tensors = {"uid": _object_array(_non_tensor(data, "uid"))}
+        non_tensors = {"uid": object_array(_non_tensor(data, "uid"))}
         for key in ("reward_model", "extra_info", "data_source", "raw_prompt"):
             values = _non_tensor(data, key)
             if values is not None:
-                non_tensors[key] = _object_array(values)
+                non_tensors[key] = object_array(values)
         return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
 
     def _produce(self, batch, metrics: dict, with_entropy: bool) -> None:
         """Run the estimator's producer on the step's traces and write its fields to the batch."""
         with marked_timer(f"{self.estimator}_inputs", self.timing_raw, color="purple"):
             started = time.perf_counter()
-            tensors, extra_metrics = self.spec.produce(self, self._trace_batch(batch, with_entropy))
+            tensors, extra_metrics = self.spec.produce(self.step_context(), self._trace_batch(batch, with_entropy))
             self._put(batch, {key: tensors[key] for key in self.spec.fields})
             extra_metrics[f"{self.estimator}/inputs_time_s"] = time.perf_counter() - started
             metrics.update(extra_metrics)

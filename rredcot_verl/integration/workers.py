@@ -32,8 +32,12 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from rredcot_verl.core.probes import ValuePassSettings
 from rredcot_verl.core.values import score_plans
-from rredcot_verl.integration.estimators import SEGMENT_FIELDS
+from rredcot_verl.integration.estimators import ESTIMATORS
+from rredcot_verl.integration.estimators.rredcot import SEGMENT_FIELDS
+
 INPUT_KEYS = ("outcome",)
+# The estimators whose producer calls this worker's value pass.
+VALUE_PASS_ESTIMATORS = tuple(name for name, spec in ESTIMATORS.items() if spec.uses_value_pass)
 
 
 def require_keys(available, keys, producer: str) -> None:
@@ -42,8 +46,8 @@ def require_keys(available, keys, producer: str) -> None:
     if missing:
         raise KeyError(
             f"batch is missing {missing}; they are produced by {producer} "
-            "(set algorithm.adv_estimator to rredcot or segment_mc and launch through `python -m rredcot_verl.main`, "
-            "which selects the rredcot trainer)"
+            f"(set algorithm.adv_estimator to {' or '.join(VALUE_PASS_ESTIMATORS)} and launch through "
+            "`python -m rredcot_verl.main`, which selects the rredcot trainer)"
         )
 
 

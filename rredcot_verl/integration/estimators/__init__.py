@@ -1,0 +1,24 @@
+"""The estimators this package adds to verl, one module each: ``rredcot``, ``segment_mc``, ``ibpo``.
+
+Each module defines ``SPEC`` (``base.EstimatorSpec``): the per-trace batch fields its producer writes and its advantage
+function reads, the producer (what a training step runs for it, given a ``base.StepContext``), whether and when the
+producer uses the rollout engine, and the advantage function that verl's ``compute_advantage`` calls by name.
+The trainer, the launcher and the workers read ``ESTIMATORS``; importing this package registers every advantage
+function with verl (``register_adv_est``). Adding an estimator: a module with its ``SPEC``, and its name in the tuple
+below.
+"""
+
+from rredcot_verl.integration.estimators import ibpo, rredcot, segment_mc
+from rredcot_verl.integration.estimators.base import (
+    EngineUse,
+    EstimatorSpec,
+    StepContext,
+    estimator_inputs,
+    register,
+)
+
+ESTIMATORS: dict[str, EstimatorSpec] = {module.SPEC.name: module.SPEC for module in (rredcot, segment_mc, ibpo)}
+for _spec in ESTIMATORS.values():
+    register(_spec)
+
+__all__ = ["ESTIMATORS", "EngineUse", "EstimatorSpec", "StepContext", "estimator_inputs", "register"]

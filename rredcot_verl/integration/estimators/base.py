@@ -1,0 +1,159 @@
+"""What every estimator module shares: its spec, the step context its producer gets, and the channel to verl.
+
+verl's ``compute_advantage`` passes a registered estimator only ``token_level_rewards``, ``response_mask``, ``index``
+and ``config``; the per-trace segment or repair data that these estimators need travels beside that call in
+``estimator_inputs`` (a context manager the trainer opens around verl's own ``_compute_advantage``). Rows are checked
+against ``index`` so a reordering inside verl cannot silently misalign them. State that outlives a step (the value
+gate's window of recent batches) stays with the trainer: it goes in as ``prior_concordance`` and this batch's counts
+come back in the record's ``details``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import enum
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from verl import DataProto
+from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, register_adv_est
+
+from rredcot_verl.core.concordance import ConcordanceCounts
+from rredcot_verl.core.settings import RRedCoTSettings, settings_from_config
+
+
+class EngineUse(enum.Enum):
+    """When a producer generates with the rollout engine, relative to verl's old-log-prob pass.
+
+    The engine's weights and KV cache must not sit beside the actor's log-prob micro-batches (on a GPU they hold
+    ``rollout.gpu_memory_utilization`` of its memory), so a producer generates while the engine is still awake from
+    the rollouts (``BEFORE_LOG_PROB_PASS``), or wakes it after the pass (``AFTER_LOG_PROB_PASS``, for a producer that
+    reads the pass's outputs); the engine sleeps again before the next actor forward.
+    """
+
+    NONE = "none"
+    BEFORE_LOG_PROB_PASS = "before"
+    AFTER_LOG_PROB_PASS = "after"
+
+
+@dataclass
+class StepContext:
+    """What a producer gets from the training step (rather than the trainer).
+
+    Attributes:
+        settings: ``algorithm.rredcot``; tokenizer: the policy's; task: ``settings.task`` resolved.
+        boundary_vocab: the segmentation's token tables for this tokenizer.
+        step: the training step (seeds IBPO's choice of references).
+        temperature: ``actor_rollout_ref.rollout.temperature``, the sampling distribution probes score under.
+        rollout: builds the generation context (``rollouts.RolloutContext``: the engine's client, the rule reward,
+            length budgets) for producers that generate.
+        value_pass: the actor workers' ``compute_segment_data`` (``workers.py``), for producers that score probes.
+    """
+
+    settings: RRedCoTSettings
+    tokenizer: Any
+    task: Any
+    boundary_vocab: Any
+    step: int
+    temperature: float
+    rollout: Callable[[], Any]
+    value_pass: Callable[[DataProto], DataProto]
+
+
+# A producer returns the estimator's per-trace tensors (rows in batch order) and step metrics.
+Producer = Callable[[StepContext, DataProto], tuple[dict[str, torch.Tensor], dict[str, float]]]
+# verl's advantage-function signature: (token_level_rewards, response_mask, index, config) -> (advantages, returns).
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """One estimator, everything the trainer, launcher and workers need to know of it.
+
+    Attributes:
+        name: ``algorithm.adv_estimator``.
+        fields: per-trace batch keys its producer writes and its advantage function reads.
+        engine_use: whether and when the producer generates (``EngineUse``); a producer that runs after verl's
+            old-log-prob pass may read the pass's ``entropy`` (the trace batch carries it then).
+        produce: runs on the step's traces (``trainer._trace_batch``) with a ``StepContext``.
+        advantage: registered with verl under ``name``.
+        uses_value_pass: the producer scores probes on the actor workers (``StepContext.value_pass``).
+        whole_traces_per_rank: its inputs are computed on whole traces (segment boundaries, the actor's value pass),
+            so Ulysses sequence parallelism is refused at launch.
+    """
+
+    name: str
+    fields: tuple[str, ...]
+    engine_use: EngineUse
+    produce: Producer
+    advantage: AdvantageFn
+    uses_value_pass: bool
+    whole_traces_per_rank: bool
+
+    @property
+    def runs_before_log_prob_pass(self) -> bool:
+        return self.engine_use is EngineUse.BEFORE_LOG_PROB_PASS
+
+
+def register(spec: EstimatorSpec) -> None:
+    """Register the spec's advantage function with verl; importing twice (the plugin hook and a user import) must
+    not trip verl's duplicate-name check."""
+    if ADV_ESTIMATOR_REGISTRY.get(spec.name) is None:
+        register_adv_est(spec.name)(spec.advantage)
+
+
+_INPUTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("rredcot_estimator_inputs", default=None)
+
+
+@contextmanager
+def estimator_inputs(
+    uid: np.ndarray, tensors: dict[str, torch.Tensor], prior_concordance: ConcordanceCounts = ConcordanceCounts()
+):
+    """Make per-trace inputs (rows aligned with ``uid``) and the value gate's window (``prior_concordance``)
+    visible to the estimators; collects their metrics and details."""
+    record = {
+        "uid": np.asarray(uid, dtype=object),
+        "tensors": tensors,
+        "prior_concordance": prior_concordance,
+        "metrics": {},
+        "details": {},
+    }
+    token = _INPUTS.set(record)
+    try:
+        yield record
+    finally:
+        _INPUTS.reset(token)
+
+
+def step_inputs(name: str, keys: tuple[str, ...], index) -> dict:
+    """The record ``estimator_inputs`` opened for this step, checked to hold ``keys`` in ``index``'s row order."""
+    record = _INPUTS.get()
+    missing = list(keys) if record is None else [k for k in keys if k not in record["tensors"]]
+    if missing:
+        raise KeyError(
+            f"adv_estimator={name!r} needs batch keys {missing}, which only the rredcot trainer provides: launch "
+            "through `python -m rredcot_verl.main` (it sets trainer.v1.trainer_mode=rredcot)"
+        )
+    if index is not None and not np.array_equal(np.asarray(index, dtype=object), record["uid"]):
+        raise ValueError(f"adv_estimator={name!r}: segment data rows do not match the batch's uid order")
+    return record
+
+
+def settings_for(config) -> tuple[RRedCoTSettings, Any]:
+    """``algorithm.rredcot`` and its redistribution section with verl's ``norm_adv_by_std_in_grpo``."""
+    settings = settings_from_config(config)
+    norm = config.get("norm_adv_by_std_in_grpo", True) if config is not None else True
+    return settings, dataclasses.replace(settings.redistribution, norm_adv_by_std=bool(norm))
+
+
+def object_array(values: list) -> np.ndarray:
+    """A 1-D object array, even when the elements are lists (chat messages) that numpy would broadcast."""
+    array = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        array[i] = value
+    return array

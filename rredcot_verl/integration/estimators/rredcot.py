@@ -1,0 +1,110 @@
+"""``rredcot``: the policy values each segment boundary (probes scored on the actor, no generation), and the outcome
+is redistributed as differences of consecutive values (``core.redistribution``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+from verl import DataProto
+from verl.utils.metric import reduce_metrics
+
+from rredcot_verl.core.planning import plan_traces, records_from_arrays
+from rredcot_verl.core.redistribution import redistribute
+from rredcot_verl.integration.estimators.base import (
+    EngineUse,
+    EstimatorSpec,
+    StepContext,
+    object_array,
+    settings_for,
+    step_inputs,
+)
+
+# Written by the actor's value pass (``workers.py``) or by ``segment_mc``'s continuations; read by the redistribution.
+SEGMENT_FIELDS = ("seg_ends", "seg_raw_values")
+
+
+def segment_values(ctx: StepContext, traces: DataProto) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Probes planned here from the whole batch (groups intact, whatever rank a trace lands on), scored by the actor
+    workers with the old weights.
+
+    Args:
+        traces: the step's batch as ``trainer._trace_batch`` builds it, with ``entropy``.
+    """
+    batch = traces.batch
+    prompt_mask, response_mask = batch["prompt_mask"].bool(), batch["response_mask"].bool()
+    records = records_from_arrays(
+        prompts=[batch["prompts"][i][prompt_mask[i]] for i in range(len(traces))],
+        responses=[batch["responses"][i][response_mask[i]] for i in range(len(traces))],
+        entropies=[batch["entropy"][i][response_mask[i]].float() for i in range(len(traces))],
+        outcomes=batch["outcome"].tolist(),
+        groups=list(traces.non_tensor_batch["uid"]),
+        reward_models=traces.non_tensor_batch.get("reward_model"),
+        extra_infos=traces.non_tensor_batch.get("extra_info"),
+    )
+    plans = plan_traces(
+        records, ctx.settings, ctx.tokenizer, ctx.task, vocab=ctx.boundary_vocab, temperature=ctx.temperature
+    )
+    if ctx.settings.snapshot_dir:
+        # The exact inputs of this step's value pass, to re-score offline (any model, any number of processes).
+        os.makedirs(ctx.settings.snapshot_dir, exist_ok=True)
+        torch.save(plans, os.path.join(ctx.settings.snapshot_dir, f"step_{ctx.step:05d}_plans.pt"))
+    request = DataProto.from_dict(
+        tensors={"outcome": batch["outcome"]},
+        non_tensors={"plan": object_array(plans)},
+        meta_info={
+            "max_segments": ctx.settings.segmentation.max_segments,
+            "value_pass": dataclasses.asdict(ctx.settings.value_pass),
+        },
+    )
+    output = ctx.value_pass(request)
+    # verl's concat turns each rank's metrics dict into a dict of lists; average over ranks.
+    return {key: output.batch[key] for key in SEGMENT_FIELDS}, reduce_metrics(output.meta_info.get("metrics", {}))
+
+
+def redistributed_advantage(name: str, token_level_rewards, response_mask, index, config):
+    """Segment values (``SEGMENT_FIELDS``) redistributed into token advantages; metrics and details to the record."""
+    record = step_inputs(name, SEGMENT_FIELDS, index)
+    settings, redistribution = settings_for(config)
+    result = redistribute(
+        token_level_rewards.sum(dim=-1),
+        response_mask,
+        index,
+        record["tensors"]["seg_ends"],
+        record["tensors"]["seg_raw_values"],
+        redistribution,
+        reward_range=settings.reward_range,
+        prior_concordance=record["prior_concordance"],
+    )
+    record["metrics"].update({f"{name}/{k}": v for k, v in result.metrics.items()})
+    record["details"].update(
+        values=result.values, segment_rewards=result.segment_rewards, fallback=result.fallback,
+        concordance=result.concordance,
+    )  # fmt: skip
+    return result.advantages, result.returns
+
+
+def compute_rredcot_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None, config: Any = None, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RREDCoT: exit-probe (or reference-continuation) segment values redistributed into token advantages.
+
+    Args:
+        token_level_rewards: (bs, T); response_mask: (bs, T); index: (bs,) uids; config: verl's ``algorithm``.
+    Returns:
+        advantages (bs, T), returns (bs, T).
+    """
+    return redistributed_advantage("rredcot", token_level_rewards, response_mask, index, config)
+
+
+SPEC = EstimatorSpec(
+    name="rredcot",
+    fields=SEGMENT_FIELDS,
+    engine_use=EngineUse.NONE,
+    produce=segment_values,
+    advantage=compute_rredcot_advantage,
+    uses_value_pass=True,
+    whole_traces_per_rank=True,
+)
