@@ -19,6 +19,17 @@ def test_defaults_yaml_is_generated_from_the_dataclasses():
     assert settings_from_config({"rredcot": section}) == RRedCoTSettings()
 
 
+def test_configuration_reference_is_generated_from_the_dataclasses():
+    """docs/configuration.md lists every key with its default and its docstring (regenerate it when this fails; a
+    field without an Attributes entry fails the generator)."""
+    from rredcot_verl.core.settings import REFERENCE_FILE, configuration_reference
+
+    text = configuration_reference()
+    assert REFERENCE_FILE.read_text() == text
+    for key in ("`probe.value_source`", "`redistribution.min_value_concordance`", "`segment_mc.max_tokens` | `null`"):
+        assert key in text
+
+
 @pytest.mark.parametrize(
     "section, message",
     [

@@ -7,6 +7,9 @@ Every section maps onto the frozen dataclass of the module that uses it, so defa
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +50,9 @@ class RRedCoTSettings:
             ``arithmetic``: the embedded task, one step per line; ``paragraphs``: exact boxed answers, paragraphs)
             or ``module:attr`` of an object with the same functions. Resolved by the trainer
             (``tasks.resolve_task``): the core receives the task, it does not import it.
+        reward_range: ``[low, high]``, the scale of the verified outcome; ``high`` means correct. Probe values are
+            mapped onto it, IBPO's correctness test and shaping use it; a trace whose outcome lies outside it keeps
+            its GRPO advantage.
         max_failed_group_share: the largest share of a step's prompt groups that may lose traces to exceptions in
             verl's agent loop (a reward function that raises, a failed generation) before the trainer stops the run
             with the first error; the count is logged every step as ``rollout/failed_groups``.
@@ -156,9 +162,71 @@ def defaults_yaml() -> str:
     )
 
 
+REFERENCE_FILE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+_ATTRIBUTE = re.compile(r"^    (\w+(?:, \w+)*): (.*)$")
+
+
+def attribute_docs(cls) -> dict[str, str]:
+    """The ``Attributes:`` section of a dataclass's docstring as {field: text}; a line naming several fields
+    (``a, b: ...``) documents each of them."""
+    doc = inspect.getdoc(cls) or ""
+    if "Attributes:" not in doc:
+        return {}
+    docs: dict[str, str] = {}
+    names: list[str] = []
+    for line in doc.split("Attributes:", 1)[1].splitlines():
+        match = _ATTRIBUTE.match(line)
+        if match:
+            names = match.group(1).split(", ")
+            for name in names:
+                docs[name] = match.group(2).strip()
+        elif line.startswith("        ") and names:
+            for name in names:
+                docs[name] += " " + line.strip()
+        elif line.strip():
+            names = []  # text after the section
+    return docs
+
+
+def _cell(value) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def configuration_reference() -> str:
+    """Text of ``docs/configuration.md``: every ``algorithm.rredcot`` key with its default and its docstring."""
+    lines = [
+        "# `algorithm.rredcot`: every key",
+        "",
+        "GENERATED from the dataclasses' docstrings in `rredcot_verl/core` (`python -m rredcot_verl.core.settings`);",
+        "do not edit. Defaults are also in `rredcot_verl/conf/rredcot_defaults.yaml`; an unknown key stops the launch.",
+        "`norm_adv_by_std` is not a key here: it follows verl's `algorithm.norm_adv_by_std_in_grpo`.",
+    ]
+    defaults = default_section()
+
+    def table(cls, prefix: str, values: dict) -> list[str]:
+        docs = attribute_docs(cls)
+        rows = ["", "| key | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            if f.name in _SECTIONS and cls is RRedCoTSettings or f.name in _VERL_OWNED:
+                continue
+            if f.name not in docs:
+                raise ValueError(f"{cls.__name__}.{f.name} has no entry in the docstring's Attributes section")
+            default = values[f.name] if isinstance(values[f.name], str) else json.dumps(values[f.name])
+            rows.append(f"| `{prefix}{f.name}` | `{_cell(default)}` | {_cell(docs[f.name])} |")
+        return rows
+
+    lines += ["", "## Top level", *table(RRedCoTSettings, "", defaults)]
+    for name, cls in _SECTIONS.items():
+        lines += ["", f"## `{name}` ({cls.__name__})", *table(cls, f"{name}.", defaults[name])]
+    return "\n".join(lines) + "\n"
+
+
+GENERATED = {DEFAULTS_FILE: defaults_yaml, REFERENCE_FILE: configuration_reference}
+
 if __name__ == "__main__":
-    # Regenerates the yaml (or, with --check, exits 1 when it is stale).
-    text = defaults_yaml()
+    # Regenerates the yaml and the reference (or, with --check, exits 1 when either is stale).
+    stale = [path for path, text in GENERATED.items() if not path.is_file() or path.read_text() != text()]
     if "--check" in sys.argv[1:]:
-        sys.exit(0 if DEFAULTS_FILE.read_text() == text else 1)
-    DEFAULTS_FILE.write_text(text)
+        sys.exit(1 if stale else 0)
+    for path, text in GENERATED.items():
+        path.write_text(text())
