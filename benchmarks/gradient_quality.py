@@ -17,7 +17,7 @@ From the committed SFT warm start, on training prompts of the embedded arithmeti
   (verl's ``token-mean`` ``loss_agg_mode`` at ratio 1), gradient w.r.t. all model parameters (HF model, fp32); its
   cosine with g* and relative error ‖g − g*‖² / ‖g*‖².
 * Methods (settings read from ``recipes/tiny_cpu/{base,<method>}.yaml``' ``algorithm.rredcot`` section):
-  ``grpo`` (``redistribution.group_outcome_advantage``, verl's arithmetic); ``rredcot_*`` (``planning.plan_traces`` +
+  ``grpo`` (``outcomes.group_outcome_advantage``, verl's arithmetic); ``rredcot_*`` (``planning.plan_traces`` +
   ``values.score_plans`` via ``compute_segment_values``, then ``redistribution.redistribute``, rredcot.yaml settings):
   ``_exit_probe`` (value source exit_probe), ``_reference`` (the recipe: reference continuation, bank = dataset
   reference + the group's correct traces), ``_reference_dataset`` (``candidates.source: ground_truth``),
@@ -65,7 +65,8 @@ from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta
 from rredcot_verl.core import ibpo as ibpo_core
 from rredcot_verl.core import montecarlo
 from rredcot_verl.core.planning import TraceRecord
-from rredcot_verl.core.redistribution import RedistributionConfig, group_outcome_advantage, redistribute
+from rredcot_verl.core.outcomes import correct_outcomes, group_outcome_advantage
+from rredcot_verl.core.redistribution import RedistributionConfig, redistribute
 from rredcot_verl.core.segmentation import segment_response
 from rredcot_verl.core.settings import CandidateSettings, settings_from_config
 from rredcot_verl.core.values import compute_segment_values
@@ -311,7 +312,7 @@ def ibpo_advantages(batch: Batch, pool: dict, settings, engine: Engine, tokenize
     cap = None if cfg.max_revisions is None else max(1, round(cfg.max_revisions * len(batch.items) / 32))
     cfg = dataclasses.replace(cfg, max_revisions=cap)
     reward_range = settings.reward_range
-    correct = ibpo_core.correct_outcomes(batch.scores, reward_range).tolist()
+    correct = correct_outcomes(batch.scores, reward_range).tolist()
     template = cfg.revision_template or ibpo_core.DEFAULT_REVISION_TEMPLATE
     engine_length = MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS  # RolloutContext.engine_length() as the trainer builds it
     text = lambda i: tokenizer.decode(batch.responses[i], skip_special_tokens=True)  # noqa: E731
@@ -336,7 +337,7 @@ def ibpo_advantages(batch: Batch, pool: dict, settings, engine: Engine, tokenize
         repair, finish = completions[0]
         truth = pool["prompts"][batch.items[i][0]]["ground_truth"]
         reward = compute_score(DATA_SOURCE, tokenizer.decode(repair, skip_special_tokens=True), truth)
-        verified = bool(ibpo_core.correct_outcomes([reward], reward_range)[0])
+        verified = bool(correct_outcomes([reward], reward_range)[0])
         per_trace.setdefault(i, []).append(ibpo_core.evaluate_repair(
             batch.responses[i], repair, verified, _truncated(repair, finish, budget, tokenizer.eos_token_id), cfg))
     phi = torch.zeros(len(batch.items), dtype=torch.float32)

@@ -20,7 +20,6 @@ from rredcot_verl.core.ibpo import (
     IBPOConfig,
     align_tokens,
     build_revision_prompt,
-    correct_outcomes,
     evaluate_repair,
     fits_engine,
     localisation_mask,
@@ -32,6 +31,7 @@ from rredcot_verl.core.ibpo import (
     shaped_advantages,
     stack_edited_masks,
 )
+from rredcot_verl.core.outcomes import correct_outcomes
 from rredcot_verl.integration.estimators import estimator_inputs
 
 torch.set_num_threads(1)

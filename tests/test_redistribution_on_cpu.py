@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
+from rredcot_verl.core.outcomes import group_outcome_advantage
 from rredcot_verl.core.redistribution import (
     RedistributionConfig,
     anchor_values,
-    group_outcome_advantage,
     redistribute,
     segment_rewards,
 )

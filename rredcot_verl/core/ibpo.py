@@ -42,7 +42,12 @@ import numpy as np
 import torch
 from rapidfuzz.distance import Levenshtein
 
-from rredcot_verl.core.redistribution import check_outcome_batch, group_outcome_advantage
+from rredcot_verl.core.outcomes import (
+    check_outcome_batch,
+    check_reward_range,
+    correct_outcomes,
+    group_outcome_advantage,
+)
 
 __all__ = [
     "IBPOConfig",
@@ -168,42 +173,6 @@ def _check_positive_int(name: str, value) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Correctness on a declared reward scale
 # ----------------------------------------------------------------------------------------------------------------
-
-CORRECT_TOLERANCE = 1e-6
-"""Relative tolerance (times ``high − low``) under which an outcome still counts as reaching ``high``: a reward
-summed from float token rewards may land a rounding error below the top of its scale."""
-
-
-def _check_reward_range(reward_range) -> tuple[float, float]:
-    try:
-        low, high = (float(x) for x in reward_range)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"reward_range must be two numbers (low, high), got {reward_range!r}") from error
-    if not (math.isfinite(low) and math.isfinite(high) and low < high):
-        raise ValueError(f"reward_range must be finite (low, high) with low < high, got {reward_range!r}")
-    return low, high
-
-
-def correct_outcomes(
-    scores: torch.Tensor | Sequence[float], reward_range: tuple[float, float] = (0.0, 1.0)
-) -> torch.Tensor:
-    """(bs,) bool: which outcomes count as correct, i.e. reach ``high`` of ``reward_range`` (within tolerance).
-
-    ``> low`` would call partial credit correct and never shape it; ``>= high`` is the verifier's "solved".
-
-    Args:
-        scores: (bs,) outcome rewards.
-        reward_range: (low, high), high = correct.
-    """
-    low, high = _check_reward_range(reward_range)
-    values = scores if isinstance(scores, torch.Tensor) else torch.tensor(list(scores), dtype=torch.float64)
-    return values.double() >= high - CORRECT_TOLERANCE * (high - low)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Reference selection and revision planning
-# ----------------------------------------------------------------------------------------------------------------
-
 
 def _ordered_siblings(
     flags: list[bool], i: int, rng: np.random.Generator, responses: Optional[Sequence[Sequence[int]]]
@@ -669,7 +638,7 @@ def shaped_advantages(
       the repair had to change are never reinforced. Zero elsewhere.
 
     The sign rule keeps the point of the mask: the tokens a repair had to change are never reinforced, and the
-    tokens it kept are never blamed. The normalisation is ``redistribution.group_outcome_advantage`` (verl's
+    tokens it kept are never blamed. The normalisation is ``outcomes.group_outcome_advantage`` (verl's
     arithmetic), so ``λ = 0`` with no mask (or ``use_mask=False``) returns exactly ``compute_grpo_outcome_advantage``'s
     output, and any λ without a mask equals verl's GRPO run on the shaped rewards.
 
@@ -693,7 +662,7 @@ def shaped_advantages(
     if bad_phi.any():
         rows = torch.nonzero(bad_phi).flatten().tolist()
         raise ValueError(f"phi must be finite and >= 0; bad repair signals at batch rows {rows}")
-    low, high = _check_reward_range(reward_range)
+    low, high = check_reward_range(reward_range)
     correct = correct_outcomes(scores, (low, high))
     if (correct & (phi > 0)).any():
         # Repairs are only generated for incorrect traces: a signal on a correct row means misaligned rows or a

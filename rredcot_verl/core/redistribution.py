@@ -20,18 +20,18 @@ counted (``RedistributionResult.metrics``); all-correct and all-wrong groups can
 value differences instead (``degenerate_groups``). A whole batch keeps GRPO's advantage while its values (pooled with
 recent batches') do not order the traces of a prompt by their outcomes (``min_value_concordance``,
 ``core.concordance``).
-Imports only torch; ``group_outcome_advantage`` mirrors verl's ``compute_grpo_outcome_advantage`` bit for bit.
+Imports only torch; GRPO's advantage is ``outcomes.group_outcome_advantage``, verl's arithmetic bit for bit.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
 from rredcot_verl.core.concordance import ConcordanceCounts, gate_is_open, value_outcome_concordance
+from rredcot_verl.core.outcomes import check_outcome_batch, check_reward_range, group_outcome_advantage
 
 __all__ = [
     "RedistributionConfig",
@@ -175,54 +175,6 @@ class RedistributionResult:
     concordance: ConcordanceCounts
 
 
-def group_outcome_advantage(
-    scores: torch.Tensor, index, epsilon: float = 1e-6, norm_adv_by_std: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO's group-normalised outcome advantage, with the arithmetic of verl 0.9.1's
-    ``compute_grpo_outcome_advantage`` (so ``adv[:, None] * response_mask`` equals verl's output bit for bit).
-
-    Args:
-        scores: (bs,) float, outcome per trace (verl: ``token_level_rewards.sum(-1)``).
-        index: (bs,) hashables, the prompt (group) id of each trace.
-        epsilon: added to the group std.
-        norm_adv_by_std: divide by the group std (GRPO) or not (Dr.GRPO).
-
-    Returns:
-        adv: (bs,) advantage. As in verl, a group of one has mean 0 and std 1, so its advantage is its score.
-        group_mean: (bs,) true mean score of each trace's group (for a group of one, its own score).
-    """
-    if scores.dim() != 1 or not scores.is_floating_point():
-        raise ValueError(f"scores must be a 1-D float tensor, got shape {tuple(scores.shape)} dtype {scores.dtype}")
-    bsz = scores.shape[0]
-    if len(index) != bsz:
-        raise ValueError(f"index has {len(index)} entries but scores has {bsz}")
-    if bsz == 0:
-        return scores.clone(), scores.clone()
-    adv = scores.clone()  # verl overwrites its scores in place
-    id2score = defaultdict(list)
-    id2mean, id2std, true_mean = {}, {}, {}
-    with torch.no_grad():
-        for i in range(bsz):
-            id2score[index[i]].append(adv[i])
-        for idx, group in id2score.items():
-            if len(group) == 1:
-                id2mean[idx] = torch.tensor(0.0)
-                id2std[idx] = torch.tensor(1.0)
-                true_mean[idx] = group[0].clone()
-            else:
-                scores_tensor = torch.stack(group)
-                id2mean[idx] = torch.mean(scores_tensor)
-                id2std[idx] = torch.std(scores_tensor)
-                true_mean[idx] = id2mean[idx]
-        group_mean = torch.stack([true_mean[index[i]] for i in range(bsz)])
-        for i in range(bsz):
-            if norm_adv_by_std:
-                adv[i] = (adv[i] - id2mean[index[i]]) / (id2std[index[i]] + epsilon)
-            else:
-                adv[i] = adv[i] - id2mean[index[i]]
-    return adv, group_mean
-
-
 def anchor_values(
     raw_values: torch.Tensor,
     outcome: float,
@@ -247,7 +199,7 @@ def anchor_values(
         (K+1,) values on the outcome scale, V_K = ζ; V_0 = group_mean when anchored, the expectation of v̂_0
         otherwise.
     """
-    low, high = _check_reward_range(reward_range)
+    low, high = check_reward_range(reward_range)
     if raw_values.dim() != 1 or raw_values.numel() < 2 or not raw_values.is_floating_point():
         raise ValueError(
             f"raw_values must be a 1-D float tensor of K+1 >= 2 values, got shape {tuple(raw_values.shape)}"
@@ -352,7 +304,7 @@ def redistribute(
             strictly increasing and positive, that exceed the response length or have padding before data, finite
             probe values outside [0, 1], and a reward range that is not two finite numbers low < high.
     """
-    low, high = _check_reward_range(reward_range)
+    low, high = check_reward_range(reward_range)
     lengths, num_segments = _check_batch(scores, response_mask, index, segment_ends, raw_values)
     bsz, max_segments = segment_ends.shape
     adv, group_mean = group_outcome_advantage(scores, index, cfg.epsilon, cfg.norm_adv_by_std)
@@ -475,36 +427,10 @@ def redistribute(
     return RedistributionResult(advantages, advantages, values, rewards, fallback, metrics, concordance)
 
 
-def _check_reward_range(reward_range) -> tuple[float, float]:
-    try:
-        low, high = (float(x) for x in reward_range)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"reward_range must be two numbers (low, high), got {reward_range!r}") from error
-    if not (math.isfinite(low) and math.isfinite(high) and low < high):
-        raise ValueError(f"reward_range must be finite (low, high) with low < high, got {reward_range!r}")
-    return low, high
-
-
 def _check_probabilities(name: str, values: torch.Tensor):
     outside = (values < -_PROBABILITY_SLACK) | (values > 1.0 + _PROBABILITY_SLACK)
     if outside.any():
         raise ValueError(f"{name} must be probabilities in [0, 1]; found {values[outside][:5].tolist()}")
-
-
-def check_outcome_batch(scores: torch.Tensor, response_mask: torch.Tensor, index) -> int:
-    """Shape checks shared by the outcome-based estimators; returns the batch size.
-
-    Args:
-        scores: (bs,) float outcomes; response_mask: (bs, T); index: (bs,) group ids.
-    """
-    if scores.dim() != 1 or not scores.is_floating_point():
-        raise ValueError(f"scores must be a 1-D float tensor, got shape {tuple(scores.shape)} dtype {scores.dtype}")
-    bsz = scores.shape[0]
-    if response_mask.dim() != 2 or response_mask.shape[0] != bsz:
-        raise ValueError(f"response_mask must have shape (bs={bsz}, T), got {tuple(response_mask.shape)}")
-    if len(index) != bsz:
-        raise ValueError(f"index has {len(index)} entries but scores has {bsz}")
-    return bsz
 
 
 def _check_batch(scores, response_mask, index, segment_ends, raw_values) -> tuple[torch.Tensor, torch.Tensor]:

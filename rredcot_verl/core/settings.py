@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rredcot_verl.core import outcomes
 from rredcot_verl.core.ibpo import IBPOConfig
 from rredcot_verl.core.montecarlo import MonteCarloSettings
 from rredcot_verl.core.probes import ProbeSettings, ValuePassSettings
@@ -75,19 +76,15 @@ class RRedCoTSettings:
             raise ValueError(f"task must be a task name or 'module:attr', got {self.task!r}")
         if not 0.0 <= float(self.max_failed_group_share) <= 1.0:
             raise ValueError(f"max_failed_group_share must lie in [0, 1], got {self.max_failed_group_share}")
-        low, high = (float(x) for x in self.reward_range)
-        if not low < high:
-            raise ValueError(f"reward_range must be (low, high) with low < high, got {self.reward_range}")
-        object.__setattr__(self, "reward_range", (low, high))
+        object.__setattr__(self, "reward_range", outcomes.check_reward_range(self.reward_range))
 
     def success_probability(self, outcome: float) -> float:
         """An outcome on the probability scale of the value sources: 0 at the bottom of ``reward_range``, 1 at the top."""
-        low, high = self.reward_range
-        return min(max((float(outcome) - low) / (high - low), 0.0), 1.0)
+        return outcomes.success_probability(outcome, self.reward_range)
 
     def is_correct(self, outcome: float) -> bool:
         """A trace is correct when its outcome reaches the top of ``reward_range`` (partial credit is not correct)."""
-        return self.success_probability(outcome) >= 1.0 - 1e-6
+        return outcomes.is_correct(outcome, self.reward_range)
 
     def boundary_vocab(self, tokenizer) -> BoundaryVocab:
         """The segmentation's token tables, with the profile's end-of-thinking marker (its one source)."""

@@ -19,7 +19,7 @@ import torch
 from verl import DataProto
 from verl.utils.import_utils import load_extern_object
 
-from rredcot_verl.core import ibpo, montecarlo
+from rredcot_verl.core import ibpo, montecarlo, outcomes
 from rredcot_verl.core.segmentation import segment_response
 from rredcot_verl.core.settings import RRedCoTSettings
 
@@ -145,10 +145,6 @@ def _question(traces: DataProto, i: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- IBPO
-def _reaches_top(reward: float, reward_range: tuple[float, float]) -> bool:
-    return bool(ibpo.correct_outcomes([float(reward)], reward_range)[0])
-
-
 def ibpo_repairs(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """For each incorrect trace, repairs guided by sibling references, judged and aligned against the trace.
 
@@ -171,7 +167,7 @@ def ibpo_repairs(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str, torc
     cfg = ctx.settings.ibpo
     tokenizer, reward_range = ctx.tokenizer, ctx.settings.reward_range
     responses = [response for _, response in _rows(traces)]
-    correct = ibpo.correct_outcomes(traces.batch["outcome"], reward_range).tolist()
+    correct = outcomes.correct_outcomes(traces.batch["outcome"], reward_range).tolist()
     template = cfg.revision_template or ibpo.DEFAULT_REVISION_TEMPLATE
     engine_length = ctx.engine_length()
 
@@ -212,7 +208,7 @@ def ibpo_repairs(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str, torc
         generated_tokens += len(repair)
         reward = ctx.score(source, tokenizer.decode(repair, skip_special_tokens=True), truth, extra)
         truncated = _truncated(output, budget, tokenizer.eos_token_id)
-        evaluation = ibpo.evaluate_repair(responses[i], repair, _reaches_top(reward, reward_range), truncated, cfg)
+        evaluation = ibpo.evaluate_repair(responses[i], repair, outcomes.is_correct(reward, reward_range), truncated, cfg)
         per_trace.setdefault(i, []).append(evaluation)
     width = traces.batch["responses"].size(1)
     phi = torch.zeros(len(responses), dtype=torch.float32)
@@ -265,13 +261,11 @@ def monte_carlo_values(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str
         for i, (_, response) in enumerate(rows)
     ]
     prompts, responses = [p for p, _ in rows], [r for _, r in rows]
-    low, high = ctx.settings.reward_range
-
     def judge(i: int, response_ids: list[int]) -> float:
         # On the probability scale of the other value sources: 1 = the top of the reward range.
         truth, extra, source = _dataset_fields(traces, i)
         reward = ctx.score(source, tokenizer.decode(response_ids, skip_special_tokens=True), truth, extra)
-        return min(max((float(reward) - low) / (high - low), 0.0), 1.0)
+        return ctx.settings.success_probability(reward)
 
     # Requested and judged a chunk of traces at a time (MonteCarloSettings.max_prefix_tokens_per_call).
     tally = montecarlo.ContinuationTally(len(rows), montecarlo.max_k(ends, ctx.settings.segmentation.max_segments))
