@@ -639,7 +639,29 @@ def score_batch_packed_with_stats(
     synchronize: bool = False,
     temperature: float = 1.0,
 ) -> tuple[list[PackedScores], BatchStats]:
-    """``score_batch_packed``, also returning how many forwards it made."""
+    """Score the probes of a batch of traces, one forward per micro-batch of at most ``max_token_len`` tokens.
+
+    Log-probs are computed only where they are read (probe tokens, and the response when trace stats are asked
+    for), from the final hidden states a bounded number of rows at a time: no (T, V) logits tensor.
+
+    Args:
+        model: a transformers causal LM with full attention that dispatches attention through transformers'
+            AttentionInterface (any configured backend: the value pass uses its own, see ``value_pass_attention``).
+        prompt_ids: n tensors (P_i,), P_i ≥ 1.
+        response_ids: n tensors (L_i,), L_i ≥ 0.
+        probes: n probe lists, 0 ≤ boundary ≤ L_i.
+        return_trace_stats: per trace (or one bool for all): also return the response's log-probs and entropies.
+        max_positions: position budget; probes with P + b + len(forced) + len(scored) > max_positions are skipped.
+        max_token_len: padded tokens per forward (``plan_micro_batches``).
+        synchronize: under torch.distributed, make as many forwards as the rank with the most micro-batches
+            (one-token dummy forwards), so that FSDP's per-forward all-gathers pair up across ranks whatever the
+            data. Uses the default process group: the ranks that shard the model.
+        temperature: log-probs under softmax(logits / temperature), the rollout's sampling distribution.
+
+    Returns:
+        n PackedScores: probe_logp (n_probes_i,), trace_log_probs / trace_entropy (L_i,) or None, num_skipped;
+        and ``BatchStats``, the forwards made.
+    """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if temperature != 1.0 and model.get_output_embeddings().bias is not None:
@@ -691,44 +713,9 @@ def score_batch_packed_with_stats(
     return results, BatchStats(len(batches), total - len(batches))
 
 
-def score_batch_packed(
-    model,
-    prompt_ids: Sequence[torch.Tensor],
-    response_ids: Sequence[torch.Tensor],
-    probes: Sequence[Sequence[Probe]],
-    *,
-    return_trace_stats: bool | Sequence[bool] = True,
-    max_positions: int | None = None,
-    max_token_len: int = ValuePassSettings.max_token_len,
-    synchronize: bool = False,
-    temperature: float = 1.0,
-) -> list[PackedScores]:
-    """Score the probes of a batch of traces, one forward per micro-batch of at most ``max_token_len`` tokens.
-
-    Log-probs are computed only where they are read (probe tokens, and the response when trace stats are asked
-    for), from the final hidden states a bounded number of rows at a time: no (T, V) logits tensor.
-
-    Args:
-        model: a transformers causal LM with full attention that dispatches attention through transformers'
-            AttentionInterface (any configured backend: the value pass uses its own, see ``value_pass_attention``).
-        prompt_ids: n tensors (P_i,), P_i ≥ 1.
-        response_ids: n tensors (L_i,), L_i ≥ 0.
-        probes: n probe lists, 0 ≤ boundary ≤ L_i.
-        return_trace_stats: per trace (or one bool for all): also return the response's log-probs and entropies.
-        max_positions: position budget; probes with P + b + len(forced) + len(scored) > max_positions are skipped.
-        max_token_len: padded tokens per forward (``plan_micro_batches``).
-        synchronize: under torch.distributed, make as many forwards as the rank with the most micro-batches
-            (one-token dummy forwards), so that FSDP's per-forward all-gathers pair up across ranks whatever the
-            data. Uses the default process group: the ranks that shard the model.
-        temperature: log-probs under softmax(logits / temperature), the rollout's sampling distribution.
-
-    Returns:
-        n PackedScores: probe_logp (n_probes_i,), trace_log_probs / trace_entropy (L_i,) or None, num_skipped.
-    """
-    return score_batch_packed_with_stats(
-        model, prompt_ids, response_ids, probes, return_trace_stats=return_trace_stats,
-        max_positions=max_positions, max_token_len=max_token_len, synchronize=synchronize, temperature=temperature,
-    )[0]
+def score_batch_packed(model, prompt_ids, response_ids, probes, **options) -> list[PackedScores]:
+    """``score_batch_packed_with_stats`` without its forward counts (same arguments)."""
+    return score_batch_packed_with_stats(model, prompt_ids, response_ids, probes, **options)[0]
 
 
 def score_probes_packed(
