@@ -11,9 +11,7 @@ import random
 
 import pytest
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from rredcot_verl.core.planning import TraceRecord, continuation_text, plan_traces
 from rredcot_verl.core.probes import KIND_CORRECT, KIND_INCORRECT, ProbeSettings
@@ -22,7 +20,7 @@ from rredcot_verl.core.segmentation import SegmentationConfig
 from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings, settings_from_config
 from rredcot_verl.tasks.arithmetic import ArithmeticProblem, reference_response, reference_steps
 from rredcot_verl.tasks.base import ARITHMETIC, BOXED_MATH, PARAGRAPHS, resolve_task
-from rredcot_verl.tasks.model import build_tokenizer, chat_prompt_ids, response_ids
+from rredcot_verl.tasks.model import build_tokenizer, chat_prompt_ids, response_ids, train_qwen2_style_bpe
 
 torch.set_num_threads(1)
 
@@ -60,19 +58,9 @@ def _corpus():
 
 @pytest.fixture(scope="module")
 def qwen_tokenizer():
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=700, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    tok = train_qwen2_style_bpe(
+        _corpus(), 700, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], ["<think>", "</think>"]
     )
-    tok.train_from_iterator(_corpus(), trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         clean_up_tokenization_spaces=False)
     # The pieces this test is about are single tokens, as in Qwen's vocabulary.

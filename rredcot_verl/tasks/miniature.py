@@ -30,7 +30,14 @@ from typing import Callable
 
 from rredcot_verl.tasks import math_data
 from rredcot_verl.tasks.math_data import convert
-from rredcot_verl.tasks.model import check_vllm_head_dim, chat_prompt_ids, load_model_dir, response_ids, save_model_dir
+from rredcot_verl.tasks.model import (
+    chat_prompt_ids,
+    check_vllm_head_dim,
+    load_model_dir,
+    response_ids,
+    save_model_dir,
+    train_qwen2_style_bpe,
+)
 from rredcot_verl.tasks.reward import extract_boxed_answer
 
 RECORD = "miniature.json"
@@ -164,24 +171,12 @@ def response_text(family: Family, row: MathRow) -> str:
 def build_tokenizer(family: Family, rows: list[MathRow], config: MiniatureConfig):
     """Byte-level BPE with Qwen2's normalizer and pre-tokenizer (tasks/model.py says why), wrapped with the family's
     special tokens and chat template; returns a ``PreTrainedTokenizerFast``. Deterministic."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=config.vocab_size, special_tokens=list(family.special_tokens),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     # Special and added tokens are split off before the BPE sees text, so the chat scaffolding needs only its words.
     corpus = ["system\nuser\nassistant\nYou are a helpful assistant."]
     corpus += [f"{row.prompt}\n{response_text(family, row)}" for row in rows]
-    tokenizer.train_from_iterator(corpus, trainer)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in family.added_tokens])
+    tokenizer = train_qwen2_style_bpe(corpus, config.vocab_size, family.special_tokens, family.added_tokens)
     named = {family.bos_token, family.eos_token, family.pad_token}
     # transformers rebuilds a qwen2 folder's tokenizer as Qwen2Tokenizer, whose unk defaults to <|endoftext|>: a token
     # the R1 vocabulary lacks, which loading would append. Naming eos as unk avoids it (byte-level BPE never emits unk).

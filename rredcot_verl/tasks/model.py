@@ -105,10 +105,16 @@ def _tokenizer_corpus(config: TinyModelConfig, task: ArithmeticTaskConfig) -> li
     return corpus
 
 
-def build_tokenizer(config: TinyModelConfig = TinyModelConfig(), task: ArithmeticTaskConfig = ArithmeticTaskConfig()):
-    """Train the byte-level BPE on generated task text; returns a ``PreTrainedTokenizerFast``. Deterministic."""
+def train_qwen2_style_bpe(corpus, vocab_size: int, special_tokens, added_tokens):
+    """A byte-level BPE with Qwen2's normalizer and pre-tokenizer (digits split one by one, ``}$``-style punctuation
+    pieces as Qwen's vocabulary has them) trained on ``corpus``; returns a ``tokenizers.Tokenizer``. Deterministic.
+
+    Args:
+        special_tokens: single tokens that decoding with ``skip_special_tokens`` drops (eos, pad, chat markers).
+        added_tokens: single tokens added after training, kept on decode (thinking markers): tokens added before
+            training are dropped by the trainer.
+    """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     tokenizer = Tokenizer(models.BPE())
@@ -121,14 +127,23 @@ def build_tokenizer(config: TinyModelConfig = TinyModelConfig(), task: Arithmeti
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=config.vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte, so no text is ever unknown
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_tokenizer_corpus(config, task), trainer)
-    # Added after training: tokens added before are dropped by the trainer.
-    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in (THINK_OPEN, THINK_CLOSE)])
+    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in added_tokens])
+    return tokenizer
+
+
+def build_tokenizer(config: TinyModelConfig = TinyModelConfig(), task: ArithmeticTaskConfig = ArithmeticTaskConfig()):
+    """Train the byte-level BPE on generated task text; returns a ``PreTrainedTokenizerFast``. Deterministic."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = train_qwen2_style_bpe(
+        _tokenizer_corpus(config, task), config.vocab_size, SPECIAL_TOKENS, (THINK_OPEN, THINK_CLOSE)
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=EOS_TOKEN,
