@@ -81,7 +81,7 @@ def build_probes(response_len: int, num_boundaries: int, num_candidates: int, pr
     exit_ids = torch.randint(0, vocab, (FORCED_LENGTH,), generator=generator).tolist()
     answers = [torch.randint(0, vocab, (probe_len - FORCED_LENGTH,), generator=generator).tolist()
                for _ in range(num_candidates)]
-    return [Probe(b, exit_ids, answer, group=k) for k, b in enumerate(boundaries) for answer in answers]
+    return [Probe(b, exit_ids, answer, value_index=k) for k, b in enumerate(boundaries) for answer in answers]
 
 
 def cpu_seconds(fn) -> float:

@@ -65,9 +65,9 @@ def random_probes(rng, response_len, count):
         boundary = boundaries[index % len(boundaries)]
         forced = rng.choice([[], shared_forced, [rng.randrange(VOCAB)]])
         scored = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 4))]
-        probes.append(Probe(boundary, forced, scored, group=index % 5))
+        probes.append(Probe(boundary, forced, scored, value_index=index % 5))
         if rng.random() < 0.3:  # sibling with the same first scored token, different tail
-            probes.append(Probe(boundary, forced, scored[:1] + [rng.randrange(VOCAB)], group=index % 5))
+            probes.append(Probe(boundary, forced, scored[:1] + [rng.randrange(VOCAB)], value_index=index % 5))
     return probes
 
 
@@ -131,9 +131,9 @@ def test_empty_response_and_single_token_probes(model):
     rng = random.Random(3)
     prompt, response = random_ids(rng, 6), torch.zeros(0, dtype=torch.long)
     probes = [
-        Probe(0, [], [5], group=0),  # read entirely from the trace pass
-        Probe(0, [], [5, 9, 2], group=0),
-        Probe(0, [1, 2], [7], group=1),
+        Probe(0, [], [5], value_index=0),  # read entirely from the trace pass
+        Probe(0, [], [5, 9, 2], value_index=0),
+        Probe(0, [1, 2], [7], value_index=1),
     ]
     packed = score_probes_packed(model, prompt, response, probes)
     assert packed.trace_log_probs.shape == (0,)
@@ -144,7 +144,7 @@ def test_batch_equals_per_trace(model):
     rng = random.Random(4)
     prompts = [random_ids(rng, 3), random_ids(rng, 7)]
     responses = [random_ids(rng, 12), random_ids(rng, 0)]
-    probes = [random_probes(rng, 12, 5), [Probe(0, [3], [4, 5], group=0)]]
+    probes = [random_probes(rng, 12, 5), [Probe(0, [3], [4, 5], value_index=0)]]
     batch = score_batch_packed(model, prompts, responses, probes)
     for scores, prompt, response, trace_probes in zip(batch, prompts, responses, probes):
         single = score_probes_packed(model, prompt, response, trace_probes)
@@ -157,11 +157,11 @@ def test_overlong_probes_are_skipped_and_counted(model):
     rng = random.Random(5)
     prompt, response = random_ids(rng, 4), random_ids(rng, 20)
     probes = [
-        Probe(0, [1, 2], [3, 4], group=0),  # ends at position 8
-        Probe(10, [1, 2], [3, 4], group=1),  # ends at 18: fits exactly
-        Probe(11, [], [3], group=1),  # ends at 16
-        Probe(15, [1, 2], [3, 4], group=2),  # ends at 23: skipped
-        Probe(20, [], [3], group=3),  # ends at 25: skipped
+        Probe(0, [1, 2], [3, 4], value_index=0),  # ends at position 8
+        Probe(10, [1, 2], [3, 4], value_index=1),  # ends at 18: fits exactly
+        Probe(11, [], [3], value_index=1),  # ends at 16
+        Probe(15, [1, 2], [3, 4], value_index=2),  # ends at 23: skipped
+        Probe(20, [], [3], value_index=3),  # ends at 25: skipped
     ]
     unlimited = score_probes_packed(model, prompt, response, probes)
     limited = score_probes_packed(model, prompt, response, probes, max_positions=18)
@@ -184,13 +184,13 @@ def test_overlong_probes_are_skipped_and_counted(model):
 def test_invalid_inputs_raise_clear_errors(model):
     prompt, response = torch.tensor([1, 2, 3]), torch.tensor([4, 5])
     with pytest.raises(ValueError, match="out of range"):
-        score_probes_packed(model, prompt, response, [Probe(3, [], [1], group=0)])
+        score_probes_packed(model, prompt, response, [Probe(3, [], [1], value_index=0)])
     with pytest.raises(ValueError, match="scored_ids must be non-empty"):
-        Probe(0, [1], [], group=0)
+        Probe(0, [1], [], value_index=0)
     with pytest.raises(ValueError, match="boundary must be >= 0"):
-        Probe(-1, [], [1], group=0)
+        Probe(-1, [], [1], value_index=0)
     with pytest.raises(ValueError, match="kind"):
-        Probe(0, [], [1], group=0, kind="maybe")
+        Probe(0, [], [1], value_index=0, kind="maybe")
     with pytest.raises(ValueError, match="prompt_ids must be a 1D tensor"):
         score_probes_packed(model, prompt[None], response, [])
     with pytest.raises(ValueError, match="response_ids must be a 1D tensor"):
@@ -226,12 +226,12 @@ def test_raw_values_equal_sum_of_naive_probabilities(model):
     boundaries = [0, 8, 16, 24]
     banks = [[[1, 2, 3], [1, 2, 4], [1, 2, 3]], [[5]], [], [[6, 7], [8]]]  # duplicate entry counted once
     probes = build_reference_probes(boundaries, banks)
-    assert [p.group for p in probes] == [0, 0, 1, 3, 3]
+    assert [p.value_index for p in probes] == [0, 0, 1, 3, 3]
 
     naive = score_probes_naive(model, prompt, response, probes)
     values = values_from_probe_logp(score_probes_packed(model, prompt, response, probes).probe_logp, probes, 4, "raw")
 
-    groups = torch.tensor([p.group for p in probes])
+    groups = torch.tensor([p.value_index for p in probes])
     for k in (0, 1, 3):
         assert math.isclose(values[k].item(), naive[groups == k].exp().sum().item(), rel_tol=1e-4)
     assert torch.isnan(values[2])  # empty bank: no estimate
@@ -244,8 +244,8 @@ def test_exit_probe_values_self_normalized_within_unit_interval(model):
     boundaries = [0, 10, 20, 30]
     probes = build_exit_probes(boundaries, exit_ids, correct, thinking_length=20, all_answers=wrong + correct)
     # Boundary 30 lies after the thinking part: no probes; each other boundary scores 2 correct + 2 incorrect.
-    assert [p.group for p in probes].count(3) == 0
-    assert [p.kind for p in probes if p.group == 0] == [KIND_CORRECT] * 2 + [KIND_INCORRECT] * 2
+    assert [p.value_index for p in probes].count(3) == 0
+    assert [p.kind for p in probes if p.value_index == 0] == [KIND_CORRECT] * 2 + [KIND_INCORRECT] * 2
     assert all(p.forced_ids == tuple(exit_ids) for p in probes)
 
     # Every probe has forced ids, so without trace stats the trace pass computes no logits at all.
@@ -260,7 +260,7 @@ def test_exit_probe_values_self_normalized_within_unit_interval(model):
     probabilities = logp.exp()
     is_correct = torch.tensor([p.kind == KIND_CORRECT for p in probes])
     for k in range(3):
-        in_group = torch.tensor([p.group == k for p in probes])
+        in_group = torch.tensor([p.value_index == k for p in probes])
         expected = probabilities[in_group & is_correct].sum() / probabilities[in_group].sum()
         assert math.isclose(normalized[k].item(), expected.item(), rel_tol=1e-5)
     # Extremely small probabilities still normalise correctly in log space.
@@ -269,8 +269,8 @@ def test_exit_probe_values_self_normalized_within_unit_interval(model):
 
 
 def test_values_from_probe_logp_rejects_bad_arguments():
-    probes = [Probe(0, [], [1], group=2)]
-    with pytest.raises(ValueError, match="group"):
+    probes = [Probe(0, [], [1], value_index=2)]
+    with pytest.raises(ValueError, match="value_index"):
         values_from_probe_logp(torch.zeros(1), probes, 2, "raw")
     with pytest.raises(ValueError, match="shape"):
         values_from_probe_logp(torch.zeros(2), probes, 3, "raw")

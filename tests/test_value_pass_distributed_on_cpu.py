@@ -34,7 +34,7 @@ def _shards():
     busy = []
     for length in (40, 25, 21, 12):
         ends = [length // 2, length]
-        probes = [Probe(b, [3, 4], [5, 6 + k], group=g) for g, b in enumerate((0, length // 2)) for k in range(2)]
+        probes = [Probe(b, [3, 4], [5, 6 + k], value_index=g) for g, b in enumerate((0, length // 2)) for k in range(2)]
         busy.append(TracePlan(ids(5), ids(length), 1.0, ends, probes=probes, value_rule="raw"))
     idle = [
         TracePlan(ids(4), ids(0), 0.0, []),

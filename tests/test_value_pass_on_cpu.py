@@ -64,7 +64,7 @@ def random_probes(rng, response_len, count):
     for index in range(count):
         forced = rng.choice([[], shared_forced, [rng.randrange(VOCAB)]])
         scored = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 4))]
-        out.append(Probe(boundaries[index % len(boundaries)], forced, scored, group=index % 4))
+        out.append(Probe(boundaries[index % len(boundaries)], forced, scored, value_index=index % 4))
     return out
 
 
@@ -90,11 +90,11 @@ def mixed_batch(seed, count=7):
         prompt, response = random_ids(rng, rng.randint(1, 9)), random_ids(rng, rng.choice([0, 3, 17, 40, 61]))
         trace_probes = random_probes(rng, response.numel(), rng.randint(1, 10))
         if index == 1:
-            response, trace_probes = response[:0], [Probe(0, [], [5], group=0), Probe(0, [7, 8], [9, 1], group=1)]
+            response, trace_probes = response[:0], [Probe(0, [], [5], value_index=0), Probe(0, [7, 8], [9, 1], value_index=1)]
         if index == 2:
             trace_probes = []
         if index == 3:
-            trace_probes = [Probe(b, [], [rng.randrange(VOCAB)], group=0) for b in (0, response.numel())]
+            trace_probes = [Probe(b, [], [rng.randrange(VOCAB)], value_index=0) for b in (0, response.numel())]
         prompts.append(prompt), responses.append(response), probe_lists.append(trace_probes)
     return prompts, responses, probe_lists
 
@@ -263,7 +263,7 @@ def test_every_backend_gives_the_naive_values(backend):
     rng = random.Random(3)
     prompt, response = random_ids(rng, 5), random_ids(rng, 30)
     trace_probes = [
-        Probe(0, [7, 8], [9, 1], group=0), Probe(12, [7, 8], [9, 2], group=1), Probe(30, [], [4, 5], group=2)
+        Probe(0, [7, 8], [9, 1], value_index=0), Probe(12, [7, 8], [9, 2], value_index=1), Probe(30, [], [4, 5], value_index=2)
     ]
 
     naive = score_probes_naive(model, prompt, response, trace_probes)  # runs with the configured backend
@@ -288,7 +288,7 @@ def test_a_flash_attention_model_never_receives_the_probe_mask(monkeypatch):
     model.config._attn_implementation = "flash_attention_2"
     rng = random.Random(4)
     prompt, response = random_ids(rng, 4), random_ids(rng, 20)
-    trace_probes = [Probe(b, [3, 4], [5, 6], group=k) for k, b in enumerate((0, 10, 20))]
+    trace_probes = [Probe(b, [3, 4], [5, 6], value_index=k) for k, b in enumerate((0, 10, 20))]
 
     # The failure this guards against: a 4D mask given to a flash-configured model reaches the flash function.
     with torch.no_grad():
@@ -309,11 +309,11 @@ def test_a_flash_attention_model_never_receives_the_probe_mask(monkeypatch):
 def test_models_that_cannot_take_the_value_pass_attention_are_refused(model, monkeypatch):
     monkeypatch.setattr(model.config, "final_logit_softcapping", 30.0, raising=False)
     with pytest.raises(ValueError, match="final_logit_softcapping"):
-        score_batch_packed(model, [torch.tensor([1, 2])], [torch.tensor([3])], [[Probe(0, [], [4], group=0)]])
+        score_batch_packed(model, [torch.tensor([1, 2])], [torch.tensor([3])], [[Probe(0, [], [4], value_index=0)]])
     monkeypatch.undo()
     with pytest.raises(ValueError, match="return_trace_stats has 2 entries"):
         score_batch_packed(model, [torch.tensor([1])], [torch.tensor([3])], [[]], return_trace_stats=[True, False])
     assert math.isnan(
-        score_batch_packed(model, [torch.tensor([1])], [torch.tensor([3])], [[Probe(1, [], [4], group=0)]],
+        score_batch_packed(model, [torch.tensor([1])], [torch.tensor([3])], [[Probe(1, [], [4], value_index=0)]],
                            max_positions=2)[0].probe_logp[0]
     )

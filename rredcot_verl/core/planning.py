@@ -196,15 +196,15 @@ class _Planner:
     def __init__(self, settings: RRedCoTSettings, tokenizer, task: TaskAdapter):
         self.settings, self.task = settings, task
         self.profile = settings.probe.profile_values
-        self.writer = ProbeTokenizer(tokenizer)
+        self.probe_tokenizer = ProbeTokenizer(tokenizer)
         self.eos = [] if not self.profile.answer_eos else [tokenizer.eos_token_id]
         self.think_start_id = self._single_token(self.profile.think_start, "think_start")
         self.think_end_id = self._single_token(self.profile.think_end, "think_end")
-        self.exit_ids = self.writer.encode(self.profile.exit_text)
+        self.exit_ids = self.probe_tokenizer.encode(self.profile.exit_text)
         self._answers: dict[str, list[tuple[int, ...]]] = {}
 
     def _single_token(self, marker: str, key: str) -> int:
-        ids = self.writer.encode(marker)
+        ids = self.probe_tokenizer.encode(marker)
         if len(ids) != 1:
             raise ValueError(f"probe.{key} {marker!r} must be one token of the tokenizer, got {len(ids)} tokens {ids}")
         return ids[0]
@@ -214,11 +214,11 @@ class _Planner:
         if self.think_start_id not in prompt:
             return False
         last = len(prompt) - 1 - prompt[::-1].index(self.think_start_id)
-        return not self.writer.decode(prompt[last + 1:]).strip()
+        return not self.probe_tokenizer.decode(prompt[last + 1:]).strip()
 
     def closed_sequences(self, context: Sequence[int], stem: str, exit_line: bool = False) -> list[tuple[int, ...]]:
         """Tokens of ``stem`` + each answer closing after ``context`` (+ EOS), prefix-free (module ``profiles``)."""
-        sequences = [self.writer.continuation(context, stem + closing, exit_line=exit_line) + tuple(self.eos)
+        sequences = [self.probe_tokenizer.continuation(context, stem + closing, exit_line=exit_line) + tuple(self.eos)
                      for closing in self.profile.answer_closings]
         unique = list(dict.fromkeys(sequences))
         return [s for s in unique if not any(o != s and s[: len(o)] == o for o in unique)]
@@ -239,8 +239,8 @@ class _Planner:
         probes = []
         for k, start in enumerate(starts):
             text = self.profile.exit_text if opened[k] else self.profile.think_opener + self.profile.exit_text
-            forced = self.writer.continuation(prompt + response[:start], text, exit_line=opened[k])
-            probes += [dataclasses.replace(p, group=k) for p in build_exit_probes(
+            forced = self.probe_tokenizer.continuation(prompt + response[:start], text, exit_line=opened[k])
+            probes += [dataclasses.replace(p, value_index=k) for p in build_exit_probes(
                 [start], forced, correct, thinking_length=thinking_length, all_answers=every)]
         return probes
 
@@ -273,7 +273,7 @@ def _opened_and_bodies(planner: _Planner, trace, starts, by_prompt: bool, need_b
         body, last = "", open_at or 0
         for start, is_open in zip(starts, opened):
             if is_open and start > last:
-                body += planner.writer.decode(response[last:start])
+                body += planner.probe_tokenizer.decode(response[last:start])
                 last = start
             bodies.append(body if is_open else "")
     return opened, bodies
@@ -315,7 +315,7 @@ def plan_traces(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     vocab = vocab or settings.boundary_vocab(tokenizer)
     planner = _Planner(settings, tokenizer, task)
-    texts = [planner.writer.decode(t.response_ids.tolist()) for t in traces]
+    texts = [planner.probe_tokenizer.decode(t.response_ids.tolist()) for t in traces]
     by_prompt = [planner.opened_by_prompt(t.prompt_ids.tolist()) for t in traces]
     banks = _group_banks(traces, texts, by_prompt, settings, task)
     rule = _value_rule(settings)
@@ -338,9 +338,9 @@ def plan_traces(
                 else:
                     plan.no_candidates = True
         plans.append(plan)
-    if planner.writer.split_joins:
+    if planner.probe_tokenizer.split_joins:
         logger.warning("%d probe texts could not be joined to their prefix as the tokenizer writes them in one piece; "
-                       "they were tokenized on their own (core/profiles.py)", planner.writer.split_joins)
+                       "they were tokenized on their own (core/profiles.py)", planner.probe_tokenizer.split_joins)
     return plans
 
 

@@ -98,25 +98,25 @@ class Probe:
         boundary: number of response tokens in the prefix, 0 ≤ boundary ≤ L.
         forced_ids: conditioning tokens placed after the prefix, not scored (may be empty).
         scored_ids: tokens whose log-probability is summed (non-empty).
-        group: index of the value this probe contributes to (e.g. the boundary index k).
+        value_index: index of the value this probe contributes to (the boundary index k).
         kind: ``"correct"`` (counted in the value) or ``"incorrect"`` (only in the self-normalising denominator).
     """
 
     boundary: int
     forced_ids: tuple[int, ...]
     scored_ids: tuple[int, ...]
-    group: int
+    value_index: int
     kind: str = KIND_CORRECT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "forced_ids", tuple(int(t) for t in self.forced_ids))
         object.__setattr__(self, "scored_ids", tuple(int(t) for t in self.scored_ids))
         if not self.scored_ids:
-            raise ValueError(f"Probe.scored_ids must be non-empty (boundary={self.boundary}, group={self.group})")
+            raise ValueError(f"Probe.scored_ids must be non-empty (boundary={self.boundary}, value_index={self.value_index})")
         if self.boundary < 0:
             raise ValueError(f"Probe.boundary must be >= 0, got {self.boundary}")
-        if self.group < 0:
-            raise ValueError(f"Probe.group must be >= 0, got {self.group}")
+        if self.value_index < 0:
+            raise ValueError(f"Probe.value_index must be >= 0, got {self.value_index}")
         if self.kind not in PROBE_KINDS:
             raise ValueError(f"Probe.kind must be one of {PROBE_KINDS}, got {self.kind!r}")
 
@@ -783,7 +783,7 @@ def build_exit_probes(
     divided by the mass of all distinct answers (``"self_normalized"``); see ``values_from_probe_logp``.
 
     Args:
-        boundaries: (K,) response-token counts b_k; probe group k belongs to boundaries[k].
+        boundaries: (K,) response-token counts b_k; probes of value k belong to boundaries[k].
         exit_ids: tokenization of the exit text (e.g. "\\n</think>\\n\\\\boxed"), non-empty.
         correct_answers: token lists of the distinct correct answers (e.g. "{59}" + EOS), at least one.
         thinking_length: number of response tokens before the exit; boundaries beyond it get no probes
@@ -802,7 +802,7 @@ def build_exit_probes(
     incorrect = [answer for answer in _distinct(all_answers) if answer not in set(correct)]
     labelled = [(answer, KIND_CORRECT) for answer in correct] + [(answer, KIND_INCORRECT) for answer in incorrect]
     return [
-        Probe(boundary=int(b), forced_ids=tuple(exit_ids), scored_ids=answer, group=k, kind=kind)
+        Probe(boundary=int(b), forced_ids=tuple(exit_ids), scored_ids=answer, value_index=k, kind=kind)
         for k, b in enumerate(boundaries)
         if b <= thinking_length
         for answer, kind in labelled
@@ -833,7 +833,7 @@ def build_reference_probes(
     if len(continuations) != len(boundaries):
         raise ValueError(f"got {len(continuations)} continuation banks for {len(boundaries)} boundaries")
     return [
-        Probe(boundary=int(b), forced_ids=tuple(forced_ids), scored_ids=continuation, group=k)
+        Probe(boundary=int(b), forced_ids=tuple(forced_ids), scored_ids=continuation, value_index=k)
         for k, (b, bank) in enumerate(zip(boundaries, continuations))
         for continuation in _distinct(bank)
     ]
@@ -862,10 +862,10 @@ def values_from_probe_logp(
         raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
     if probe_logp.shape != (len(probes),):
         raise ValueError(f"probe_logp has shape {tuple(probe_logp.shape)}, expected ({len(probes)},)")
-    if any(probe.group >= num_values for probe in probes):
-        raise ValueError(f"a probe's group is >= num_values={num_values}")
+    if any(probe.value_index >= num_values for probe in probes):
+        raise ValueError(f"a probe's value_index is >= num_values={num_values}")
     logp = probe_logp.float().cpu()
-    groups = torch.tensor([probe.group for probe in probes], dtype=torch.long)
+    groups = torch.tensor([probe.value_index for probe in probes], dtype=torch.long)
     is_correct = torch.tensor([probe.kind == KIND_CORRECT for probe in probes], dtype=torch.bool)
     in_denominator = is_correct if normalization == "raw" else torch.ones_like(is_correct)
 
