@@ -39,7 +39,7 @@ from benchmarks.value_quality import RECIPE_SEGMENTATION, holder_segment, load_p
 from rredcot_verl.core.concordance import ConcordanceCounts, ConcordanceWindow, gate_is_open, value_outcome_concordance
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.probes import ProbeSettings, trace_log_probs_and_entropy
-from rredcot_verl.core.redistribution import RedistributionConfig, redistribute
+from rredcot_verl.core.redistribution import RedistributionSettings, redistribute
 from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
 from rredcot_verl.core.values import compute_segment_values
 from rredcot_verl.tasks import first_wrong_step, load_model_dir
@@ -49,7 +49,7 @@ from rredcot_verl.tasks.model import PAD_TOKEN
 RESULTS_PATH = RESULTS_DIR / "value_gate.json"
 DATA_SEED = 2  # the study's problems come from streams 0 (main) and 1 (sweep)
 PROMPTS_PER_BATCH, SAMPLES_PER_PROMPT = 8, 4  # the study's batch (data.train_batch_size × rollout.n)
-DEFAULTS = RedistributionConfig()
+DEFAULTS = RedistributionSettings()
 THRESHOLDS = (0.55, DEFAULTS.min_value_concordance, 0.65)
 WINDOWS = (1, DEFAULTS.concordance_window)
 WINDOW = 10  # training steps per "first" and "last" summary window
@@ -122,7 +122,7 @@ def warm_start_batch(model, tokenizer, problems, samples: int, seed: int, rng: n
                 reference = (ends, raw)
         # The gate off, so that localisation is measured on every batch; the counts are the gate's own.
         redistributed = redistribute(outcomes, mask, index, ends, raw.float(),
-                                     RedistributionConfig(value_mapping=mapping, min_value_concordance=0.0))
+                                     RedistributionSettings(value_mapping=mapping, min_value_concordance=0.0))
         trace_ends = [[e for e in row.tolist() if e >= 0] for row in ends]
         holders = []
         for i, trace in enumerate(traces):

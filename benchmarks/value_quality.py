@@ -51,7 +51,7 @@ from benchmarks.attribution import gradient_times_input_attribution, leave_one_o
 from rredcot_verl.core.profiles import PROFILE_PRESETS
 from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
 from rredcot_verl.core.probes import ProbeSettings, trace_log_probs_and_entropy
-from rredcot_verl.core.segmentation import SegmentationConfig
+from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.tasks import ArithmeticProblem, first_wrong_step, load_model_dir, parse_prompt
 from rredcot_verl.tasks.base import ARITHMETIC
 from rredcot_verl.tasks.model import chat_prompt_ids
@@ -62,7 +62,7 @@ from rredcot_verl.core.values import compute_segment_values
 RESULTS_PATH = RESULTS_DIR / "value_quality.json"
 MAX_RESPONSE_TOKENS = 96  # recipes/tiny_cpu/base.yaml data.max_response_length
 EXIT_TEXT = PROFILE_PRESETS["embedded"].exit_text  # recipes/tiny_cpu/rredcot.yaml: probe.profile=embedded
-RECIPE_SEGMENTATION = SegmentationConfig(strategy="hybrid", max_segments=8, min_segment_len=2)
+RECIPE_SEGMENTATION = SegmentationSettings(strategy="hybrid", max_segments=8, min_segment_len=2)
 PROBE_SOURCES = {
     "exit_raw": ("exit_probe", "raw"),
     "exit_selfnorm": ("exit_probe", "self_normalized"),

@@ -17,7 +17,7 @@ import rredcot_verl.integration.plugin  # noqa: F401  registers the ibpo estimat
 from rredcot_verl.core.ibpo import (
     DEFAULT_REVISION_TEMPLATE,
     EMBEDDED_TASK_TEMPLATE,
-    IBPOConfig,
+    IBPOSettings,
     align_tokens,
     build_revision_prompt,
     evaluate_repair,
@@ -46,13 +46,13 @@ def ids(text: str) -> list[int]:
 
 
 def test_config_defaults_are_the_transcribed_values():
-    cfg = IBPOConfig()
+    cfg = IBPOSettings()
     assert (cfg.shaping_weight, cfg.repair_bonus, cfg.num_references, cfg.max_edit_ratio) == (0.6, 0.5, 3, 0.5)
     assert cfg.rewrite_counts_as_repair is False and cfg.use_mask is True and cfg.aggregate == "mean"
     # length defaults: uncapped revisions, a repair budget that grows with the trace, the kept-prefix guard
     assert cfg.max_revisions is None and cfg.min_kept_prefix == 0.25
     assert (cfg.revision_length_factor, cfg.revision_slack_tokens) == (1.2, 128)
-    assert IBPOConfig(max_edit_ratio=math.inf).max_edit_ratio == math.inf
+    assert IBPOSettings(max_edit_ratio=math.inf).max_edit_ratio == math.inf
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_config_defaults_are_the_transcribed_values():
 )
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        IBPOConfig(**kwargs)
+        IBPOSettings(**kwargs)
 
 
 # ------------------------------------------------------------------ alignment
@@ -164,7 +164,7 @@ def test_alignment_properties(trace, repair):
 
 
 def test_evaluate_repair_failures_and_rewrites():
-    cfg = IBPOConfig(revision_slack_tokens=1, max_edit_ratio=0.5)  # budget for 4 tokens: ceil(4.8) + 1 = 6
+    cfg = IBPOSettings(revision_slack_tokens=1, max_edit_ratio=0.5)  # budget for 4 tokens: ceil(4.8) + 1 = 6
     trace = [1, 2, 3, 4]
     local = evaluate_repair(trace, [1, 2, 9, 4], verified_correct=True, truncated=False, cfg=cfg)
     assert local.correct and not local.rewrite and local.failure is None
@@ -184,7 +184,7 @@ def test_evaluate_repair_failures_and_rewrites():
 
 
 def test_repair_signal_aggregation_and_rewrite_switch():
-    cfg = IBPOConfig()  # ρ = 0.5, δ = 0.5, π = 0.25
+    cfg = IBPOSettings()  # ρ = 0.5, δ = 0.5, π = 0.25
     trace = [1, 2, 3, 4, 5, 6, 7, 8]
     local_ok = evaluate_repair(trace, [1, 2, 3, 4, 5, 6, 7, 9], True, False, cfg)
     wrong = evaluate_repair(trace, [1, 2, 3, 4, 5, 6, 7, 0], False, False, cfg)
@@ -193,15 +193,15 @@ def test_repair_signal_aggregation_and_rewrite_switch():
     assert repair_signal(True, [local_ok, local_ok], cfg) == 0.0  # correct traces are never shaped
     assert repair_signal(False, [], cfg) == 0.0  # no revision generated: GRPO treatment
     assert repair_signal(False, [local_ok, wrong, local_ok], cfg) == pytest.approx(0.5 * 2 / 3)
-    assert repair_signal(False, [local_ok, wrong, wrong], IBPOConfig(aggregate="max")) == 0.5
+    assert repair_signal(False, [local_ok, wrong, wrong], IBPOSettings(aggregate="max")) == 0.5
     # the third repair is a verified rewrite: no credit by default, credit with the switch
     assert repair_signal(False, [local_ok, wrong, rewrite_ok], cfg) == pytest.approx(0.5 / 3)
-    switched = IBPOConfig(rewrite_counts_as_repair=True)
+    switched = IBPOSettings(rewrite_counts_as_repair=True)
     assert repair_signal(False, [local_ok, wrong, rewrite_ok], switched) == pytest.approx(1.0 / 3)
 
 
 def test_localisation_mask_prefers_the_most_local_successful_repair():
-    cfg = IBPOConfig(rewrite_counts_as_repair=True)
+    cfg = IBPOSettings(rewrite_counts_as_repair=True)
     trace = [1, 2, 3, 4, 5, 6]
     evaluations = [
         evaluate_repair(trace, [1, 9, 9, 4, 5, 6], True, False, cfg),  # 2 edits
@@ -217,7 +217,7 @@ def test_localisation_mask_prefers_the_most_local_successful_repair():
 
 
 def test_repair_metrics_counts():
-    cfg = IBPOConfig()
+    cfg = IBPOSettings()
     trace = [1, 2, 3, 4]
     evaluations = [
         evaluate_repair(trace, [1, 2, 9, 4], True, False, cfg),  # local success, ratio 0.25
@@ -248,7 +248,7 @@ def _group_of_four(lengths=(4, 4, 4, 4), T=5):
 
 
 def test_all_wrong_group_with_two_repairs_hand_computed():
-    cfg = IBPOConfig()  # λ = 0.6, ρ = 0.5
+    cfg = IBPOSettings()  # λ = 0.6, ρ = 0.5
     response_mask, index = _group_of_four(lengths=(4, 3, 4, 2))
     scores = torch.zeros(4, dtype=torch.float64)
     phi = torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64)  # traces 0 and 1: every repair succeeded
@@ -278,12 +278,12 @@ def test_all_wrong_group_with_two_repairs_hand_computed():
     assert result.metrics["ibpo/masked_token_frac"] == pytest.approx(3 / 4)
 
     # plain GRPO (λ = 0) has nothing to say about the same group
-    grpo = shaped_advantages(scores, response_mask, index, phi, edited, IBPOConfig(shaping_weight=0.0))
+    grpo = shaped_advantages(scores, response_mask, index, phi, edited, IBPOSettings(shaping_weight=0.0))
     assert not grpo.advantages.any() and grpo.metrics["ibpo/all_wrong_groups_with_signal_frac"] == 0.0
 
 
 def test_mask_sign_rule_in_a_mixed_group():
-    cfg = IBPOConfig()
+    cfg = IBPOSettings()
     response_mask, index = _group_of_four()
     scores = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     phi = torch.tensor([0.0, 0.5, 0.0, 0.0], dtype=torch.float64)
@@ -309,7 +309,7 @@ def test_mask_sign_rule_in_a_mixed_group():
     torch.testing.assert_close(result.advantages, expected, rtol=0, atol=1e-12)
     assert result.metrics["ibpo/masked_traces"] == 1.0 and result.metrics["ibpo/masked_positive_traces"] == 0.0
 
-    shaping_only = shaped_advantages(scores, response_mask, index, phi, edited, IBPOConfig(use_mask=False))
+    shaping_only = shaped_advantages(scores, response_mask, index, phi, edited, IBPOSettings(use_mask=False))
     torch.testing.assert_close(shaping_only.advantages, torch.tensor(norm, dtype=torch.float64)[:, None] * response_mask)
     assert shaping_only.metrics["ibpo/broadcast_repaired_traces"] == 1.0
 
@@ -347,14 +347,14 @@ def test_lambda_zero_matches_verl_grpo_bit_for_bit(seed):
     phi = torch.tensor(rng.uniform(0, 0.5, size=bs), dtype=torch.float32) * ~correct_outcomes(scores)
     edited = torch.tensor(rng.random((bs, T)) < 0.4) & response_mask.bool()
     for cfg, masks in [
-        (IBPOConfig(shaping_weight=0.0, epsilon=epsilon, norm_adv_by_std=norm_by_std, use_mask=False), edited),
-        (IBPOConfig(shaping_weight=0.0, epsilon=epsilon, norm_adv_by_std=norm_by_std), None),
+        (IBPOSettings(shaping_weight=0.0, epsilon=epsilon, norm_adv_by_std=norm_by_std, use_mask=False), edited),
+        (IBPOSettings(shaping_weight=0.0, epsilon=epsilon, norm_adv_by_std=norm_by_std), None),
     ]:
         ours = shaped_advantages(scores, response_mask, index, phi, masks, cfg).advantages
         assert ours.dtype == verl_adv.dtype and torch.equal(ours, verl_adv)
 
     # with λ > 0 and no mask, IBPO is verl's GRPO run on the shaped rewards R' = R + λφ(1 − R)
-    shaping = IBPOConfig(epsilon=epsilon, norm_adv_by_std=norm_by_std, use_mask=False)
+    shaping = IBPOSettings(epsilon=epsilon, norm_adv_by_std=norm_by_std, use_mask=False)
     result = shaped_advantages(scores, response_mask, index, phi, None, shaping)
     shaped_token_rewards = token_level_rewards.clone()
     shaped_token_rewards[:, 0] += shaping.shaping_weight * phi * (1 - scores)  # verl sums rows; any slot carries R'
@@ -365,7 +365,7 @@ def test_lambda_zero_matches_verl_grpo_bit_for_bit(seed):
 
 
 def test_groups_of_one_fall_back_to_grpo_and_are_counted():
-    cfg = IBPOConfig()
+    cfg = IBPOSettings()
     response_mask = torch.ones(2, 3)
     index = np.array(["a", "b"], dtype=object)
     result = shaped_advantages(torch.tensor([0.0, 1.0]), response_mask, index, torch.zeros(2), None, cfg)
@@ -376,7 +376,7 @@ def test_groups_of_one_fall_back_to_grpo_and_are_counted():
 
 
 def test_shaped_advantages_rejects_bad_input():
-    cfg = IBPOConfig()
+    cfg = IBPOSettings()
     mask = torch.ones(2, 3)
     index = np.array(["a", "a"], dtype=object)
     phi = torch.zeros(2)
@@ -432,25 +432,25 @@ def test_select_references_order_and_edge_cases():
 def test_plan_revisions_round_robin_cap_and_fallbacks():
     correct = [False, False, True, False, True, False]
     index = np.array(["a", "a", "a", "b", "b", "lone"], dtype=object)
-    full = plan_revisions(correct, index, IBPOConfig(num_references=2), np.random.default_rng(0))
+    full = plan_revisions(correct, index, IBPOSettings(num_references=2), np.random.default_rng(0))
     assert full.incorrect_traces == 4 and full.traces_without_reference == 1
     assert full.skipped_by_cap == 0 and full.traces_skipped_by_cap == 0
     assert len(full.pairs) == 5  # traces 0 and 1 get two references each, trace 3 has one sibling
     assert {(0, 2), (1, 2), (3, 4)} == set(full.pairs[:3])  # every first reference (a correct one) comes first
     assert all(index[t] == index[r] and t != r and not correct[t] for t, r in full.pairs)
 
-    capped = plan_revisions(correct, index, IBPOConfig(num_references=2, max_revisions=3), np.random.default_rng(0))
+    capped = plan_revisions(correct, index, IBPOSettings(num_references=2, max_revisions=3), np.random.default_rng(0))
     assert sorted(capped.pairs) == [(0, 2), (1, 2), (3, 4)] and capped.skipped_by_cap == 2
     assert capped.traces_skipped_by_cap == 0  # the cap cost second references only
     with pytest.raises(ValueError, match="index"):
-        plan_revisions(correct, index[:2], IBPOConfig(), np.random.default_rng(0))
+        plan_revisions(correct, index[:2], IBPOSettings(), np.random.default_rng(0))
 
 
 def test_a_tight_cap_reaches_every_group_over_seeds_and_reports_what_it_skipped():
     # 12 groups of 4 with one correct trace: 36 incorrect traces, 108 candidate revisions, cap 20
     index = np.array([f"g{g}" for g in range(12) for _ in range(4)], dtype=object)
     correct = [k % 4 == 0 for k in range(48)]
-    cfg = IBPOConfig(max_revisions=20)
+    cfg = IBPOSettings(max_revisions=20)
     revised_groups = set()
     for seed in range(10):
         plan = plan_revisions(correct, index, cfg, np.random.default_rng(seed))
@@ -472,13 +472,13 @@ def test_plan_revisions_replaces_references_whose_prompt_does_not_fit():
         calls.append((trace, reference))
         return reference != long_reference
 
-    plan = plan_revisions(correct, index, IBPOConfig(num_references=2), np.random.default_rng(0), usable=usable)
+    plan = plan_revisions(correct, index, IBPOSettings(num_references=2), np.random.default_rng(0), usable=usable)
     assert all(r != long_reference for _, r in plan.pairs)
     assert sorted(t for t, _ in plan.pairs) == [0, 0, 2, 2, 3, 3]  # each still gets two references
     assert plan.rejected_pairs == 3 and plan.traces_without_usable_reference == 0
     assert plan.traces_without_reference == 1  # trace 4 is alone
     assert all(c[0] in (0, 2, 3) for c in calls)  # usable is asked about incorrect traces only
-    nothing_fits = plan_revisions(correct, index, IBPOConfig(), np.random.default_rng(0), usable=lambda t, r: False)
+    nothing_fits = plan_revisions(correct, index, IBPOSettings(), np.random.default_rng(0), usable=lambda t, r: False)
     assert nothing_fits.pairs == [] and nothing_fits.traces_without_usable_reference == 3
 
 
@@ -502,7 +502,7 @@ def test_embedded_template_is_the_bare_question_and_bad_templates_fail():
 
 
 def test_revision_budget_grows_with_the_trace_and_bounds_the_prompt():
-    cfg = IBPOConfig()
+    cfg = IBPOSettings()
     assert revision_budget(0, cfg) == 128 and revision_budget(2000, cfg) == 2528
     assert revision_budget(25_000, cfg) == 30_128
     # the prompt budget is the engine's context minus the repair budget, not data.max_prompt_length
@@ -519,7 +519,7 @@ def test_revision_budget_grows_with_the_trace_and_bounds_the_prompt():
 
 def test_one_step_from_repairs_to_token_credit():
     """Four wrong traces of one arithmetic problem; two are repaired locally, one only by a rewrite."""
-    cfg = IBPOConfig()
+    cfg = IBPOSettings()
     traces = [
         "23+45=68\n68-17=52\n\\boxed{52}",  # wrong in the second result
         "23+45=69\n69-17=52\n\\boxed{52}",  # wrong in the first result
@@ -556,11 +556,11 @@ def test_stopping_after_a_wrong_first_result_is_repaired_locally():
     # Changed with the kept-prefix guard: the repair keeps "23+45=6" (7 of 19 tokens, over π = 0.25) and continues
     # from the wrong digit, so it is a repair of that digit even though it edits more than half of the trace.
     trace, repair = ids("23+45=60\n\\boxed{60}"), ids("23+45=68\n68-17=51\n\\boxed{51}")
-    evaluation = evaluate_repair(trace, repair, True, False, IBPOConfig())
+    evaluation = evaluate_repair(trace, repair, True, False, IBPOSettings())
     assert evaluation.alignment.edit_ratio > 0.5 and evaluation.alignment.kept_prefix == 7
     assert not evaluation.rewrite and evaluation.alignment.edited_mask[7]  # the wrong digit carries the blame
     assert not evaluation.alignment.edited_mask[:7].any()
-    assert evaluate_repair(trace, repair, True, False, IBPOConfig(min_kept_prefix=2.0)).rewrite  # ratio test only
+    assert evaluate_repair(trace, repair, True, False, IBPOSettings(min_kept_prefix=2.0)).rewrite  # ratio test only
 
 
 # ------------------------------------------------------------------ traces at length
@@ -577,7 +577,7 @@ def test_a_local_edit_of_a_2k_token_trace_is_a_localised_repair():
     trace = _long_trace(rng)
     repair = list(trace)
     repair[1200:1212] = rng.integers(5000, 6000, size=15).tolist()  # a 12-token step rewritten as 15 tokens
-    cfg = IBPOConfig()
+    cfg = IBPOSettings()
     evaluation = evaluate_repair(trace, repair, True, False, cfg)
     assert evaluation.failure is None and evaluation.correct and not evaluation.rewrite
     assert evaluation.alignment.kept_prefix == 1200
@@ -602,7 +602,7 @@ def test_a_repair_that_keeps_the_prefix_and_rewrites_the_tail_is_local_at_length
     rng = np.random.default_rng(1)
     trace = _long_trace(rng)
     repair = trace[:800] + _long_trace(rng, 1300)
-    evaluation = evaluate_repair(trace, repair, True, False, IBPOConfig())
+    evaluation = evaluate_repair(trace, repair, True, False, IBPOSettings())
     assert evaluation.alignment.edit_ratio > 0.5 and evaluation.alignment.kept_prefix == 800
     assert not evaluation.rewrite and not evaluation.alignment.edited_mask[:800].any()
     assert evaluation.alignment.edited_mask[800:].float().mean() > 0.5
@@ -615,17 +615,17 @@ def test_a_copy_of_the_reference_is_a_rewrite_at_length():
     opening = _long_trace(rng, 40)
     trace = opening + _long_trace(rng, 1960)
     reference = opening + _long_trace(rng, 2100)
-    cfg = IBPOConfig()
+    cfg = IBPOSettings()
     copy = evaluate_repair(trace, reference, True, False, cfg)
     assert copy.correct and copy.rewrite and copy.alignment.kept_prefix == 40
     assert repair_signal(False, [copy], cfg) == 0.0 and not localisation_mask([copy], 2000).any()
-    assert repair_signal(False, [copy], IBPOConfig(rewrite_counts_as_repair=True)) == 0.5
+    assert repair_signal(False, [copy], IBPOSettings(rewrite_counts_as_repair=True)) == 0.5
 
 
 def test_a_repair_longer_than_its_budget_fails_at_length():
     rng = np.random.default_rng(3)
     trace = _long_trace(rng)
-    cfg = IBPOConfig()
+    cfg = IBPOSettings()
     too_long = trace + _long_trace(rng, revision_budget(2000, cfg) - 2000 + 1)
     assert evaluate_repair(trace, too_long, True, False, cfg).failure == "too_long"
     assert evaluate_repair(trace, too_long[:-1], True, False, cfg).failure is None
@@ -704,7 +704,7 @@ def test_ibpo_reward_scale_partial_credit():
 def test_reward_scale_shaping_keeps_incorrect_below_correct(low, width, below, phi_share):
     # any scale, any incorrect outcome in it, any φ ≤ ρ: the shaped reward stays under the correct outcome
     high = low + width
-    cfg = IBPOConfig()
+    cfg = IBPOSettings()
     reward = low + below * width
     scores = torch.tensor([high, reward], dtype=torch.float64)
     if correct_outcomes(scores, (low, high))[1]:

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from rredcot_verl.core.planning import TraceRecord, continuation_text, plan_traces
 from rredcot_verl.core.probes import KIND_CORRECT, KIND_INCORRECT, ProbeSettings
 from rredcot_verl.core.profiles import PROFILE_PRESETS, ProbeTokenizer
-from rredcot_verl.core.segmentation import SegmentationConfig
+from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings, settings_from_config
 from rredcot_verl.tasks.arithmetic import ArithmeticProblem, reference_response, reference_steps
 from rredcot_verl.tasks.base import ARITHMETIC, BOXED_MATH, PARAGRAPHS, resolve_task
@@ -89,7 +89,7 @@ def _record(tokenizer, prompt, text, outcome, truth="59", steps=None, eos=True):
 
 def _settings(profile, source="exit_probe", **probe):
     return RRedCoTSettings(
-        segmentation=SegmentationConfig(max_segments=12, min_segment_len=2),
+        segmentation=SegmentationSettings(max_segments=12, min_segment_len=2),
         probe=ProbeSettings(value_source=source, profile=profile, **probe),
     )
 
@@ -161,7 +161,7 @@ def test_reference_continuation_aligns_multi_line_steps(qwen_tokenizer):
     reference = _qwen3_response(PARAGRAPHS_OK, "59", closing="")
     trace = _record(tok, prompt, reference + "$.", 1.0, steps=PARAGRAPHS_OK)
     settings = RRedCoTSettings(
-        segmentation=SegmentationConfig(max_segments=12, min_segment_len=2),
+        segmentation=SegmentationSettings(max_segments=12, min_segment_len=2),
         probe=ProbeSettings(value_source="reference_continuation", profile="qwen3"),
         candidates=CandidateSettings(source="ground_truth"),
     )
@@ -211,7 +211,7 @@ def test_embedded_profile_reproduces_the_task_format():
     prompt = torch.tensor(chat_prompt_ids(tok, problem.prompt))
     ids = torch.tensor(response_ids(tok, reference_response(problem)))
     trace = TraceRecord(prompt, ids, torch.ones(ids.numel()), 1.0, "g", "59", reference_steps(problem))
-    settings = RRedCoTSettings(segmentation=SegmentationConfig(max_segments=8, min_segment_len=2),
+    settings = RRedCoTSettings(segmentation=SegmentationSettings(max_segments=8, min_segment_len=2),
                                probe=ProbeSettings(value_source="reference_continuation", profile="embedded"))
     plan = plan_traces([trace], settings, tok, ARITHMETIC)[0]
     first = next(p for p in plan.probes if p.boundary == 0)

@@ -11,7 +11,7 @@ from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
 from rredcot_verl.core.outcomes import group_outcome_advantage
 from rredcot_verl.core.redistribution import (
-    RedistributionConfig,
+    RedistributionSettings,
     anchor_values,
     redistribute,
     segment_rewards,
@@ -21,10 +21,10 @@ torch.set_num_threads(1)
 NAN = float("nan")
 
 
-def _config(**settings) -> RedistributionConfig:
+def _config(**settings) -> RedistributionSettings:
     """The redistribution's mechanics with the value gate open (tests/test_value_gate_on_cpu.py tests the gate): the
     hand-made and random values of these tests would close it."""
-    return RedistributionConfig(**{"min_value_concordance": 0.0, **settings})
+    return RedistributionSettings(**{"min_value_concordance": 0.0, **settings})
 PROPERTY_SETTINGS = settings(max_examples=60, deadline=None)
 
 
@@ -379,7 +379,7 @@ def test_bad_batches_raise(change, message):
 )
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        RedistributionConfig(**kwargs)
+        RedistributionSettings(**kwargs)
 
 
 def test_log_affine_mapping_spreads_credit_and_blames_the_collapse():

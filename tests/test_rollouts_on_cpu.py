@@ -185,7 +185,7 @@ def test_ibpo_repairs_requests_prompts_phi_and_masks(tokenizer):
         assert EOS_TOKEN not in tokenizer.decode(ids, skip_special_tokens=False)
         trace, _ = solutions_in(tokenizer, ids)
         length = next(len(response_ids(tokenizer, t)) for t in texts.values() if t == trace)
-        assert params["max_tokens"] == ibpo.revision_budget(length, ibpo.IBPOConfig())
+        assert params["max_tokens"] == ibpo.revision_budget(length, ibpo.IBPOSettings())
 
     # φ: all 3 repairs of the two locally fixable traces succeed; the rewrite and the truncated repair earn nothing.
     phi = tensors["ibpo_phi"].tolist()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from rredcot_verl.core.segmentation import STRATEGIES, BoundaryVocab, SegmentationConfig, segment_response
+from rredcot_verl.core.segmentation import STRATEGIES, BoundaryVocab, SegmentationSettings, segment_response
 
 torch.set_num_threads(1)
 
@@ -57,7 +57,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def vocab(tokenizer):
-    return BoundaryVocab.from_tokenizer(tokenizer, SegmentationConfig(), think_end="</think>")
+    return BoundaryVocab.from_tokenizer(tokenizer, SegmentationSettings(), think_end="</think>")
 
 
 def _encode(tokenizer, text: str) -> torch.Tensor:
@@ -71,7 +71,7 @@ def _line_starts(tokenizer, text: str) -> list[int]:
     return [p for p, (start, _) in enumerate(encoding["offset_mapping"]) if p > 0 and start in char_starts]
 
 
-def _assert_contract(ends: list[int], length: int, cfg: SegmentationConfig, fixed: set[int]):
+def _assert_contract(ends: list[int], length: int, cfg: SegmentationSettings, fixed: set[int]):
     assert ends[-1] == length
     assert all(a < b for a, b in zip(ends, ends[1:])), ends
     assert ends[0] > 0
@@ -106,9 +106,9 @@ def test_tokenizer_merges_newlines_with_neighbours(tokenizer, vocab):
 
 
 def test_vocab_without_single_token_think_end(tokenizer):
-    vocab = BoundaryVocab.from_tokenizer(tokenizer, SegmentationConfig(), think_end="<answer>")
+    vocab = BoundaryVocab.from_tokenizer(tokenizer, SegmentationSettings(), think_end="<answer>")
     assert vocab.think_end_id is None
-    cfg = SegmentationConfig(strategy="fixed")
+    cfg = SegmentationSettings(strategy="fixed")
     ids = _encode(tokenizer, "<answer>" + THINKING)
     ends = segment_response(ids, None, vocab, cfg)
     pieces = len(ids) // cfg.min_segment_len  # no marker recognised: the whole text is split evenly
@@ -117,7 +117,7 @@ def test_vocab_without_single_token_think_end(tokenizer):
 
 def test_empty_response(vocab):
     for strategy in STRATEGIES:
-        cfg = SegmentationConfig(strategy=strategy)
+        cfg = SegmentationSettings(strategy=strategy)
         assert segment_response(torch.zeros(0, dtype=torch.long), torch.zeros(0), vocab, cfg) == []
 
 
@@ -130,7 +130,7 @@ def test_hybrid_keeps_highest_entropy_newlines_and_think_end(tokenizer, vocab):
     # Rank the line starts by entropy: 3rd > 5th > 1st > others; the tokens after them are low.
     for rank, line in enumerate([2, 4, 0, 1, 3, 5]):
         entropies[starts[line]] = 3.0 - 0.4 * rank
-    cfg = SegmentationConfig(max_segments=5, min_segment_len=1)
+    cfg = SegmentationSettings(max_segments=5, min_segment_len=1)
     ends = segment_response(ids, entropies, vocab, cfg)
     # 5 segments = 3 free cuts + the thinking end + the answer segment.
     assert ends == sorted([starts[2], starts[4], starts[0]]) + [think, len(ids)]
@@ -150,7 +150,7 @@ def test_hybrid_min_segment_len_drops_the_lower_scored_neighbour(tokenizer, voca
     assert b - a < 8 <= c - b  # the "So 1." line is short
     entropies = torch.full((len(ids),), 0.1)
     entropies[a], entropies[b], entropies[c] = 2.0, 2.5, 1.0
-    cfg = SegmentationConfig(min_segment_len=8)
+    cfg = SegmentationSettings(min_segment_len=8)
     ends = segment_response(ids, entropies, vocab, cfg)
     assert b in ends and a not in ends  # a and b are too close: the lower-scored a goes
     _assert_contract(ends, len(ids), cfg, {0, think, len(ids)})
@@ -160,7 +160,7 @@ def test_hybrid_min_segment_len_drops_the_lower_scored_neighbour(tokenizer, voca
 
 
 def test_no_newline_gives_one_segment_or_think_split(tokenizer, vocab):
-    cfg = SegmentationConfig()
+    cfg = SegmentationSettings()
     ids = _encode(tokenizer, "We add the value and the number then check the answer")
     assert segment_response(ids, torch.rand(len(ids)), vocab, cfg) == [len(ids)]
     ids = _encode(tokenizer, "We add the value and the number</think>The answer is 42.\nDone.\nYes.")
@@ -173,7 +173,7 @@ def test_think_end_at_position_zero_is_not_a_boundary(tokenizer, vocab):
     ids = _encode(tokenizer, "</think>The answer is 42.\nSo it is 42.\n")
     assert ids[0] == vocab.think_end_id
     for strategy in STRATEGIES:
-        cfg = SegmentationConfig(strategy=strategy, min_segment_len=1)
+        cfg = SegmentationSettings(strategy=strategy, min_segment_len=1)
         assert segment_response(ids, torch.rand(len(ids)), vocab, cfg) == [len(ids)]
 
 
@@ -182,7 +182,7 @@ def test_leading_newline_never_yields_position_zero(tokenizer, vocab):
     entropies = torch.zeros(len(ids))
     entropies[0] = 10.0
     for strategy in STRATEGIES:
-        ends = segment_response(ids, entropies, vocab, SegmentationConfig(strategy=strategy, min_segment_len=1))
+        ends = segment_response(ids, entropies, vocab, SegmentationSettings(strategy=strategy, min_segment_len=1))
         assert ends[0] > 0 and ends[-1] == len(ids)
 
 
@@ -199,24 +199,24 @@ def test_keyword_strategy_cuts_only_before_keyword_lines(tokenizer, vocab):
     )
     ids = _encode(tokenizer, text)
     starts = _line_starts(tokenizer, text)
-    cfg = SegmentationConfig(strategy="keyword", min_segment_len=1)
+    cfg = SegmentationSettings(strategy="keyword", min_segment_len=1)
     ends = segment_response(ids, None, vocab, cfg)
     # starts[j] opens line j + 1: "So", "  Hmm", "Let me" and "Wait" lines match; "Some", "Sofa" do not.
     assert ends == [starts[1], starts[2], starts[4], starts[6], len(ids)]
     # A budget below the matches spreads the kept cuts over the trace instead of taking the first ones.
-    few = SegmentationConfig(strategy="keyword", min_segment_len=1, max_segments=3)
+    few = SegmentationSettings(strategy="keyword", min_segment_len=1, max_segments=3)
     thinned = segment_response(ids, None, vocab, few)
     assert thinned == [starts[2], starts[6], len(ids)]
 
 
 def test_fixed_strategy_splits_evenly_without_short_pieces(tokenizer, vocab):
     ids = torch.tensor(tokenizer.encode("we add the value " * 20, add_special_tokens=False)[:50])
-    ends = segment_response(ids, None, vocab, SegmentationConfig(strategy="fixed", min_segment_len=8))
+    ends = segment_response(ids, None, vocab, SegmentationSettings(strategy="fixed", min_segment_len=8))
     assert ends == [8, 16, 25, 33, 41, 50]  # floor(50 / 8) = 6 pieces
-    ends = segment_response(ids, None, vocab, SegmentationConfig(strategy="fixed", max_segments=3))
+    ends = segment_response(ids, None, vocab, SegmentationSettings(strategy="fixed", max_segments=3))
     assert ends == [16, 33, 50]
     with_think = torch.cat([ids[:30], torch.tensor([vocab.think_end_id]), ids[:9]])
-    ends = segment_response(with_think, None, vocab, SegmentationConfig(strategy="fixed", min_segment_len=10))
+    ends = segment_response(with_think, None, vocab, SegmentationSettings(strategy="fixed", min_segment_len=10))
     assert ends == [10, 20, 30, 40]  # the thinking part in 3, then the answer in one
 
 
@@ -224,15 +224,15 @@ def test_entropy_strategy_takes_peaks_with_min_gap(tokenizer, vocab):
     ids = torch.tensor(tokenizer.encode("we add the value " * 20, add_special_tokens=False)[:60])
     entropies = torch.full((60,), 0.5)
     entropies[[10, 13, 30, 55, 0]] = torch.tensor([2.0, 3.0, 2.5, 4.0, 9.0])
-    cfg = SegmentationConfig(strategy="entropy", min_segment_len=8, max_segments=3)
+    cfg = SegmentationSettings(strategy="entropy", min_segment_len=8, max_segments=3)
     # 13 beats its neighbour 10; 55 is within 8 of the end; 0 is never a boundary.
     assert segment_response(ids, entropies, vocab, cfg) == [13, 30, 60]
     # A larger budget is filled with the next-best positions, still 8 apart.
-    roomy = SegmentationConfig(strategy="entropy", min_segment_len=8, max_segments=40)
+    roomy = SegmentationSettings(strategy="entropy", min_segment_len=8, max_segments=40)
     ends = segment_response(ids, entropies, vocab, roomy)
     assert {13, 30} <= set(ends) and 10 not in ends and len(ends) == 6
     _assert_contract(ends, 60, roomy, {0, 60})
-    window = SegmentationConfig(strategy="entropy", min_segment_len=8, entropy_window=4, max_segments=2)
+    window = SegmentationSettings(strategy="entropy", min_segment_len=8, entropy_window=4, max_segments=2)
     entropies = torch.full((60,), 0.5)
     entropies[20], entropies[40:44] = 3.0, 2.0  # mean over 4 tokens: 1.125 at 20, 2.0 at 40
     assert segment_response(ids, entropies, vocab, window) == [40, 60]
@@ -242,20 +242,20 @@ def test_entropy_strategies_need_entropies(tokenizer, vocab):
     ids = _encode(tokenizer, RESPONSE)
     for strategy in ("entropy", "hybrid"):
         with pytest.raises(ValueError, match=strategy):
-            segment_response(ids, None, vocab, SegmentationConfig(strategy=strategy))
+            segment_response(ids, None, vocab, SegmentationSettings(strategy=strategy))
     with pytest.raises(ValueError, match="entropies shape"):
-        segment_response(ids, torch.zeros(3), vocab, SegmentationConfig())
+        segment_response(ids, torch.zeros(3), vocab, SegmentationSettings())
     with pytest.raises(ValueError, match="NaN"):
-        segment_response(ids, torch.full((len(ids),), float("nan")), vocab, SegmentationConfig())
+        segment_response(ids, torch.full((len(ids),), float("nan")), vocab, SegmentationSettings())
 
 
 def test_bad_inputs_raise(tokenizer, vocab):
     with pytest.raises(ValueError, match="outside the tokenizer vocabulary"):
-        segment_response(torch.tensor([1, vocab.vocab_size]), None, vocab, SegmentationConfig(strategy="fixed"))
+        segment_response(torch.tensor([1, vocab.vocab_size]), None, vocab, SegmentationSettings(strategy="fixed"))
     with pytest.raises(ValueError, match="1-D"):
-        segment_response(torch.zeros(2, 3, dtype=torch.long), None, vocab, SegmentationConfig(strategy="fixed"))
+        segment_response(torch.zeros(2, 3, dtype=torch.long), None, vocab, SegmentationSettings(strategy="fixed"))
     with pytest.raises(ValueError, match="other keywords"):
-        segment_response(torch.tensor([1]), None, vocab, SegmentationConfig(strategy="keyword", keywords=("Wait",)))
+        segment_response(torch.tensor([1]), None, vocab, SegmentationSettings(strategy="keyword", keywords=("Wait",)))
 
 
 @pytest.mark.parametrize(
@@ -272,7 +272,7 @@ def test_bad_inputs_raise(tokenizer, vocab):
 )
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SegmentationConfig(**kwargs)
+        SegmentationSettings(**kwargs)
 
 
 @settings(max_examples=60, deadline=None)
@@ -293,7 +293,7 @@ def test_contract_on_random_token_sequences(
         ids.insert(data.draw(st.integers(0, len(ids) - 1), label="think at"), vocab.think_end_id)
     ids = torch.tensor(ids, dtype=torch.long)
     entropies = torch.tensor(data.draw(st.lists(st.floats(0, 5), min_size=len(ids), max_size=len(ids)), label="H"))
-    cfg = SegmentationConfig(strategy, max_segments, min_segment_len, entropy_window=entropy_window)
+    cfg = SegmentationSettings(strategy, max_segments, min_segment_len, entropy_window=entropy_window)
     ends = segment_response(ids, entropies, vocab, cfg)
     if len(ids) == 0:
         assert ends == []

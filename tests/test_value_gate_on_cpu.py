@@ -7,7 +7,7 @@ import torch
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
 from rredcot_verl.core.concordance import ConcordanceCounts, ConcordanceWindow, value_outcome_concordance
-from rredcot_verl.core.redistribution import RedistributionConfig, redistribute
+from rredcot_verl.core.redistribution import RedistributionSettings, redistribute
 
 torch.set_num_threads(1)
 NAN = float("nan")
@@ -95,21 +95,21 @@ def _verl_grpo(outcome, mask, index):
 
 def test_closed_gate_keeps_verls_grpo_advantage_bit_for_bit_and_counts_the_batch():
     batch = _gate_batch(correct_value=0.2, wrong_value=0.8)  # values that rank every pair the wrong way
-    result = redistribute(*batch, RedistributionConfig())
+    result = redistribute(*batch, RedistributionSettings())
     assert torch.equal(result.advantages, _verl_grpo(*batch[:3]))
     assert result.fallback.all()
     assert result.metrics["value_gate_open"] == 0.0
     assert result.metrics["fallback/low_value_concordance"] == 4.0
     assert result.metrics["value_concordance"] == 0.0 and result.metrics["value_concordance_comparisons"] == 10.0
     assert result.concordance == ConcordanceCounts(0.0, 10)
-    ungated = redistribute(*batch, RedistributionConfig(min_value_concordance=0.0))
+    ungated = redistribute(*batch, RedistributionSettings(min_value_concordance=0.0))
     assert ungated.metrics["value_gate_open"] == 1.0 and not ungated.fallback.any()
     assert not torch.equal(ungated.advantages, result.advantages)
 
 
 def test_open_gate_redistributes_and_reports_the_concordance():
     batch = _gate_batch(correct_value=0.8, wrong_value=0.2)
-    result = redistribute(*batch, RedistributionConfig())
+    result = redistribute(*batch, RedistributionSettings())
     assert result.metrics["value_gate_open"] == 1.0 and result.metrics["value_concordance_pooled"] == 1.0
     assert result.metrics["fallback/low_value_concordance"] == 0.0 and not result.fallback.any()
     assert not torch.equal(result.advantages, _verl_grpo(*batch[:3]))
@@ -125,7 +125,7 @@ def test_open_gate_redistributes_and_reports_the_concordance():
     ],
 )
 def test_gate_decides_on_the_window_pooled_with_this_batch(values, prior, is_open):
-    result = redistribute(*_gate_batch(*values), RedistributionConfig(), prior_concordance=prior)
+    result = redistribute(*_gate_batch(*values), RedistributionSettings(), prior_concordance=prior)
     assert result.metrics["value_gate_open"] == float(is_open)
     assert result.concordance == _concordance(
         [1.0, 0.0, 1.0, 0.0], [10] * 4, ["a", "a", "b", "b"], [[5, 10]] * 4,
@@ -138,11 +138,11 @@ def test_gate_without_any_comparison_stays_closed_unless_switched_off():
     outcome, mask, index, ends, raw = _gate_batch(0.8, 0.2)
     outcome = torch.zeros(4)
     for degenerate_groups in ("grpo", "value_differences"):
-        cfg = RedistributionConfig(degenerate_groups=degenerate_groups)
+        cfg = RedistributionSettings(degenerate_groups=degenerate_groups)
         result = redistribute(outcome, mask, index, ends, raw, cfg)
         assert result.metrics["value_gate_open"] == 0.0 and "value_concordance" not in result.metrics
         assert torch.equal(result.advantages, torch.zeros_like(result.advantages))
-    ungated = redistribute(outcome, mask, index, ends, raw, RedistributionConfig(
+    ungated = redistribute(outcome, mask, index, ends, raw, RedistributionSettings(
         degenerate_groups="value_differences", min_value_concordance=0.0))  # fmt: skip
     assert ungated.metrics["value_gate_open"] == 1.0 and ungated.advantages.abs().sum() > 0
 

@@ -9,7 +9,7 @@ import torch
 
 from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
 from rredcot_verl.core.probes import ProbeSettings
-from rredcot_verl.core.segmentation import SegmentationConfig
+from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.tasks.base import ARITHMETIC
 from rredcot_verl.tasks.arithmetic import ArithmeticProblem, reference_response, reference_steps
 from rredcot_verl.tasks.model import chat_prompt_ids, load_model_dir, response_ids
@@ -30,7 +30,7 @@ def model_and_tokenizer():
 
 def _settings(source="reference_continuation", **segmentation):
     return RRedCoTSettings(
-        segmentation=SegmentationConfig(max_segments=8, min_segment_len=2, **segmentation),
+        segmentation=SegmentationSettings(max_segments=8, min_segment_len=2, **segmentation),
         probe=ProbeSettings(value_source=source, profile="embedded"),
     )
 

@@ -50,7 +50,7 @@ from rredcot_verl.core.outcomes import (
 )
 
 __all__ = [
-    "IBPOConfig",
+    "IBPOSettings",
     "CORRECT_TOLERANCE",
     "correct_outcomes",
     "select_references",
@@ -77,7 +77,7 @@ AGGREGATES = ("mean", "max")
 
 
 @dataclass(frozen=True)
-class IBPOConfig:
+class IBPOSettings:
     """IBPO settings.
 
     Attributes:
@@ -138,10 +138,10 @@ class IBPOConfig:
         for name in ("shaping_weight", "repair_bonus"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"IBPOConfig.{name} must be a finite number >= 0, got {value!r}")
+                raise ValueError(f"IBPOSettings.{name} must be a finite number >= 0, got {value!r}")
         if self.shaping_weight * self.repair_bonus >= 1:
             raise ValueError(
-                f"IBPOConfig needs shaping_weight * repair_bonus < 1 (got {self.shaping_weight} * "
+                f"IBPOSettings needs shaping_weight * repair_bonus < 1 (got {self.shaping_weight} * "
                 f"{self.repair_bonus}); otherwise a repaired incorrect trace can match or outrank a correct one"
             )
         for name in ("num_references", "revision_slack_tokens"):
@@ -150,24 +150,24 @@ class IBPOConfig:
             _check_positive_int("max_revisions", self.max_revisions)
         if math.isnan(self.max_edit_ratio) or self.max_edit_ratio <= 0:
             raise ValueError(
-                f"IBPOConfig.max_edit_ratio must be > 0 (math.inf disables the rewrite guard), got {self.max_edit_ratio!r}"
+                f"IBPOSettings.max_edit_ratio must be > 0 (math.inf disables the rewrite guard), got {self.max_edit_ratio!r}"
             )
         if math.isnan(self.min_kept_prefix) or self.min_kept_prefix < 0:
-            raise ValueError(f"IBPOConfig.min_kept_prefix must be >= 0, got {self.min_kept_prefix!r}")
+            raise ValueError(f"IBPOSettings.min_kept_prefix must be >= 0, got {self.min_kept_prefix!r}")
         if not (math.isfinite(self.revision_length_factor) and self.revision_length_factor >= 1):
             raise ValueError(
-                "IBPOConfig.revision_length_factor must be a finite number >= 1 (a repair restates the whole trace), "
+                "IBPOSettings.revision_length_factor must be a finite number >= 1 (a repair restates the whole trace), "
                 f"got {self.revision_length_factor!r}"
             )
         if self.aggregate not in AGGREGATES:
-            raise ValueError(f"IBPOConfig.aggregate must be one of {AGGREGATES}, got {self.aggregate!r}")
+            raise ValueError(f"IBPOSettings.aggregate must be one of {AGGREGATES}, got {self.aggregate!r}")
         if not (math.isfinite(self.epsilon) and self.epsilon > 0):
-            raise ValueError(f"IBPOConfig.epsilon must be a finite number > 0, got {self.epsilon!r}")
+            raise ValueError(f"IBPOSettings.epsilon must be a finite number > 0, got {self.epsilon!r}")
 
 
 def _check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"IBPOConfig.{name} must be an integer >= 1, got {value!r}")
+        raise ValueError(f"IBPOSettings.{name} must be an integer >= 1, got {value!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ class RevisionPlan:
 def plan_revisions(
     correct: Sequence[bool] | torch.Tensor,
     index: np.ndarray,
-    cfg: IBPOConfig,
+    cfg: IBPOSettings,
     rng: np.random.Generator,
     responses: Optional[Sequence[Sequence[int]]] = None,
     usable: Optional[Callable[[int, int], bool]] = None,
@@ -314,7 +314,7 @@ def plan_revisions(
     )
 
 
-def revision_budget(trace_length: int, cfg: IBPOConfig) -> int:
+def revision_budget(trace_length: int, cfg: IBPOSettings) -> int:
     """Most tokens a repair of a ``trace_length``-token trace may have: ``ceil(factor · L) + slack``.
 
     The repair restates the whole trace with its fix, so its budget must grow with the trace: a fixed cap turns every
@@ -325,7 +325,7 @@ def revision_budget(trace_length: int, cfg: IBPOConfig) -> int:
     return math.ceil(cfg.revision_length_factor * trace_length) + cfg.revision_slack_tokens
 
 
-def fits_engine(prompt_tokens: int, trace_length: int, max_model_length: int, cfg: IBPOConfig) -> bool:
+def fits_engine(prompt_tokens: int, trace_length: int, max_model_length: int, cfg: IBPOSettings) -> bool:
     """Whether a revision prompt of ``prompt_tokens`` tokens leaves the engine room for the repair's budget.
 
     The revision prompt budget is ``max_model_length − revision_budget(trace_length)`` (the engine's context, not
@@ -458,7 +458,7 @@ class RepairEvaluation:
     Attributes:
         correct: the verifier accepted the repair and it is usable (not empty, not truncated, not too long).
         rewrite: a rewrite rather than a local repair: edit ratio above ``max_edit_ratio`` and less than
-            ``min_kept_prefix`` of the trace kept verbatim as its prefix (see :class:`IBPOConfig`).
+            ``min_kept_prefix`` of the trace kept verbatim as its prefix (see :class:`IBPOSettings`).
         failure: why an unusable repair failed ("empty", "truncated", "too_long"), else None.
         alignment: the trace-vs-repair alignment.
     """
@@ -469,7 +469,7 @@ class RepairEvaluation:
     alignment: AlignmentResult
 
 
-def _is_rewrite(alignment: AlignmentResult, trace_length: int, cfg: IBPOConfig) -> bool:
+def _is_rewrite(alignment: AlignmentResult, trace_length: int, cfg: IBPOSettings) -> bool:
     # A kept prefix of zero tokens is never "kept", so an empty trace or a repair that changes the first token can
     # only be local through a small edit ratio.
     kept = alignment.kept_prefix > 0 and alignment.kept_prefix >= cfg.min_kept_prefix * trace_length
@@ -481,7 +481,7 @@ def evaluate_repair(
     repair_ids: Sequence[int] | torch.Tensor,
     verified_correct: bool,
     truncated: bool,
-    cfg: IBPOConfig,
+    cfg: IBPOSettings,
 ) -> RepairEvaluation:
     """Judge one repair: align it with the trace and decide whether it may count.
 
@@ -515,7 +515,7 @@ def evaluate_repair(
     )
 
 
-def repair_signal(trace_correct: bool, evaluations: Sequence[RepairEvaluation], cfg: IBPOConfig) -> float:
+def repair_signal(trace_correct: bool, evaluations: Sequence[RepairEvaluation], cfg: IBPOSettings) -> float:
     """φ_i, the counterfactual comparison signal of one trace.
 
     ``Δ_k = ρ · 1[repair k correct]`` per revision, where a rewrite counts only if ``cfg.rewrite_counts_as_repair``;
@@ -618,7 +618,7 @@ def shaped_advantages(
     index: np.ndarray,
     phi: torch.Tensor,
     edited_masks: Optional[torch.Tensor],
-    cfg: IBPOConfig,
+    cfg: IBPOSettings,
     reward_range: tuple[float, float] = (0.0, 1.0),
 ) -> IBPOResult:
     """IBPO advantages: shape the outcome, normalise per group as GRPO does, then apply the token mask.

@@ -34,7 +34,7 @@ from rredcot_verl.core.concordance import ConcordanceCounts, gate_is_open, value
 from rredcot_verl.core.outcomes import check_outcome_batch, check_reward_range, group_outcome_advantage
 
 __all__ = [
-    "RedistributionConfig",
+    "RedistributionSettings",
     "RedistributionResult",
     "group_outcome_advantage",
     "anchor_values",
@@ -54,7 +54,7 @@ _LOGGED_POSITIONS = 4
 
 
 @dataclass(frozen=True)
-class RedistributionConfig:
+class RedistributionSettings:
     """Settings of the redistribution (the outcome scale is ``algorithm.rredcot.reward_range``, passed separately).
 
     Attributes:
@@ -179,11 +179,11 @@ def anchor_values(
     raw_values: torch.Tensor,
     outcome: float,
     group_mean: float,
-    cfg: RedistributionConfig,
+    cfg: RedistributionSettings,
     segment_ends: torch.Tensor | None = None,
     reward_range: tuple[float, float] = (0.0, 1.0),
 ) -> torch.Tensor:
-    """Values V_0..V_K of one trace from its probe values (see ``RedistributionConfig``).
+    """Values V_0..V_K of one trace from its probe values (see ``RedistributionSettings``).
 
     Args:
         raw_values: (K+1,) probe values v̂_0..v̂_K, probabilities in [0, 1]. v̂_K is replaced by the outcome and
@@ -256,7 +256,7 @@ def redistribute(
     index,
     segment_ends: torch.Tensor,
     raw_values: torch.Tensor,
-    cfg: RedistributionConfig,
+    cfg: RedistributionSettings,
     reward_range: tuple[float, float] = (0.0, 1.0),
     prior_concordance: ConcordanceCounts = ConcordanceCounts(),
 ) -> RedistributionResult:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEFAULT_KEYWORDS", "STRATEGIES", "SegmentationConfig", "BoundaryVocab", "segment_response"]
+__all__ = ["DEFAULT_KEYWORDS", "STRATEGIES", "SegmentationSettings", "BoundaryVocab", "segment_response"]
 
 STRATEGIES = ("fixed", "keyword", "entropy", "hybrid")
 
@@ -45,7 +45,7 @@ _LINE_INDENT = " \t"
 
 
 @dataclass(frozen=True)
-class SegmentationConfig:
+class SegmentationSettings:
     """How to cut a response into segments.
 
     Attributes:
@@ -110,7 +110,7 @@ class BoundaryVocab:
     think_end: str
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, cfg: SegmentationConfig, *, think_end: str) -> BoundaryVocab:
+    def from_tokenizer(cls, tokenizer, cfg: SegmentationSettings, *, think_end: str) -> BoundaryVocab:
         """Decode every token id once (in one batched call) and record newline and ``think_end`` ids.
 
         Args:
@@ -153,7 +153,7 @@ def segment_response(
     response_ids: torch.Tensor,
     entropies: torch.Tensor | None,
     vocab: BoundaryVocab,
-    cfg: SegmentationConfig,
+    cfg: SegmentationSettings,
 ) -> list[int]:
     """Cut one response into segments.
 
@@ -208,7 +208,7 @@ def _check_inputs(response_ids, entropies, vocab, cfg):
             f"min {int(response_ids.min())}, max {int(response_ids.max())}; pass only the unpadded response"
         )
     if vocab.keywords != cfg.keywords:
-        raise ValueError("BoundaryVocab was built for other keywords than this SegmentationConfig")
+        raise ValueError("BoundaryVocab was built for other keywords than this SegmentationSettings")
     if cfg.strategy in ("entropy", "hybrid"):
         if entropies is None:
             raise ValueError(f"segmentation strategy {cfg.strategy!r} needs token entropies, got None")
@@ -232,7 +232,7 @@ def _newline_candidates(response_ids: torch.Tensor, thinking_len: int, vocab: Bo
     return (torch.nonzero(after_newline).flatten() + 1).tolist()
 
 
-def _boundary_scores(entropies: torch.Tensor, candidates: list[int], cfg: SegmentationConfig) -> list[float]:
+def _boundary_scores(entropies: torch.Tensor, candidates: list[int], cfg: SegmentationSettings) -> list[float]:
     """Mean entropy of the first ``entropy_window`` tokens after each candidate (fewer at the response end)."""
     if not candidates:
         return []

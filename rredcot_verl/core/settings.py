@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from rredcot_verl.core import outcomes
-from rredcot_verl.core.ibpo import IBPOConfig
+from rredcot_verl.core.ibpo import IBPOSettings
 from rredcot_verl.core.montecarlo import MonteCarloSettings
 from rredcot_verl.core.probes import ProbeSettings, ValuePassSettings
-from rredcot_verl.core.redistribution import RedistributionConfig
-from rredcot_verl.core.segmentation import BoundaryVocab, SegmentationConfig
+from rredcot_verl.core.redistribution import RedistributionSettings
+from rredcot_verl.core.segmentation import BoundaryVocab, SegmentationSettings
 
 @dataclass(frozen=True)
 class CandidateSettings:
@@ -63,11 +63,11 @@ class RRedCoTSettings:
     task: str = "boxed_math"
     max_failed_group_share: float = 0.1
     reward_range: tuple[float, float] = (0.0, 1.0)
-    segmentation: SegmentationConfig = field(default_factory=SegmentationConfig)
+    segmentation: SegmentationSettings = field(default_factory=SegmentationSettings)
     probe: ProbeSettings = field(default_factory=ProbeSettings)
     candidates: CandidateSettings = field(default_factory=CandidateSettings)
-    redistribution: RedistributionConfig = field(default_factory=RedistributionConfig)
-    ibpo: IBPOConfig = field(default_factory=IBPOConfig)
+    redistribution: RedistributionSettings = field(default_factory=RedistributionSettings)
+    ibpo: IBPOSettings = field(default_factory=IBPOSettings)
     segment_mc: MonteCarloSettings = field(default_factory=MonteCarloSettings)
     value_pass: ValuePassSettings = field(default_factory=ValuePassSettings)
 
