@@ -161,3 +161,17 @@ def test_ibpo_context_too_short_for_its_revisions_is_refused(build):
                  "actor_rollout_ref.rollout.max_model_len=40960"]  # fmt: skip
     with pytest.raises(LaunchError, match=r"needs at least 81152 tokens .*max_model_len >= 81152"):
         prepare(_config(overrides))
+
+
+def test_a_cpu_platform_left_in_the_environment_does_not_break_the_launch(build):
+    """VERL_PLATFORM=cpu exported by an earlier CPU run (or a shell profile): verl resolves its platform on import, so
+    the launcher registers the CPU platform before it first imports verl."""
+    shutil.rmtree(build / "model")
+    env = {key: value for key, value in os.environ.items() if key != "RREDCOT_CPU"}
+    env["VERL_PLATFORM"] = "cpu"
+    result = subprocess.run(
+        [sys.executable, "-m", "rredcot_verl.main", "--config-dir", str(ROOT / "recipes/tiny_cpu"), "--config-name", "grpo"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "rredcot_verl: model folder" in result.stderr and "Unknown platform" not in result.stderr

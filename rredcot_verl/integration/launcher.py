@@ -244,6 +244,12 @@ def select_trainer(config: DictConfig) -> None:
 
 def prepare(config: DictConfig) -> DictConfig:
     """Validate the config and adapt it (trainer mode, CPU accommodations, plugin loading). Returns it."""
+    cpu = use_cpu_mode()
+    if cpu:
+        # Before verl is first imported (check_estimator loads the plugin): verl resolves its platform on import,
+        # and a VERL_PLATFORM=cpu already in the environment names a platform only enable_cpu_mode registers.
+        os.environ.update(CPU_PROCESS_ENV)
+        enable_cpu_mode()
     estimator = str(config.algorithm.adv_estimator)
     check_estimator(estimator)
     check_value_pass_parallelism(config, estimator)
@@ -270,7 +276,7 @@ def prepare(config: DictConfig) -> DictConfig:
         # A new local cluster even when another one runs on this machine (ray.init() would otherwise join it and
         # then refuse the resource arguments).
         _set(config, "ray_kwargs.ray_init.address", "local")
-    if use_cpu_mode():
+    if cpu:
         env.update(CPU_PROCESS_ENV)
         cpu_config = dict(CPU_CONFIG)
         if not os.environ.get("RAY_ADDRESS"):
@@ -278,8 +284,6 @@ def prepare(config: DictConfig) -> DictConfig:
         for key, value in cpu_config.items():
             _set(config, key, value)
     os.environ.update(env)
-    if os.environ.get(CPU_ENV) == "1":
-        enable_cpu_mode()
     # Workers on a remote cluster do not inherit this process's environment: pass it through Ray's runtime_env.
     for key, value in env.items():
         _set(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{key}", value)
