@@ -96,7 +96,7 @@ class IBPOSettings:
             0.7), not whether it is a repair; what a copy of the reference or a fresh solve cannot do is reproduce
             a long verbatim prefix (two samples of one prompt share only their opening, a few dozen tokens), so a
             kept prefix of a quarter of the trace tells them apart from 2k tokens on. A value above 1 leaves only
-            the edit-ratio test (the pre-length behaviour).
+            the edit-ratio test.
         rewrite_counts_as_repair: False (default): a verified rewrite earns no Δ and gives no localisation,
             because copying the reference says nothing about how close the trace was. True: a verified rewrite
             earns Δ for φ; it still never provides a token mask (a rewrite's mask covers nearly everything).
@@ -107,7 +107,7 @@ class IBPOSettings:
             incorrect trace gets one revision before any gets a second, and what the cap dropped is counted.
         revision_length_factor, revision_slack_tokens: a repair of an ``L``-token trace may have
             ``ceil(factor·L) + slack`` tokens (1.2 and 128: a repair restates the trace with a fix, so it is about as
-            long; 20% room for an added step, and the slack, the former fixed cap, for short or cut-off traces).
+            long; 20% room for an added step, and a slack for short or cut-off traces).
             Longer or truncated repairs are failures.
         epsilon: added to the group std, as in verl's GRPO (1e-6).
         norm_adv_by_std: divide by the group std (GRPO) or only centre (Dr.GRPO), as verl's

@@ -98,9 +98,8 @@ class RedistributionSettings:
             has the higher value at the same share of its response; 0.5 for values unrelated to the outcome),
             pooled over the last ``concordance_window`` batches, is at least this; otherwise every trace of the
             batch keeps its GRPO advantage, counted in ``fallback/low_value_concordance``. It needs no ground truth
-            and guards against value sources that do not work on the model at hand: on the embedded task the exit
-            probe scores 0.54–0.60 (benchmarks/value_gate.py) and redistributing it trained worse than GRPO,
-            reference continuations and Monte-Carlo values score 0.71–0.76 (docs/choices.md). Default 0.6; 0 never closes the gate.
+            and guards against value sources that do not work on the model at hand (how the default was set:
+            docs/choices.md, "Value gate"). Default 0.6; 0 never closes the gate.
         concordance_window: batches whose comparisons the gate pools, the current one included (the trainer keeps
             the previous ones and saves them with its checkpoints). One 8 × 4 batch gives about 130 comparisons
             and a concordance with a standard deviation of about 0.06; ten pool them to about 0.02. Default 10.

@@ -96,7 +96,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
 
     def _build_replay_buffer(self):
         replay_buffer = super()._build_replay_buffer()
-        if cpu_mode_requested():  # compat/cpu.py, item 5: steps of seconds, verl's 2 s poll would round them up
+        if cpu_mode_requested():  # steps of seconds on CPU: verl's 2 s poll would round them up (compat/cpu.py)
             replay_buffer.poll_interval = REPLAY_POLL_INTERVAL_S
         sample = replay_buffer.sample
 
