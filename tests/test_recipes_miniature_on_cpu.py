@@ -188,7 +188,9 @@ def test_recipe_trains_in_miniature(recipe, miniatures, tmp_path):
     # The reward workers ran the recipe's reward (math-verify, off the main thread) on parsed answers: their scores
     # equal the function's, recomputed here, and some responses had a boxed answer to parse.
     dumped = [json.loads(line) for path in sorted((out / "rollouts").glob("*.jsonl")) for line in path.read_text().splitlines()]
-    assert len(dumped) == STEPS * 4 * 4
+    with initialize_config_dir(config_dir=str(_recipe_dir(recipe)), version_base=None):
+        samples_per_prompt = int(compose(config_name=recipe).actor_rollout_ref.rollout.n)
+    assert len(dumped) == STEPS * miniature_overrides(recipe, build, out)["data.train_batch_size"] * samples_per_prompt
     boxed = [row for row in dumped if "\\boxed{" in row["output"]]
     assert len(boxed) >= len(dumped) // 4, f"only {len(boxed)} of {len(dumped)} responses wrote a boxed answer"
     for row in dumped:

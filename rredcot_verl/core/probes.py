@@ -545,11 +545,9 @@ def _forward_micro_batch(model, rows: Sequence[_Row], temperature: float = 1.0) 
     head = model.get_output_embeddings()
     results = {}
 
-    def read_log_probs(module, args, output):
-        # On the decoder's output, inside the model's forward (so a sharded head weight is gathered): the final hidden
-        # states (B, T + Tp, d) give exactly the log-probs that are read, whatever the model's own head does after
-        # (transformers' lm_head, or verl's fused-kernel forward, which reads lm_head.weight without calling it).
-        hidden = output[0]
+    def read(hidden: torch.Tensor) -> torch.Tensor:
+        # The final hidden states (B, T + Tp, d) give exactly the log-probs that are read; the head then projects
+        # one position per row.
         # logits / T = W (h / T) for a bias-free head (checked in score_batch_packed_with_stats).
         scaled = hidden / temperature if temperature != 1.0 else hidden
         as_index = lambda values: torch.tensor(values, dtype=torch.long, device=hidden.device)  # noqa: E731
@@ -559,11 +557,22 @@ def _forward_micro_batch(model, rows: Sequence[_Row], temperature: float = 1.0) 
         results["span"] = _chunked_head(
             head, scaled[as_index(span_rows), as_index(span_positions)], as_index(span_targets), entropy=True
         )
-        # The head then projects one position per row.
-        output.last_hidden_state = hidden[:, -1:]
+        return hidden[:, -1:]
+
+    def on_head_input(module, args):
+        # Inside the head's own forward: under FSDP2 its weight is gathered there, whichever unit holds it.
+        return (read(args[0]),)
+
+    def on_decoder_output(module, args, output):
+        # verl's fused-kernel forward never calls the head (it reads lm_head.weight itself): read on the decoder's
+        # output instead, inside the model's forward, where verl reads the weight too.
+        output.last_hidden_state = read(output[0])
         return output
 
-    handle = model.get_decoder().register_forward_hook(read_log_probs)
+    if _fused_kernel_forward(model):
+        handle = model.get_decoder().register_forward_hook(on_decoder_output)
+    else:
+        handle = head.register_forward_pre_hook(on_head_input)
     try:
         model(
             input_ids=input_ids.to(device),
@@ -590,14 +599,19 @@ def _forward_micro_batch(model, rows: Sequence[_Row], temperature: float = 1.0) 
     return outputs
 
 
+def _fused_kernel_forward(model) -> bool:
+    """verl's ``use_fused_kernels`` replaced the model class's ``forward`` (it marks the instance)."""
+    return getattr(model, "_verl_fused_kernels_backend", None) is not None
+
+
 def _one_position_kwargs(model, batch_size: int, device) -> dict:
     """Forward arguments under which the model's head projects one position per row.
 
-    verl's fused-kernel forward (``use_fused_kernels``, which replaces the model class's ``forward``) needs
-    ``return_dict`` and takes its targets from ``labels``: labels of width 1 match the one hidden position the
-    decoder hook leaves. transformers' own forward keeps every position of that one (``logits_to_keep=0``).
+    verl's fused-kernel forward needs ``return_dict`` and takes its targets from ``labels``: labels of width 1 match
+    the one hidden position the decoder hook leaves. transformers' own forward keeps every position of that one
+    (``logits_to_keep=0``).
     """
-    if getattr(model, "_verl_fused_kernels_backend", None) is not None:
+    if _fused_kernel_forward(model):
         return {"use_cache": False, "return_dict": True, "labels": torch.zeros(batch_size, 1, dtype=torch.long, device=device)}
     return {"use_cache": False, "logits_to_keep": 0}
 
