@@ -189,10 +189,12 @@ def test_recipe_trains_in_miniature(recipe, miniatures, tmp_path):
     # equal the function's, recomputed here, and some responses had a boxed answer to parse.
     dumped = [json.loads(line) for path in sorted((out / "rollouts").glob("*.jsonl")) for line in path.read_text().splitlines()]
     with initialize_config_dir(config_dir=str(_recipe_dir(recipe)), version_base=None):
-        samples_per_prompt = int(compose(config_name=recipe).actor_rollout_ref.rollout.n)
+        config = compose(config_name=recipe)
+    samples_per_prompt = int(config.actor_rollout_ref.rollout.n)
     assert len(dumped) == STEPS * miniature_overrides(recipe, build, out)["data.train_batch_size"] * samples_per_prompt
     boxed = [row for row in dumped if "\\boxed{" in row["output"]]
     assert len(boxed) >= len(dumped) // 4, f"only {len(boxed)} of {len(dumped)} responses wrote a boxed answer"
     for row in dumped:
         assert row["score"] == compute_score("miniature/math", row["output"], row["gts"]), row["output"]
-    assert (out / "checkpoints" / f"global_step_{STEPS}" / "value_gate.json").is_file()
+    if int(config.trainer.save_freq) > 0:  # the recipe saves (at the last step too): with the gate's window
+        assert (out / "checkpoints" / f"global_step_{STEPS}" / "value_gate.json").is_file()

@@ -84,7 +84,7 @@ class TracePlan:
         outcome: ζ, the value of the terminal state.
         success: ζ on the probability scale of the probes (``RRedCoTSettings.success_probability``).
         segment_ends: K exclusive segment ends into the response (empty for an empty response).
-        probes: probes whose ``group`` indexes the values 0..K-1 (states S_0..S_{K-1}).
+        probes: probes whose ``value_index`` indexes the values 0..K-1 (states S_0..S_{K-1}).
         value_rule: one of ``VALUE_RULES``: how probe log-probs become values.
         no_candidates: the trace's group had no candidate answer (its values are NaN: GRPO fallback).
         temperature: the rollout's sampling temperature; probe log-probs are taken from logits / temperature, the
