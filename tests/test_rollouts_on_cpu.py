@@ -1,7 +1,7 @@
 """IBPO repairs and Monte-Carlo values through ``integration/rollouts.py`` with a fake generation client.
 
 Everything but the generation is real: the embedded task's tokenizer, its reward (``tasks/reward.py``), verl's
-``DataProto`` laid out as ``trainer._trace_batch`` builds it, the settings reader, the alignment and the segmentation.
+``StepTraces`` as ``trainer._trace_batch`` builds it, the settings reader, the alignment and the segmentation.
 The fake client answers each request deterministically from its prompt, caps the output at ``max_tokens`` as vLLM
 does, and records what it was asked.
 """
@@ -10,13 +10,13 @@ import math
 import re
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
-from verl import DataProto
 
 from rredcot_verl.core import ibpo
+from rredcot_verl.core.planning import records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
+from rredcot_verl.integration.estimators import StepTraces
 from rredcot_verl.integration.rollouts import (
     RolloutContext,
     engine_max_model_length,
@@ -61,38 +61,24 @@ def tokenizer():
     return load_model_dir(WARMSTART, with_model=False)[1]
 
 
-def _object_array(values):
-    array = np.empty(len(values), dtype=object)
-    for i, value in enumerate(values):
-        array[i] = value
-    return array
-
-
-def trace_batch(tokenizer, rows=ROWS, score=compute_score) -> DataProto:
-    """The batch ``SegmentCreditTrainer._trace_batch`` hands the producers: right-padded prompts and responses with
-    their masks, entropies, the outcome (bs,), and the dataset's non-tensor fields."""
-    prompts = [chat_prompt_ids(tokenizer, question) for _, question, _, _ in rows]
-    responses = [response_ids(tokenizer, text) for _, _, _, text in rows]
-    pad = tokenizer.pad_token_id
-    width_p, width_r = max(map(len, prompts)), max(map(len, responses))
-    tensors = {
-        "prompts": torch.tensor([p + [pad] * (width_p - len(p)) for p in prompts]),
-        "prompt_mask": torch.tensor([[1] * len(p) + [0] * (width_p - len(p)) for p in prompts]),
-        "responses": torch.tensor([r + [pad] * (width_r - len(r)) for r in responses]),
-        "response_mask": torch.tensor([[1] * len(r) + [0] * (width_r - len(r)) for r in responses]),
-        "entropy": torch.rand(len(rows), width_r, generator=torch.Generator().manual_seed(0)),
-        "outcome": torch.tensor(
-            [float(score("rredcot_arithmetic", text, str(truth))) for _, _, truth, text in rows]
-        ),
-    }
-    non_tensors = {
-        "uid": _object_array([uid for uid, _, _, _ in rows]),
-        "raw_prompt": _object_array([[{"role": "user", "content": q}] for _, q, _, _ in rows]),
-        "reward_model": _object_array([{"style": "rule", "ground_truth": str(t)} for _, _, t, _ in rows]),
-        "extra_info": _object_array([{"index": i} for i in range(len(rows))]),
-        "data_source": _object_array(["rredcot_arithmetic"] * len(rows)),
-    }
-    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+def trace_batch(tokenizer, rows=ROWS, score=compute_score) -> StepTraces:
+    """The traces ``SegmentCreditTrainer._trace_batch`` hands the producers: tokens without padding, entropies, the
+    outcome, the prompt group and the dataset's fields, and the batch's response width."""
+    prompts = [torch.tensor(chat_prompt_ids(tokenizer, question)) for _, question, _, _ in rows]
+    responses = [torch.tensor(response_ids(tokenizer, text), dtype=torch.long) for _, _, _, text in rows]
+    generator = torch.Generator().manual_seed(0)
+    records = records_from_arrays(
+        prompts=prompts,
+        responses=responses,
+        entropies=[torch.rand(len(r), generator=generator) for r in responses],
+        outcomes=[float(score("rredcot_arithmetic", text, str(truth))) for _, _, truth, text in rows],
+        groups=[uid for uid, _, _, _ in rows],
+        reward_models=[{"style": "rule", "ground_truth": str(t)} for _, _, t, _ in rows],
+        extra_infos=[{"index": i} for i in range(len(rows))],
+        raw_prompts=[[{"role": "user", "content": q}] for _, q, _, _ in rows],
+        data_sources=["rredcot_arithmetic"] * len(rows),
+    )
+    return StepTraces(records, response_width=max(len(r) for r in responses))
 
 
 class FakeEngine:
@@ -193,7 +179,7 @@ def test_ibpo_repairs_requests_prompts_phi_and_masks(tokenizer):
 
     # Masks: exactly the digits that differ from the right solution (the tokenizer splits every digit).
     mask = tensors["ibpo_edited_mask"]
-    assert mask.shape == batch.batch["responses"].shape and mask.dtype == torch.bool
+    assert mask.shape == (len(batch), batch.response_width) and mask.dtype == torch.bool
     right = response_ids(tokenizer, A_RIGHT)
     for row, text in ((1, A_STEP2), (3, A_STEP1), (2, B_WRONG1)):
         ids = response_ids(tokenizer, text)
@@ -283,7 +269,7 @@ def test_ibpo_repairs_reward_scale_plus_minus_one(tokenizer):
         return 2.0 * compute_score(source, text, truth, extra) - 1.0
 
     batch = trace_batch(tokenizer, score=plus_minus)
-    assert sorted(set(batch.batch["outcome"].tolist())) == [-1.0, 1.0]
+    assert sorted(set(batch.outcomes.tolist())) == [-1.0, 1.0]
     engine = FakeEngine(scripted_repairs(tokenizer))
     section = {"reward_range": [-1.0, 1.0]}
     tensors, metrics = ibpo_repairs(context(tokenizer, engine, section, score=plus_minus), batch)
@@ -301,7 +287,7 @@ def test_ibpo_repairs_reward_scale_partial_credit(tokenizer):
         return 0.5 if "68-17=" in text and "\\boxed{" in text else 0.0
 
     batch = trace_batch(tokenizer, score=partial)
-    assert batch.batch["outcome"][1] == 0.5
+    assert batch.outcomes[1] == 0.5
     engine = FakeEngine(scripted_repairs(tokenizer))
     tensors, metrics = ibpo_repairs(context(tokenizer, engine, score=partial), batch)
     assert A_STEP2 in [solutions_in(tokenizer, ids)[0] for ids, _ in engine.requests]
@@ -373,15 +359,15 @@ def test_monte_carlo_values_are_the_fraction_of_correct_continuations(tokenizer)
     engine, correct_count = finishing_engine(tokenizer)
     tensors, metrics = monte_carlo_values(mc_context(tokenizer, engine), batch)
     seg_ends, values = tensors["seg_ends"], tensors["seg_raw_values"]
-    prompt_lengths = batch.batch["prompt_mask"].sum(-1).tolist()
+    prompt_lengths = [len(record.prompt_ids) for record in batch.records]
     states = 0
     for i in range(len(ROWS)):
         ends = [e for e in seg_ends[i].tolist() if e >= 0]
-        assert len(ends) >= 2 and ends[-1] == int(batch.batch["response_mask"][i].sum())
+        assert len(ends) >= 2 and ends[-1] == len(batch.records[i].response_ids)
         for k, start in enumerate([0, *ends[:-1]]):
             assert values[i, k] == pytest.approx(correct_count(prompt_lengths[i] + start) / K)
             states += 1
-        assert values[i, len(ends)] == batch.batch["outcome"][i]  # ζ closes the row
+        assert values[i, len(ends)] == batch.outcomes[i]  # ζ closes the row
         assert torch.isnan(values[i, len(ends) + 1 :]).all()
     assert metrics["segment_mc/continuations"] == states * K == len(engine.requests)
     assert metrics["segment_mc/truncated_continuations"] == 0.0
@@ -395,7 +381,7 @@ def test_monte_carlo_values_are_nan_without_room_and_truncation_fails(tokenizer)
     # 32 + 16 = 48 tokens in all: late prefixes leave no room; others leave too little for the 13-token answer
     tensors, metrics = monte_carlo_values(mc_context(tokenizer, engine, max_response_length=16), batch)
     seg_ends, values = tensors["seg_ends"], tensors["seg_raw_values"]
-    prompt_lengths = batch.batch["prompt_mask"].sum(-1).tolist()
+    prompt_lengths = [len(record.prompt_ids) for record in batch.records]
     finish = len(response_ids(tokenizer, "\n</think>\n\\boxed{59}"))
     nan_states = truncated_states = 0
     for i in range(len(ROWS)):

@@ -53,26 +53,31 @@ class TaskAdapter(Protocol):
 
 @dataclass
 class TraceRecord:
-    """One rollout as the planner needs it.
+    """One rollout: the one form in which a training step's traces reach the planner and the extra-rollout producers.
 
     Attributes:
         prompt_ids: (P,) int64, no padding.
         response_ids: (L,) int64, no padding (L may be 0).
-        entropy: (L,) float, the old policy's per-token entropy (from verl's log-prob pass).
+        entropy: (L,) float, the old policy's per-token entropy (from verl's log-prob pass); None before that pass.
         outcome: ζ, the verified reward.
         group: prompt id (verl's ``uid``).
         ground_truth: the dataset answer string, if any.
         reference_steps: the dataset's reference steps, if any (``extra_info.reference_steps``), in the task's
             ``split_steps`` sense (lines for ``arithmetic``, paragraphs for ``boxed_math``).
+        question: the last user message of the dataset's chat prompt, if any (IBPO's revision prompts quote it).
+        extra_info, data_source: the dataset's fields, passed to the rule reward as verl passes them.
     """
 
     prompt_ids: torch.Tensor
     response_ids: torch.Tensor
-    entropy: torch.Tensor
+    entropy: torch.Tensor | None
     outcome: float
     group: Hashable
     ground_truth: str | None = None
     reference_steps: Sequence[str] | None = None
+    question: str | None = None
+    extra_info: Any = None
+    data_source: Any = None
 
 
 @dataclass
@@ -347,29 +352,39 @@ def plan_traces(
 def records_from_arrays(
     prompts: Sequence[torch.Tensor],
     responses: Sequence[torch.Tensor],
-    entropies: Sequence[torch.Tensor],
+    entropies: Sequence[torch.Tensor] | None,
     outcomes: Sequence[float],
     groups: Sequence[Hashable],
     reward_models: Sequence[Any] | None = None,
     extra_infos: Sequence[Any] | None = None,
+    raw_prompts: Sequence[Any] | None = None,
+    data_sources: Sequence[Any] | None = None,
 ) -> list[TraceRecord]:
-    """Build records from per-trace arrays; ``reward_models[i]['ground_truth']`` and
-    ``extra_infos[i]['reference_steps']`` are read when present."""
+    """Build records from per-trace arrays (``entropies`` None before the log-prob pass); ``reward_models[i]
+    ['ground_truth']``, ``extra_infos[i]['reference_steps']`` and the last user message of ``raw_prompts[i]`` (chat
+    messages) are read when present."""
+
+    def at(values, i):
+        return values[i] if values is not None else None
+
     records = []
     for i in range(len(prompts)):
-        reward_model = reward_models[i] if reward_models is not None else None
-        extra = extra_infos[i] if extra_infos is not None else None
+        reward_model, extra, messages = at(reward_models, i), at(extra_infos, i), at(raw_prompts, i)
         truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
         steps = extra.get("reference_steps") if isinstance(extra, dict) else None
+        user = [m["content"] for m in messages if m.get("role") == "user"] if messages is not None else []
         records.append(
             TraceRecord(
                 prompt_ids=prompts[i],
                 response_ids=responses[i],
-                entropy=entropies[i],
+                entropy=at(entropies, i),
                 outcome=float(outcomes[i]),
                 group=groups[i],
                 ground_truth=None if truth is None else str(truth),
                 reference_steps=None if steps is None else [str(s) for s in steps],
+                question=str(user[-1]) if user else None,
+                extra_info=extra,
+                data_source=at(data_sources, i),
             )
         )
     return records

@@ -1,7 +1,8 @@
 """Extra generation through the running rollout engine: IBPO repairs and Monte-Carlo continuations (thin).
 
-Both run in the trainer process after verl's old-log-prob pass, with the same vLLM servers (and weights) that produced
-the step's rollouts. They receive a ``RolloutContext``: a ``generate`` function (the trainer passes one over verl's
+Both run in the trainer process, with the same vLLM servers (and weights) that produced the step's rollouts: repairs
+before verl's old-log-prob pass, continuations after it (they need its entropies). They receive the step's traces
+(``StepTraces``) and a ``RolloutContext``: a ``generate`` function (the trainer passes one over verl's
 ``LLMServerClient``; tests pass a fake), the step's rule reward, the tokenizer and the settings. Token accounting is
 returned as metrics so the cost can be compared with GRPO.
 """
@@ -12,16 +13,19 @@ import asyncio
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from verl import DataProto
 from verl.utils.import_utils import load_extern_object
 
 from rredcot_verl.core import ibpo, montecarlo, outcomes
+from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.segmentation import segment_response
 from rredcot_verl.core.settings import RRedCoTSettings
+
+if TYPE_CHECKING:  # the estimators import this module
+    from rredcot_verl.integration.estimators.base import StepTraces
 
 # (prompt ids, sampling params) -> objects with ``token_ids``, one per request, in order.
 GenerateFn = Callable[[list[tuple[list[int], dict]]], list[Any]]
@@ -114,38 +118,22 @@ def _truncated(output, max_tokens: int, eos_id: int) -> bool:
     return len(output.token_ids) >= max_tokens and (not output.token_ids or output.token_ids[-1] != eos_id)
 
 
-def _rows(traces: DataProto):
-    """Per trace: (prompt ids, response ids) without padding."""
-    batch = traces.batch
-    for i in range(len(traces)):
-        yield (
-            batch["prompts"][i][batch["prompt_mask"][i].bool()].tolist(),
-            batch["responses"][i][batch["response_mask"][i].bool()].tolist(),
-        )
-
-
-def _dataset_fields(traces: DataProto, i: int) -> tuple[Any, Any, Any]:
-    nt = traces.non_tensor_batch
-    reward_model = nt["reward_model"][i] if "reward_model" in nt else None
-    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-    if truth is None:
+def _reward_inputs(record: TraceRecord) -> tuple[Any, Any, Any]:
+    """(ground truth, extra_info, data_source) of a trace, as verl's rule reward takes them."""
+    if record.ground_truth is None:
         raise ValueError("extra rollouts need reward_model.ground_truth in the dataset (verl's rule-reward format)")
-    extra = nt["extra_info"][i] if "extra_info" in nt else None
-    source = nt["data_source"][i] if "data_source" in nt else None
-    return truth, extra, source
+    return record.ground_truth, record.extra_info, record.data_source
 
 
-def _question(traces: DataProto, i: int) -> str:
+def _question(record: TraceRecord, i: int) -> str:
     """The last user message of the dataset's chat prompt (verl's ``raw_prompt``)."""
-    messages = traces.non_tensor_batch["raw_prompt"][i]
-    user = [m["content"] for m in messages if m.get("role") == "user"]
-    if not user:
+    if record.question is None:
         raise ValueError(f"trace {i}: raw_prompt has no user message to build a revision prompt from")
-    return str(user[-1])
+    return record.question
 
 
 # ---------------------------------------------------------------------------------------------------------- IBPO
-def ibpo_repairs(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def ibpo_repairs(ctx: RolloutContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """For each incorrect trace, repairs guided by sibling references, judged and aligned against the trace.
 
     A trace is incorrect, and a repair verified, when its outcome falls short of / reaches the top of
@@ -157,17 +145,16 @@ def ibpo_repairs(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str, torc
 
     Args:
         ctx: generation, reward, tokenizer, settings and the engine's context length.
-        traces: the step's batch as ``trainer._trace_batch`` builds it (``prompts``, ``responses``, ``prompt_mask``,
-            ``response_mask``, ``outcome`` (bs,); ``uid``, ``raw_prompt``, ``reward_model``, ``extra_info``,
-            ``data_source``).
+        traces: the step's traces (each record's tokens, outcome, prompt group, question and reward inputs).
 
     Returns:
         ``{"ibpo_phi": (bs,) float32, "ibpo_edited_mask": (bs, R) bool}`` (R = the batch's response width) and metrics.
     """
     cfg = ctx.settings.ibpo
     tokenizer, reward_range = ctx.tokenizer, ctx.settings.reward_range
-    responses = [response for _, response in _rows(traces)]
-    correct = outcomes.correct_outcomes(traces.batch["outcome"], reward_range).tolist()
+    records = traces.records
+    responses = [record.response_ids.tolist() for record in records]
+    correct = outcomes.correct_outcomes(traces.outcomes, reward_range).tolist()
     template = cfg.revision_template or ibpo.DEFAULT_REVISION_TEMPLATE
     engine_length = ctx.engine_length()
 
@@ -180,7 +167,7 @@ def ibpo_repairs(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str, torc
         return texts[i]
 
     def fits(i: int, j: int) -> bool:
-        user = ibpo.build_revision_prompt(_question(traces, i), text(i), text(j), template)
+        user = ibpo.build_revision_prompt(_question(records[i], i), text(i), text(j), template)
         ids = list(
             tokenizer.apply_chat_template(
                 [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True, return_dict=False
@@ -190,7 +177,7 @@ def ibpo_repairs(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str, torc
         return ibpo.fits_engine(len(ids), len(responses[i]), engine_length, cfg)
 
     plan = ibpo.plan_revisions(
-        correct, traces.non_tensor_batch["uid"], cfg, np.random.default_rng(ctx.seed), responses, usable=fits
+        correct, [record.group for record in records], cfg, np.random.default_rng(ctx.seed), responses, usable=fits
     )
     budgets = [ibpo.revision_budget(len(responses[i]), cfg) for i, _ in plan.pairs]
     requests = [
@@ -203,14 +190,14 @@ def ibpo_repairs(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str, torc
     per_trace: dict[int, list[ibpo.RepairEvaluation]] = {}
     generated_tokens = 0
     for (i, _), budget, output in zip(plan.pairs, budgets, outputs):
-        truth, extra, source = _dataset_fields(traces, i)
+        truth, extra, source = _reward_inputs(records[i])
         repair = list(output.token_ids)
         generated_tokens += len(repair)
         reward = ctx.score(source, tokenizer.decode(repair, skip_special_tokens=True), truth, extra)
         truncated = _truncated(output, budget, tokenizer.eos_token_id)
         evaluation = ibpo.evaluate_repair(responses[i], repair, outcomes.is_correct(reward, reward_range), truncated, cfg)
         per_trace.setdefault(i, []).append(evaluation)
-    width = traces.batch["responses"].size(1)
+    width = traces.response_width
     phi = torch.zeros(len(responses), dtype=torch.float32)
     masks = []
     for i, response in enumerate(responses):
@@ -235,7 +222,7 @@ def ibpo_repairs(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str, torc
 
 
 # ------------------------------------------------------------------------------------------------- segment MC
-def monte_carlo_values(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def monte_carlo_values(ctx: RolloutContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Values of S_0..S_{K-1} as the mean reward of K sampled continuations from each boundary prefix.
 
     A continuation may fill ``data.max_prompt_length + data.max_response_length`` (the length a training rollout may
@@ -244,7 +231,7 @@ def monte_carlo_values(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str
 
     Args:
         ctx: generation, reward, tokenizer, settings (``segment_mc``, ``segmentation``, ``reward_range``).
-        traces: the step's batch as ``trainer._trace_batch`` builds it (also needs ``entropy`` (bs, R)).
+        traces: the step's traces, with the log-prob pass's entropies.
 
     Returns:
         ``{"seg_ends": (bs, Kmax) int64, "seg_raw_values": (bs, Kmax + 1) float32}`` (see
@@ -252,23 +239,23 @@ def monte_carlo_values(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str
     """
     mc, tokenizer = ctx.settings.segment_mc, ctx.tokenizer
     vocab = ctx.settings.boundary_vocab(tokenizer)
-    rows = list(_rows(traces))
-    entropy, mask = traces.batch["entropy"], traces.batch["response_mask"].bool()
+    records = traces.records
     ends = [
-        segment_response(torch.tensor(response), entropy[i][mask[i]].float(), vocab, ctx.settings.segmentation)
-        if response
+        segment_response(record.response_ids, record.entropy.float(), vocab, ctx.settings.segmentation)
+        if record.response_ids.numel()
         else []
-        for i, (_, response) in enumerate(rows)
+        for record in records
     ]
-    prompts, responses = [p for p, _ in rows], [r for _, r in rows]
+    prompts = [record.prompt_ids.tolist() for record in records]
+    responses = [record.response_ids.tolist() for record in records]
     def judge(i: int, response_ids: list[int]) -> float:
         # On the probability scale of the other value sources: 1 = the top of the reward range.
-        truth, extra, source = _dataset_fields(traces, i)
+        truth, extra, source = _reward_inputs(records[i])
         reward = ctx.score(source, tokenizer.decode(response_ids, skip_special_tokens=True), truth, extra)
         return ctx.settings.success_probability(reward)
 
     # Requested and judged a chunk of traces at a time (MonteCarloSettings.max_prefix_tokens_per_call).
-    tally = montecarlo.ContinuationTally(len(rows), montecarlo.max_k(ends, ctx.settings.segmentation.max_segments))
+    tally = montecarlo.ContinuationTally(len(records), montecarlo.max_k(ends, ctx.settings.segmentation.max_segments))
     for requests in montecarlo.continuation_chunks(
         prompts, responses, ends, mc, ctx.max_prompt_length + ctx.max_response_length
     ):
@@ -283,5 +270,5 @@ def monte_carlo_values(ctx: RolloutContext, traces: DataProto) -> tuple[dict[str
             for r, o in zip(requests, outputs)
         ]
         tally.add(responses, requests, continuations, judge)
-    seg_ends, raw_values, metrics = tally.values(ends, traces.batch["outcome"].tolist())
+    seg_ends, raw_values, metrics = tally.values(ends, [record.outcome for record in records])
     return {"seg_ends": seg_ends, "seg_raw_values": raw_values}, metrics

@@ -30,7 +30,6 @@ import ray
 import torch
 import transfer_queue as tq
 from tensordict import TensorDict
-from verl import DataProto
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
@@ -40,8 +39,8 @@ from rredcot_verl.compat import REPLAY_POLL_INTERVAL_S, cpu_mode_requested
 from rredcot_verl.core.concordance import ConcordanceWindow
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration import failures, rollouts
-from rredcot_verl.integration.estimators import ESTIMATORS, EngineUse, StepContext, estimator_inputs
-from rredcot_verl.integration.estimators.base import object_array
+from rredcot_verl.core.planning import records_from_arrays
+from rredcot_verl.integration.estimators import ESTIMATORS, EngineUse, StepContext, StepTraces, estimator_inputs
 from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
 from rredcot_verl.tasks import resolve_task
 
@@ -50,6 +49,11 @@ logger = logging.getLogger(__name__)
 
 def _padded(value, padding=0):
     return value.to_padded_tensor(padding=padding) if getattr(value, "is_nested", False) else value
+
+
+def _rows(value) -> list[torch.Tensor]:
+    """The rows of a ragged (nested) or padded tensor."""
+    return list(value.unbind(0))
 
 
 def _non_tensor(data: TensorDict, key: str):
@@ -177,31 +181,29 @@ class SegmentCreditTrainer(PPOTrainerSync):
             keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(tensors, batch_size=len(batch))
         )
 
-    def _trace_batch(self, batch, with_entropy: bool) -> DataProto:
-        """Prompts, responses, masks, outcomes, dataset fields and (after the log-prob pass) entropies of the step."""
+    def _trace_batch(self, batch, with_entropy: bool) -> StepTraces:
+        """The step's traces (``StepTraces``), read once from TransferQueue's ragged tensors without padding them;
+        with the log-prob pass's entropies when ``with_entropy``."""
         fields = ["prompts", "responses", "response_mask", "rm_scores", "uid", "reward_model", "extra_info",
                   "data_source", "raw_prompt"]  # fmt: skip
         data = self._fetch(batch, [*fields, "entropy"] if with_entropy else fields)
-        pad = self.tokenizer.pad_token_id
-        prompt_lengths = data["prompts"].offsets().diff()
-        prompts = data["prompts"].to_padded_tensor(padding=pad)
-        responses = _padded(data["responses"], pad)
-        width = responses.size(1)
-        tensors = {
-            "prompts": prompts,
-            "responses": responses,
-            "prompt_mask": self._lengths_to_mask(prompt_lengths, prompts.size(1)),
-            "response_mask": _padded(data["response_mask"])[:, :width],
-            "outcome": _padded(data["rm_scores"]).float().sum(-1),
-        }
-        if with_entropy:
-            tensors["entropy"] = _padded(data["entropy"])[:, :width]
-        non_tensors = {"uid": object_array(_non_tensor(data, "uid"))}
-        for key in ("reward_model", "extra_info", "data_source", "raw_prompt"):
-            values = _non_tensor(data, key)
-            if values is not None:
-                non_tensors[key] = object_array(values)
-        return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+        masks = [mask.bool() for mask in _rows(data["response_mask"])]
+        # A row of a padded (dense) field is cut to its mask's length first; ragged rows are their own length.
+        kept = lambda rows: [row[: mask.numel()][mask[: row.numel()]] for row, mask in zip(rows, masks)]  # noqa: E731
+        records = records_from_arrays(
+            prompts=_rows(data["prompts"]),
+            responses=kept(_rows(data["responses"])),
+            entropies=[row.float() for row in kept(_rows(data["entropy"]))] if with_entropy else None,
+            outcomes=[float(row.float().sum()) for row in _rows(data["rm_scores"])],
+            groups=_non_tensor(data, "uid"),
+            reward_models=_non_tensor(data, "reward_model"),
+            extra_infos=_non_tensor(data, "extra_info"),
+            raw_prompts=_non_tensor(data, "raw_prompt"),
+            data_sources=_non_tensor(data, "data_source"),
+        )
+        responses = data["responses"]
+        width = max((row.numel() for row in _rows(responses)), default=0) if responses.is_nested else responses.size(1)
+        return StepTraces(records, response_width=width)
 
     def _produce(self, batch, metrics: dict, with_entropy: bool) -> None:
         """Run the estimator's producer on the step's traces and write its fields to the batch."""

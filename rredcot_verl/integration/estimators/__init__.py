@@ -13,6 +13,7 @@ from rredcot_verl.integration.estimators.base import (
     EngineUse,
     EstimatorSpec,
     StepContext,
+    StepTraces,
     estimator_inputs,
     register,
 )
@@ -21,4 +22,4 @@ ESTIMATORS: dict[str, EstimatorSpec] = {module.SPEC.name: module.SPEC for module
 for _spec in ESTIMATORS.values():
     register(_spec)
 
-__all__ = ["ESTIMATORS", "EngineUse", "EstimatorSpec", "StepContext", "estimator_inputs", "register"]
+__all__ = ["ESTIMATORS", "EngineUse", "EstimatorSpec", "StepContext", "StepTraces", "estimator_inputs", "register"]

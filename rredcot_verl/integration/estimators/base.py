@@ -24,6 +24,7 @@ from verl import DataProto
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, register_adv_est
 
 from rredcot_verl.core.concordance import ConcordanceCounts
+from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.settings import RRedCoTSettings, settings_from_config
 
 
@@ -39,6 +40,28 @@ class EngineUse(enum.Enum):
     NONE = "none"
     BEFORE_LOG_PROB_PASS = "before"
     AFTER_LOG_PROB_PASS = "after"
+
+
+@dataclass
+class StepTraces:
+    """A training step's traces as every producer takes them, built once from verl's ragged tensors.
+
+    Attributes:
+        records: per trace, in batch order (``core.planning.TraceRecord``: tokens without padding, outcome, prompt
+            group, dataset fields; entropies when built after the log-prob pass).
+        response_width: R, the batch's padded response width, the width of per-token fields a producer writes.
+    """
+
+    records: list[TraceRecord]
+    response_width: int
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def outcomes(self) -> torch.Tensor:
+        """(bs,) float32 verified rewards ζ."""
+        return torch.tensor([record.outcome for record in self.records], dtype=torch.float32)
 
 
 @dataclass
@@ -66,7 +89,7 @@ class StepContext:
 
 
 # A producer returns the estimator's per-trace tensors (rows in batch order) and step metrics.
-Producer = Callable[[StepContext, DataProto], tuple[dict[str, torch.Tensor], dict[str, float]]]
+Producer = Callable[[StepContext, StepTraces], tuple[dict[str, torch.Tensor], dict[str, float]]]
 # verl's advantage-function signature: (token_level_rewards, response_mask, index, config) -> (advantages, returns).
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -80,7 +103,7 @@ class EstimatorSpec:
         fields: per-trace batch keys its producer writes and its advantage function reads.
         engine_use: whether and when the producer generates (``EngineUse``); a producer that runs after verl's
             old-log-prob pass may read the pass's ``entropy`` (the trace batch carries it then).
-        produce: runs on the step's traces (``trainer._trace_batch``) with a ``StepContext``.
+        produce: runs on the step's traces (``StepTraces``) with a ``StepContext``.
         advantage: registered with verl under ``name``.
         uses_value_pass: the producer scores probes on the actor workers (``StepContext.value_pass``).
         whole_traces_per_rank: its inputs are computed on whole traces (segment boundaries, the actor's value pass),

@@ -7,16 +7,15 @@ import dataclasses
 from typing import Any
 
 import torch
-from verl import DataProto
 
 from rredcot_verl.core.ibpo import shaped_advantages
 from rredcot_verl.integration import rollouts
-from rredcot_verl.integration.estimators.base import EngineUse, EstimatorSpec, StepContext, settings_for, step_inputs
+from rredcot_verl.integration.estimators.base import EngineUse, EstimatorSpec, StepContext, StepTraces, settings_for, step_inputs
 
 IBPO_FIELDS = ("ibpo_phi", "ibpo_edited_mask")
 
 
-def repairs(ctx: StepContext, traces: DataProto) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def repairs(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Repairs need only the traces and their outcomes: generated while the engine is still awake from the rollouts."""
     return rollouts.ibpo_repairs(ctx.rollout(), traces)
 

@@ -11,12 +11,13 @@ import torch
 from verl import DataProto
 from verl.utils.metric import reduce_metrics
 
-from rredcot_verl.core.planning import plan_traces, records_from_arrays
+from rredcot_verl.core.planning import plan_traces
 from rredcot_verl.core.redistribution import redistribute
 from rredcot_verl.integration.estimators.base import (
     EngineUse,
     EstimatorSpec,
     StepContext,
+    StepTraces,
     object_array,
     settings_for,
     step_inputs,
@@ -26,33 +27,22 @@ from rredcot_verl.integration.estimators.base import (
 SEGMENT_FIELDS = ("seg_ends", "seg_raw_values")
 
 
-def segment_values(ctx: StepContext, traces: DataProto) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def segment_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Probes planned here from the whole batch (groups intact, whatever rank a trace lands on), scored by the actor
     workers with the old weights.
 
     Args:
-        traces: the step's batch as ``trainer._trace_batch`` builds it, with ``entropy``.
+        traces: the step's traces, with the log-prob pass's entropies.
     """
-    batch = traces.batch
-    prompt_mask, response_mask = batch["prompt_mask"].bool(), batch["response_mask"].bool()
-    records = records_from_arrays(
-        prompts=[batch["prompts"][i][prompt_mask[i]] for i in range(len(traces))],
-        responses=[batch["responses"][i][response_mask[i]] for i in range(len(traces))],
-        entropies=[batch["entropy"][i][response_mask[i]].float() for i in range(len(traces))],
-        outcomes=batch["outcome"].tolist(),
-        groups=list(traces.non_tensor_batch["uid"]),
-        reward_models=traces.non_tensor_batch.get("reward_model"),
-        extra_infos=traces.non_tensor_batch.get("extra_info"),
-    )
     plans = plan_traces(
-        records, ctx.settings, ctx.tokenizer, ctx.task, vocab=ctx.boundary_vocab, temperature=ctx.temperature
+        traces.records, ctx.settings, ctx.tokenizer, ctx.task, vocab=ctx.boundary_vocab, temperature=ctx.temperature
     )
     if ctx.settings.snapshot_dir:
         # The exact inputs of this step's value pass, to re-score offline (any model, any number of processes).
         os.makedirs(ctx.settings.snapshot_dir, exist_ok=True)
         torch.save(plans, os.path.join(ctx.settings.snapshot_dir, f"step_{ctx.step:05d}_plans.pt"))
     request = DataProto.from_dict(
-        tensors={"outcome": batch["outcome"]},
+        tensors={"outcome": traces.outcomes},
         non_tensors={"plan": object_array(plans)},
         meta_info={
             "max_segments": ctx.settings.segmentation.max_segments,

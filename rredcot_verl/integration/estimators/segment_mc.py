@@ -7,14 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from verl import DataProto
 
 from rredcot_verl.integration import rollouts
-from rredcot_verl.integration.estimators.base import EngineUse, EstimatorSpec, StepContext
+from rredcot_verl.integration.estimators.base import EngineUse, EstimatorSpec, StepContext, StepTraces
 from rredcot_verl.integration.estimators.rredcot import SEGMENT_FIELDS, redistributed_advantage
 
 
-def continuation_values(ctx: StepContext, traces: DataProto) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def continuation_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Boundaries from the log-prob pass's entropies, values from sampled continuations."""
     return rollouts.monte_carlo_values(ctx.rollout(), traces)
 
