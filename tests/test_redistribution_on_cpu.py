@@ -556,3 +556,54 @@ def test_value_differences_are_finite_bounded_and_leave_mixed_groups_alone(batch
     if mix == 1.0:  # bound 10 >= 2 always leaves room for the token sum L · (ζ − v̂_0) / s
         expected = mask[live].sum(1).double() * telescoped / 0.5 * unit
         assert torch.allclose(result.advantages[live].double().sum(1), expected, rtol=1e-5, atol=1e-4)
+
+
+@st.composite
+def one_trace_cases(draw):
+    """A trace with segment data in a mixed group (the case the one-trace reference covers), and settings."""
+    low, high = draw(st.sampled_from([(0.0, 1.0), (-1.0, 1.0)]))
+    size = draw(st.integers(2, 5))
+    outcomes = [draw(st.sampled_from([low, high])) for _ in range(size)]
+    if len(set(outcomes)) == 1:
+        outcomes[1] = high if outcomes[0] == low else low
+    tokens = draw(st.lists(st.integers(1, 9), min_size=1, max_size=6))
+    ends = [int(end) for end in np.cumsum(tokens)]
+    raw = draw(st.lists(st.floats(0.0, 1.0, allow_nan=False), min_size=len(ends), max_size=len(ends)))
+    options = {
+        "mix": draw(st.sampled_from([0.0, 0.4, 1.0])),
+        "anchored": draw(st.booleans()),
+        "value_mapping": draw(st.sampled_from(["affine", "log_affine", "raw"])),
+        "clip": draw(st.sampled_from([1.0, 1.5, 5.0])),
+        "max_token_advantage_ratio": draw(st.sampled_from([1.0, 2.0, 10.0])),
+        "max_affine_gain": draw(st.sampled_from([2.0, 10.0])),
+        "epsilon": 1e-6,
+        "norm_adv_by_std": draw(st.booleans()),
+    }
+    return outcomes, ends, raw, options, (low, high)
+
+
+@PROPERTY_SETTINGS
+@given(case=one_trace_cases())
+def test_batched_redistribution_equals_the_one_trace_reference(case):
+    """``redistribute`` on a batch whose first trace is the case (its group mates carry one segment each) gives that
+    trace the token advantages of ``redistribution_reference.redistribute_trace``."""
+    from rredcot_verl.core.redistribution_reference import redistribute_trace
+
+    outcomes, ends, raw, options, reward_range = case
+    size, length = len(outcomes), ends[-1]
+    width = max(length, 4)
+    mask = torch.zeros(size, width)
+    mask[0, :length] = 1
+    mask[1:, :4] = 1
+    seg_ends = torch.full((size, len(ends)), -1, dtype=torch.int64)
+    seg_ends[0] = torch.tensor(ends)
+    seg_ends[1:, 0] = 4
+    raw_values = torch.full((size, len(ends) + 1), float("nan"))
+    raw_values[0, : len(ends)] = torch.tensor(raw, dtype=torch.float32)
+    raw_values[1:, 0] = 0.5
+    cfg = _config(**options)
+    result = redistribute(torch.tensor(outcomes), mask, ["g"] * size, seg_ends, raw_values, cfg, reward_range=reward_range)
+    expected = redistribute_trace(
+        outcomes[0], outcomes, ends, [float(v) for v in raw_values[0, : len(ends)]], reward_range=reward_range, **options
+    )
+    torch.testing.assert_close(result.advantages[0, :length].double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-5)
