@@ -261,6 +261,14 @@ def redistribute(
 ) -> RedistributionResult:
     """Token advantages from outcome scores and per-segment probe values.
 
+    The steps (``redistribution_reference.redistribute_trace`` does the same for one trace in plain Python):
+    1. ``_degenerate_groups``: all-equal groups, and whether they learn from value differences;
+    2. ``_segment_values``: values V_0..V_K on the outcome scale, then ``segment_rewards`` R_k;
+    3. ``_fallbacks``: the traces that keep GRPO's advantage and why, and the value gate;
+    4. ``_clip_coefficients``: σ_k = R_k / Σ R with K·σ_k within [−c, c];
+    5. ``_token_factors``: f_k, within the token bound B;
+    6. ``_token_advantages``: A_t = unit · f_{k(t)} over GRPO's row.
+
     Args:
         scores: (bs,) float outcome ζ per trace, on ``reward_range``.
         response_mask: (bs, T) 0/1, right-padded (responses start at column 0, verl's layout).
@@ -305,49 +313,137 @@ def redistribute(
     """
     low, high = check_reward_range(reward_range)
     lengths, num_segments = _check_batch(scores, response_mask, index, segment_ends, raw_values)
-    bsz, max_segments = segment_ends.shape
     adv, group_mean = group_outcome_advantage(scores, index, cfg.epsilon, cfg.norm_adv_by_std)
     grpo = adv.unsqueeze(-1) * response_mask
-
     # Values are mapped on the probability scale, where the probes live, and reported on the outcome scale.
+    outcome = (scores.double() - low) / (high - low)
+    mean_outcome = (group_mean.double() - low) / (high - low)
+
+    # 1. degenerate groups
+    groups = _groups(index)
+    outcome_at_mean, degenerate, differences = _degenerate_groups(groups, index, outcome, mean_outcome, cfg)
+    # 2. values and segment rewards
+    values, flat, steep = _segment_values(
+        raw_values, segment_ends, lengths, num_segments, scores, group_mean, outcome, mean_outcome, differences, cfg,
+        (low, high),
+    )  # fmt: skip
+    rewards = segment_rewards(values)
+    in_segment = torch.arange(segment_ends.shape[1]) < num_segments.unsqueeze(1)
+    total_reward = rewards.where(in_segment, 0.0).sum(1)
+    # 3. fallbacks and the value gate
+    fallback, counts, concordance, pooled, gate_open = _fallbacks(
+        scores, index, groups, lengths, num_segments, segment_ends, raw_values, outcome, outcome_at_mean,
+        differences, total_reward, cfg, (low, high), prior_concordance,
+    )  # fmt: skip
+    uniform = flat | steep  # interpolated in token position: exactly GRPO
+    live_segments = in_segment & ~fallback.unsqueeze(1)
+    # 4. coefficients
+    sigma, clipped = _clip_coefficients(
+        rewards / total_reward.unsqueeze(1), in_segment & (~fallback & ~differences & ~uniform).unsqueeze(1),
+        num_segments, cfg.clip,
+    )  # fmt: skip
+    # 5. token factors
+    factor, bounded, unit = _token_factors(
+        sigma, rewards, total_reward, segment_ends, lengths, live_segments, adv, differences, uniform, cfg, high - low
+    )
+    # 6. token advantages
+    advantages, fallback, signal = _token_advantages(
+        grpo, factor, unit, segment_ends, lengths, live_segments, fallback, uniform, differences, counts, cfg.mix
+    )
+
+    kept = ~fallback.unsqueeze(1)
+    values = values.where(kept, float("nan")).to(raw_values.dtype)
+    rewards = rewards.where(kept, float("nan")).to(raw_values.dtype)
+    metrics = _metrics(
+        counts, fallback, groups, num_segments, rewards,
+        sigma=sigma, clipped=clipped, bounded=bounded, flat=flat, steep=steep,
+        differences=differences, degenerate=degenerate, signal=signal,
+    )  # fmt: skip
+    metrics["value_gate_open"] = float(gate_open)
+    metrics["value_concordance_comparisons"] = float(concordance.comparisons)
+    if concordance.concordance is not None:
+        metrics["value_concordance"] = concordance.concordance
+    if pooled.concordance is not None:
+        metrics["value_concordance_pooled"] = pooled.concordance
+    return RedistributionResult(advantages, advantages, values, rewards, fallback, metrics, concordance)
+
+
+def _groups(index) -> dict:
+    """Rows of each group id, in batch order."""
+    groups = defaultdict(list)
+    for i, group in enumerate(index):
+        groups[group].append(i)
+    return groups
+
+
+def _degenerate_groups(groups: dict, index, outcome, mean_outcome, cfg) -> tuple[torch.Tensor, ...]:
+    """Step 1. Which traces sit at their group's mean, which groups are all-equal (every outcome at the mean: Â = 0),
+    and which of those learn from value differences (``degenerate_groups="value_differences"``).
+
+    Args:
+        outcome, mean_outcome: (bs,) float64 on the probability scale.
+
+    Returns:
+        outcome_at_mean (bs,), degenerate (bs,), differences (bs,), all bool.
+    """
+    outcome_at_mean = (outcome - mean_outcome).abs() < cfg.epsilon
+    degenerate = torch.tensor(
+        [len(groups[group]) > 1 and bool(outcome_at_mean[groups[group]].all()) for group in index],
+        dtype=torch.bool,
+    )
+    return outcome_at_mean, degenerate, degenerate & (cfg.degenerate_groups == "value_differences")
+
+
+def _segment_values(raw_values, segment_ends, lengths, num_segments, scores, group_mean, outcome, mean_outcome,
+                    differences, cfg, scale):  # fmt: skip
+    """Step 2. Values V_0..V_K on the outcome scale (``_map_values``; unanchored probe values for groups that learn
+    from value differences), with exact ends V_K = ζ and, anchored, V_0 = the group mean.
+
+    Args:
+        raw_values: (bs, M+1) probe values; segment_ends: (bs, M); lengths, num_segments: (bs,);
+        scores, group_mean: (bs,) on the outcome scale, outcome, mean_outcome the same on the probability scale;
+        differences: (bs,) bool; scale: (low, high).
+
+    Returns:
+        values (bs, M+1) float64, NaN beyond K; flat, steep (bs,) bool: rows interpolated in token position.
+    """
+    low, high = scale
+    bsz, max_segments = segment_ends.shape
+    boundaries = torch.cat([torch.zeros(bsz, 1, dtype=torch.int64), segment_ends], dim=1)  # b_0 = 0, b_k
+    fraction = boundaries.double() / lengths.clamp(min=1).double().unsqueeze(1)
+    values, flat, steep = _map_values(raw_values.double(), num_segments, fraction, outcome, mean_outcome, cfg)
+    unanchored = _unanchored_values(raw_values.double(), num_segments, outcome)
+    values = torch.where(differences.unsqueeze(1), unanchored, values)
+    values = low + (high - low) * values
+    # Exact endpoints, so Σ_k R_k = ζ − V_0 holds up to the summation's own rounding on any scale.
+    position = torch.arange(max_segments + 1)
+    values = torch.where(position == num_segments.unsqueeze(1), scores.double().unsqueeze(1), values)
+    if cfg.anchored:
+        values[:, 0] = torch.where(differences, values[:, 0], group_mean.double())
+    return values, flat & ~differences, steep & ~differences
+
+
+def _fallbacks(scores, index, groups, lengths, num_segments, segment_ends, raw_values, outcome, outcome_at_mean,
+               differences, total_reward, cfg, scale, prior_concordance):  # fmt: skip
+    """Step 3. The traces that keep their GRPO advantage, each counted under its first reason, and the value gate.
+
+    Args:
+        (bs,) tensors per trace; raw_values (bs, M+1); total_reward: (bs,) Σ_k R_k on the outcome scale.
+
+    Returns:
+        fallback (bs,) bool; counts {reason: traces}; this batch's and the pooled ``ConcordanceCounts``; whether the
+        gate is open.
+    """
+    low, high = scale
     width = high - low
-    outcome = (scores.double() - low) / width
-    mean_outcome = (group_mean.double() - low) / width
+    bsz, max_segments = segment_ends.shape
     in_range = (outcome >= -_PROBABILITY_SLACK) & (outcome <= 1.0 + _PROBABILITY_SLACK)  # False for NaN
     last_end = torch.cat([torch.full((bsz, 1), -1), segment_ends], dim=1).amax(1)  # ends increase; -1 if none
     has_segments = (num_segments > 0) & (last_end == lengths)
     read = torch.arange(max_segments + 1) < num_segments.unsqueeze(1)  # entries v̂_0..v̂_{K-1}
     finite_raw = ~(read & ~torch.isfinite(raw_values)).any(1)
     _check_probabilities("raw_values", raw_values.double()[read & torch.isfinite(raw_values)])
-
-    groups = defaultdict(list)
-    for i in range(bsz):
-        groups[index[i]].append(i)
-    singleton = torch.tensor([len(groups[index[i]]) == 1 for i in range(bsz)], dtype=torch.bool)
-    outcome_at_mean = (outcome - mean_outcome).abs() < cfg.epsilon
-    degenerate = torch.tensor(
-        [len(groups[index[i]]) > 1 and bool(outcome_at_mean[groups[index[i]]].all()) for i in range(bsz)],
-        dtype=torch.bool,
-    )
-    differences = degenerate & (cfg.degenerate_groups == "value_differences")
-
-    boundaries = torch.cat([torch.zeros(bsz, 1, dtype=torch.int64), segment_ends], dim=1)  # b_0 = 0, b_k
-    fraction = boundaries.double() / lengths.clamp(min=1).double().unsqueeze(1)
-    values, flat, steep = _map_values(raw_values.double(), num_segments, fraction, outcome, mean_outcome, cfg)
-    unanchored = _unanchored_values(raw_values.double(), num_segments, outcome)
-    values = torch.where(differences.unsqueeze(1), unanchored, values)
-    flat, steep = flat & ~differences, steep & ~differences
-    uniform = flat | steep  # interpolated in token position: exactly GRPO
-    values = low + width * values
-    # Exact endpoints, so Σ_k R_k = ζ − V_0 holds up to the summation's own rounding on any scale.
-    position = torch.arange(max_segments + 1)
-    values = torch.where(position == num_segments.unsqueeze(1), scores.double().unsqueeze(1), values)
-    if cfg.anchored:
-        values[:, 0] = torch.where(differences, values[:, 0], group_mean.double())
-    rewards = segment_rewards(values)
-    in_segment = torch.arange(max_segments) < num_segments.unsqueeze(1)
-    total_reward = rewards.where(in_segment, 0.0).sum(1)
-
+    singleton = torch.tensor([len(groups[group]) == 1 for group in index], dtype=torch.bool)
     reasons = [
         ("empty", lengths == 0),
         ("singleton_group", singleton),
@@ -365,10 +461,24 @@ def redistribute(
     gate_open = gate_is_open(pooled, cfg.min_value_concordance)
     reasons.append(("low_value_concordance", torch.full((bsz,), not gate_open)))
     fallback, counts = _first_reasons(reasons)
+    return fallback, counts, concordance, pooled, gate_open
 
-    mixed = ~fallback & ~differences
-    sigma = rewards / total_reward.unsqueeze(1)
-    sigma, clipped = _clip_coefficients(sigma, in_segment & (mixed & ~uniform).unsqueeze(1), num_segments, cfg.clip)
+
+def _token_factors(sigma, rewards, total_reward, segment_ends, lengths, live_segments, adv, differences, uniform,
+                   cfg, width):  # fmt: skip
+    """Step 5. Per-segment token factors f_k (A_t = unit · f_k) within the token bound, and the unit.
+
+    Mixed groups: f_k = (1 − λ) + λ · L · σ_k / n_k, unit Â. Degenerate groups learning from value differences:
+    f_k = λ · (R_k / s) · L / n_k, unit 1 (s = half the reward range with ``norm_adv_by_std``, else 1: see
+    ``degenerate_groups``). Interpolated rows: f = 1.
+
+    Args:
+        sigma, rewards: (bs, M); total_reward, lengths: (bs,); live_segments: (bs, M) bool.
+
+    Returns:
+        factor (bs, M) float64; bounded (bs,) bool; unit (bs,) float64.
+    """
+    bsz = segment_ends.shape[0]
     segment_starts = torch.cat([torch.zeros(bsz, 1, dtype=torch.int64), segment_ends[:, :-1]], dim=1)
     tokens_per_segment = segment_ends - segment_starts
     spread = lengths.double().unsqueeze(1) / tokens_per_segment  # L / n_k
@@ -380,50 +490,50 @@ def redistribute(
     )
     factor = factor.where(~uniform.unsqueeze(1), 1.0)
     target = torch.where(differences, cfg.mix * lengths.double() * total_reward / half_range, lengths.double())
-    live_segments = in_segment & ~fallback.unsqueeze(1)
     factor, bounded = _bound_token_factors(
         factor, tokens_per_segment, live_segments, target, cfg.max_token_advantage_ratio
     )
     # A_t = unit · f_t: Â for mixed groups; for degenerate ones the advantage of a trace of a 50/50 group (see
     # ``degenerate_groups``), which makes the bound B·unit the same for both.
     unit = torch.where(differences, 1.0 if cfg.norm_adv_by_std else half_range, adv.double())
+    return factor, bounded, unit
 
+
+def _token_advantages(grpo, factor, unit, segment_ends, lengths, live_segments, fallback, uniform, differences,
+                      counts, mix):  # fmt: skip
+    """Step 6. Each token's advantage A_t = unit · f_{k(t)}, written over GRPO's row where the trace is redistributed.
+
+    Args:
+        grpo: (bs, T) verl's GRPO advantages; factor: (bs, M); unit: (bs,); counts: fallback counts (a row that comes
+            out non-finite is counted under ``nonfinite`` here).
+
+    Returns:
+        advantages (bs, T) (GRPO's tensor itself when λ = 0), fallback (bs,) bool updated, signal (bs,) bool:
+        degenerate-group traces that got a nonzero advantage.
+    """
+    bsz, max_segments = segment_ends.shape
     advantages = grpo  # λ = 0: verl's tensor itself
     signal = torch.zeros(bsz, dtype=torch.bool)
-    if max_segments > 0:
-        horizon = response_mask.shape[1]
-        # Segment of each token: the number of ends at or before it (padding ends sort last).
-        sorted_ends = segment_ends.where(segment_ends >= 0, horizon + 1).contiguous()
-        token_segment = torch.searchsorted(
-            sorted_ends, torch.arange(horizon).expand(bsz, horizon).contiguous(), right=True
-        ).clamp(max=max_segments - 1)
-        token_factor = factor.where(live_segments, 0.0).gather(1, token_segment)
-        rows = (unit.unsqueeze(1) * token_factor).to(grpo.dtype)
-        in_response = torch.arange(horizon) < lengths.unsqueeze(1)
-        nonfinite = ~fallback & ~(torch.isfinite(rows) | ~in_response).all(1)
-        counts["nonfinite"] += float(nonfinite.sum())
-        fallback = fallback | nonfinite
-        # Interpolated traces take GRPO's own row: their f_t = 1 would give it, this way bit for bit.
-        write = (~fallback & ~uniform).unsqueeze(1) & in_response
-        signal = differences & ~fallback & (rows.where(in_response, 0.0) != 0).any(1)
-        if cfg.mix > 0:
-            advantages = torch.where(write, rows, grpo)  # padding keeps GRPO's Â · 0
-
-    kept = ~fallback.unsqueeze(1)
-    values = values.where(kept, float("nan")).to(raw_values.dtype)
-    rewards = rewards.where(kept, float("nan")).to(raw_values.dtype)
-    metrics = _metrics(
-        counts, fallback, groups, num_segments, rewards,
-        sigma=sigma, clipped=clipped, bounded=bounded, flat=flat, steep=steep,
-        differences=differences, degenerate=degenerate, signal=signal,
-    )  # fmt: skip
-    metrics["value_gate_open"] = float(gate_open)
-    metrics["value_concordance_comparisons"] = float(concordance.comparisons)
-    if concordance.concordance is not None:
-        metrics["value_concordance"] = concordance.concordance
-    if pooled.concordance is not None:
-        metrics["value_concordance_pooled"] = pooled.concordance
-    return RedistributionResult(advantages, advantages, values, rewards, fallback, metrics, concordance)
+    if max_segments == 0:
+        return advantages, fallback, signal
+    horizon = grpo.shape[1]
+    # Segment of each token: the number of ends at or before it (padding ends sort last).
+    sorted_ends = segment_ends.where(segment_ends >= 0, horizon + 1).contiguous()
+    token_segment = torch.searchsorted(
+        sorted_ends, torch.arange(horizon).expand(bsz, horizon).contiguous(), right=True
+    ).clamp(max=max_segments - 1)
+    token_factor = factor.where(live_segments, 0.0).gather(1, token_segment)
+    rows = (unit.unsqueeze(1) * token_factor).to(grpo.dtype)
+    in_response = torch.arange(horizon) < lengths.unsqueeze(1)
+    nonfinite = ~fallback & ~(torch.isfinite(rows) | ~in_response).all(1)
+    counts["nonfinite"] += float(nonfinite.sum())
+    fallback = fallback | nonfinite
+    # Interpolated traces take GRPO's own row: their f_t = 1 would give it, this way bit for bit.
+    write = (~fallback & ~uniform).unsqueeze(1) & in_response
+    signal = differences & ~fallback & (rows.where(in_response, 0.0) != 0).any(1)
+    if mix > 0:
+        advantages = torch.where(write, rows, grpo)  # padding keeps GRPO's Â · 0
+    return advantages, fallback, signal
 
 
 def _check_probabilities(name: str, values: torch.Tensor):
