@@ -231,16 +231,20 @@ class SegmentCreditTrainer(PPOTrainerSync):
             )
 
     def _compute_old_log_prob(self, batch, metrics: dict):
+        """verl's step 4 (old log-probs), with the estimator's producer before or after it (``EngineUse``)."""
+        # 1. the groups verl's agent loop lost this step: logged, and the run stopped past the configured share
         self._check_rollout_failures(metrics)
         if self.spec is None:
             return super()._compute_old_log_prob(batch, metrics)
+        # 2. a producer that needs only outcomes generates while the engine is still awake, then the engine sleeps
         if self.spec.runs_before_log_prob_pass:
             self._produce(batch, metrics, with_entropy=False)
             super().on_sample_end()
+        # 3. verl's log-prob pass (old log-probs, entropies) with the engine asleep
         batch = super()._compute_old_log_prob(batch, metrics)
+        # 4. a producer that reads the pass: the value pass on the actor, or continuations with the engine woken by
+        #    verl's own wake-and-sync (the actor's weights are unchanged yet) and put to sleep again after
         if self.spec.engine_use is EngineUse.AFTER_LOG_PROB_PASS:
-            # Wake the replicas with the actor's (unchanged) weights, as verl's step end does; sleep them again
-            # before the actor update.
             self.checkpoint_manager.update_weights(self.global_steps)
             self._produce(batch, metrics, with_entropy=True)
             super().on_sample_end()
