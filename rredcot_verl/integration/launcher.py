@@ -143,7 +143,8 @@ def check_prompt_lengths(config: DictConfig, tokenizer, sample: int = 64) -> Non
     files = config.data.train_files
     first = files if isinstance(files, str) else list(files)[0]
     key = config.data.get("prompt_key", "prompt")
-    prompts = pq.read_table(first, columns=[key]).column(key).to_pylist()[:sample]
+    first_rows = next(pq.ParquetFile(first).iter_batches(batch_size=sample, columns=[key]), None)
+    prompts = [] if first_rows is None else first_rows.column(key).to_pylist()
     kwargs = dict(config.data.get("apply_chat_template_kwargs", None) or {})
     lengths = [
         len(tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs))
