@@ -301,7 +301,11 @@ def test_segment_mc_two_steps_then_resume_trains_step_3_on_the_uninterrupted_bat
     state), then a fresh process resumes from it and trains step 3. Compared: step 3's sorted (prompt, ground truth)
     pairs with step 3 of the uninterrupted grpo run (the prompt order depends on the data seed, not the estimator)."""
     checkpoints = tmp_path / "checkpoints"
-    common = [f"trainer.default_local_dir={checkpoints}", "trainer.save_freq=2", "trainer.resume_mode=auto"]
+    # The value gate off: its decision on two batches of 16 traces' Monte-Carlo values is noise (a batch's concordance
+    # has a standard deviation of about 0.06 around 0.7; one CI run saw 0.52 and 0.60 and closed the gate). The gate
+    # is tested in test_value_gate_on_cpu.py; its window is still kept, saved and restored here.
+    common = [f"trainer.default_local_dir={checkpoints}", "trainer.save_freq=2", "trainer.resume_mode=auto",
+              "algorithm.rredcot.redistribution.min_value_concordance=0.0"]  # fmt: skip
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     _ok(_train("segment_mc", build, first, steps=2, extra=[*common, f"trainer.rollout_data_dir={first / 'rollouts'}"]))
     rows = _assert_finite_steps(first, 2)
