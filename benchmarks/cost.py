@@ -49,13 +49,9 @@ from benchmarks.value_quality import (
     thinking_length,
 )
 from rredcot_verl.core.settings import RRedCoTSettings
-from rredcot_verl.core.probes import (
-    ProbeSettings,
-    build_exit_probes,
-    score_probes_naive,
-    score_probes_packed,
-    trace_log_probs_and_entropy,
-)
+from rredcot_verl.core.probes import ProbeSettings, build_exit_probes
+from rredcot_verl.core.scoring import score_probes_packed
+from benchmarks.reference_scorers import score_probes_naive, trace_log_probs_and_entropy
 from rredcot_verl.core.segmentation import BoundaryVocab, segment_response
 from rredcot_verl.tasks import extract_boxed_answer, load_model_dir
 from rredcot_verl.tasks.base import ARITHMETIC

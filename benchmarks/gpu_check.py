@@ -1,7 +1,7 @@
 """GPU check of the value pass at Qwen3-4B's shape: bf16 accuracy against an fp32 reference, and cost at 25k tokens.
 
 Written for a GPU machine whose image holds torch and transformers only (no verl, vLLM, ray, rapidfuzz), so it
-imports nothing of the package beyond ``rredcot_verl.core.probes`` (``core.values`` would pull in rapidfuzz through
+imports nothing of the package beyond ``rredcot_verl.core.probes`` and ``core.scoring`` (``core.values`` would pull in rapidfuzz through
 ``core.planning``); the value of a trace is computed as ``core.values.score_plans`` computes it for exit probes:
 ``score_batch_packed_with_stats`` then ``values_from_probe_logp(..., "self_normalized")``.
 
@@ -18,7 +18,7 @@ tokens each (``value_pass_scale``'s constants).
   the fp32 model configured with ``eager`` attention. Compared with it: the value pass on that same fp32 model (the
   packing alone), then the value pass on the model cast to bf16 and configured with ``sdpa`` and, where flash-attn
   is installed on CUDA, ``flash_attention_2``; for each bf16 backend the naive path too (the bf16 error without
-  packing). The value pass swaps the attention backend for its own function (``probes.VALUE_PASS_ATTENTION``, torch
+  packing). The value pass swaps the attention backend for its own function (``scoring.VALUE_PASS_ATTENTION``, torch
   sdpa: the probe mask is not a padding mask) whatever the model is configured with, so each case records the
   backends its attention layers actually dispatched to, and whether its value pass is bitwise identical to sdpa's.
 * cost: ``--layers`` layers (default 36, Qwen3-4B's depth; halved on CUDA out-of-memory until it fits), bf16, one
@@ -66,15 +66,9 @@ from benchmarks.value_pass_scale import (  # noqa: E402
     NUM_CANDIDATES,
     PROMPT_LENGTH,
 )
-from rredcot_verl.core.probes import (  # noqa: E402
-    VALUE_PASS_ATTENTION,
-    Probe,
-    build_exit_probes,
-    score_batch_packed_with_stats,
-    score_probes_naive,
-    trace_log_probs_and_entropy,
-    values_from_probe_logp,
-)
+from benchmarks.reference_scorers import score_probes_naive, trace_log_probs_and_entropy  # noqa: E402
+from rredcot_verl.core.probes import Probe, build_exit_probes, values_from_probe_logp  # noqa: E402
+from rredcot_verl.core.scoring import VALUE_PASS_ATTENTION, score_batch_packed_with_stats  # noqa: E402
 
 RESULTS_PATH = ROOT / "benchmarks" / "results" / "gpu_check.json"
 SEED = 0
@@ -152,7 +146,7 @@ class Scores:
 
 
 def naive_scores(model: PreTrainedModel, traces: Sequence[Trace]) -> Scores:
-    """One forward per probe and one plain log-prob pass per trace (the reference path of ``core.probes``)."""
+    """One forward per probe and one plain log-prob pass per trace (``benchmarks/reference_scorers.py``)."""
     probe_logp = [score_probes_naive(model, t.prompt, t.response, t.probes) for t in traces]
     trace_logp = [trace_log_probs_and_entropy(model, t.prompt, t.response)[0] for t in traces]
     return _scores(traces, probe_logp, trace_logp)

@@ -37,7 +37,9 @@ import torch
 import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rredcot_verl.core.probes import Probe, score_probes_naive, score_probes_packed, trace_log_probs_and_entropy
+from rredcot_verl.core.probes import Probe
+from rredcot_verl.core.scoring import score_probes_packed
+from benchmarks.reference_scorers import score_probes_naive, trace_log_probs_and_entropy
 
 RESULTS_PATH = Path(__file__).resolve().parent / "results" / "probe_overhead.json"
 PROMPT_LENGTH = 32

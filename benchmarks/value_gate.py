@@ -38,7 +38,8 @@ from benchmarks.sample_efficiency import SETTINGS, localisation_hit, t_interval,
 from benchmarks.value_quality import RECIPE_SEGMENTATION, holder_segment, load_problems, sample_traces
 from rredcot_verl.core.concordance import ConcordanceCounts, ConcordanceWindow, gate_is_open, value_outcome_concordance
 from rredcot_verl.core.planning import TraceRecord
-from rredcot_verl.core.probes import ProbeSettings, trace_log_probs_and_entropy
+from rredcot_verl.core.probes import ProbeSettings
+from benchmarks.reference_scorers import trace_log_probs_and_entropy
 from rredcot_verl.core.redistribution import RedistributionSettings, redistribute
 from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
 from rredcot_verl.core.values import compute_segment_values

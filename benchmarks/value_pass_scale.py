@@ -71,7 +71,8 @@ def measure(spec: dict) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from rredcot_verl.core.planning import TracePlan
-    from rredcot_verl.core.probes import build_exit_probes, score_batch_packed
+    from rredcot_verl.core.probes import build_exit_probes
+    from rredcot_verl.core.scoring import score_batch_packed
     from rredcot_verl.core.values import score_plans
 
     torch.set_num_threads(1)

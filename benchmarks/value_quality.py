@@ -50,7 +50,8 @@ from benchmarks.common import (
 from benchmarks.attribution import gradient_times_input_attribution, leave_one_out_attribution
 from rredcot_verl.core.profiles import PROFILE_PRESETS
 from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
-from rredcot_verl.core.probes import ProbeSettings, trace_log_probs_and_entropy
+from rredcot_verl.core.probes import ProbeSettings
+from benchmarks.reference_scorers import trace_log_probs_and_entropy
 from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.tasks import ArithmeticProblem, first_wrong_step, load_model_dir, parse_prompt
 from rredcot_verl.tasks.base import ARITHMETIC

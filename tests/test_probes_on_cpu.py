@@ -16,15 +16,12 @@ from rredcot_verl.core.probes import (
     Probe,
     ProbeSettings,
     build_exit_probes,
-    build_probe_mask,
     build_reference_probes,
     own_continuation_values,
-    score_batch_packed,
-    score_probes_naive,
-    score_probes_packed,
-    trace_log_probs_and_entropy,
     values_from_probe_logp,
 )
+from rredcot_verl.core.scoring import build_probe_mask, score_batch_packed, score_probes_packed
+from benchmarks.reference_scorers import score_probes_naive, trace_log_probs_and_entropy
 
 VOCAB = 64
 REL_TOL = 1e-4

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from rredcot_verl.core.probes import _chunked_head, execution_device, score_batch_packed
+from rredcot_verl.core.scoring import _chunked_head, execution_device, score_batch_packed
 from test_probes_on_cpu import random_ids, random_probes
 
 QWEN3_VOCAB = 151_936

@@ -11,20 +11,17 @@ import torch
 from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rredcot_verl.core import probes as probes_module
+from rredcot_verl.core import scoring as scoring_module
 from rredcot_verl.core.planning import TracePlan
-from rredcot_verl.core.probes import (
-    Probe,
+from rredcot_verl.core.probes import Probe, build_exit_probes, own_continuation_values, values_from_probe_logp
+from rredcot_verl.core.scoring import (
     ValuePassSettings,
-    build_exit_probes,
-    own_continuation_values,
     MIN_MICRO_BATCH_FILL,
     plan_micro_batches,
     score_batch_packed,
     score_batch_packed_with_stats,
-    score_probes_naive,
-    values_from_probe_logp,
 )
+from benchmarks.reference_scorers import score_probes_naive
 from rredcot_verl.core.values import score_plans
 
 VOCAB = 64
@@ -104,7 +101,7 @@ def mixed_batch(seed, count=7):
 )
 def test_batched_pass_equals_naive_and_per_trace(model, monkeypatch, max_token_len, min_fill):
     # min_fill 0 puts every row of mixed width into one padded forward; the default fill splits them.
-    monkeypatch.setattr(probes_module, "MIN_MICRO_BATCH_FILL", min_fill)
+    monkeypatch.setattr(scoring_module, "MIN_MICRO_BATCH_FILL", min_fill)
     prompts, responses, probe_lists = mixed_batch(0)
     batch, stats = score_batch_packed_with_stats(
         model, prompts, responses, probe_lists, max_token_len=max_token_len, max_positions=45
@@ -135,7 +132,7 @@ def test_batched_pass_equals_naive_and_per_trace(model, monkeypatch, max_token_l
 def test_log_probs_come_from_bounded_chunks_and_the_head_projects_one_position(model, monkeypatch):
     prompts, responses, probe_lists = mixed_batch(1)
     reference = score_batch_packed(model, prompts, responses, probe_lists)
-    monkeypatch.setattr(probes_module, "LOGIT_CHUNK_ELEMENTS", 3 * VOCAB)  # 3 rows of logits at a time
+    monkeypatch.setattr(scoring_module, "LOGIT_CHUNK_ELEMENTS", 3 * VOCAB)  # 3 rows of logits at a time
     head_outputs = []
     handle = model.get_output_embeddings().register_forward_hook(lambda m, a, out: head_outputs.append(out.shape))
     try:
@@ -201,7 +198,7 @@ def expected_values(model, plan, max_positions=None):
 
 @pytest.mark.parametrize("max_token_len", [16384, 64])
 def test_score_plans_equals_naive_values(model, monkeypatch, max_token_len):
-    monkeypatch.setattr(probes_module, "MIN_MICRO_BATCH_FILL", 0.0)  # rows of every width share the forwards
+    monkeypatch.setattr(scoring_module, "MIN_MICRO_BATCH_FILL", 0.0)  # rows of every width share the forwards
     plans = _plans(2)
     out = score_plans(model, plans, max_segments=6, max_positions=45, max_token_len=max_token_len)
     assert out.raw_values.shape == (len(plans), 7) and out.segment_ends.shape == (len(plans), 6)

@@ -18,7 +18,8 @@ from typing import Any
 from rredcot_verl.core import outcomes
 from rredcot_verl.core.ibpo import IBPOSettings
 from rredcot_verl.core.montecarlo import MonteCarloSettings
-from rredcot_verl.core.probes import ProbeSettings, ValuePassSettings
+from rredcot_verl.core.probes import ProbeSettings
+from rredcot_verl.core.scoring import ValuePassSettings
 from rredcot_verl.core.redistribution import RedistributionSettings
 from rredcot_verl.core.segmentation import BoundaryVocab, SegmentationSettings
 

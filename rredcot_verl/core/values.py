@@ -15,12 +15,8 @@ from typing import Sequence
 import torch
 
 from rredcot_verl.core.planning import TracePlan, plan_traces
-from rredcot_verl.core.probes import (
-    ValuePassSettings,
-    own_continuation_values,
-    score_batch_packed_with_stats,
-    values_from_probe_logp,
-)
+from rredcot_verl.core.probes import own_continuation_values, values_from_probe_logp
+from rredcot_verl.core.scoring import ValuePassSettings, score_batch_packed_with_stats
 
 
 @dataclass

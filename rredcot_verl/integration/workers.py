@@ -30,7 +30,7 @@ from verl import DataProto
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from rredcot_verl.core.probes import ValuePassSettings
+from rredcot_verl.core.scoring import ValuePassSettings
 from rredcot_verl.core.values import score_plans
 from rredcot_verl.integration.estimators import ESTIMATORS
 from rredcot_verl.integration.estimators.rredcot import SEGMENT_FIELDS
