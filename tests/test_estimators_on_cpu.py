@@ -47,7 +47,7 @@ def test_import_registers_every_estimator_and_reimport_is_harmless():
     import importlib
 
     importlib.reload(rredcot_verl.integration.estimators)
-    for name in ("rredcot", "ibpo", "segment_mc"):
+    for name in ("rredcot", "ibpo", "segment_mc", "rredcot_ibpo"):
         assert name in ADV_ESTIMATOR_REGISTRY
 
 
@@ -112,6 +112,35 @@ def test_ibpo_through_compute_advantage_gives_all_wrong_groups_a_gradient():
     advantages = out.batch["advantages"]
     assert advantages.abs().sum() > 0  # plain GRPO gives all zeros here
     assert torch.all(advantages[1:] < 0)
+
+
+def test_rredcot_ibpo_through_compute_advantage_localises_an_all_wrong_groups_gradient():
+    """Group "w": four failures, one repaired (φ, edited tokens 3..4); the values of the others fall in their first
+    half. verl's GRPO gives the group nothing; the fused estimator shapes it (IBPO) and puts the blame where the
+    values fell."""
+    uid = np.array(["w"] * 4, dtype=object)
+    mask = torch.ones(4, 5)
+    data = DataProto.from_dict(tensors={"token_level_rewards": torch.zeros(4, 5), "response_mask": mask},
+                               non_tensors={"uid": uid.copy()})
+    edited = torch.zeros(4, 5, dtype=torch.bool)
+    edited[0, 3:] = True
+    tensors = {
+        "ibpo_phi": torch.tensor([0.5, 0.0, 0.0, 0.0]),
+        "ibpo_edited_mask": edited,
+        "seg_ends": torch.tensor([[2, 5]] * 4),
+        "seg_raw_values": torch.tensor([[0.7, 0.6, 0.0], [0.7, 0.05, 0.0], [0.7, 0.1, 0.0], [0.7, 0.02, 0.0]]),
+    }
+    config = OmegaConf.create({"adv_estimator": "rredcot_ibpo", "norm_adv_by_std_in_grpo": True,
+                               "rredcot": {"redistribution": {"min_value_concordance": 0.0}}})
+    with estimator_inputs(uid, tensors) as record:
+        advantages = compute_advantage(data, adv_estimator="rredcot_ibpo", config=config).batch["advantages"]
+    assert torch.all(advantages[0, :3] > 0) and torch.all(advantages[0, 3:] == 0)  # never reinforce the edits
+    assert torch.all(advantages[1:, :2].mean(1) < 3 * advantages[1:, 2:].mean(1))  # blame where the values fell
+    metrics = record["metrics"]
+    assert metrics["rredcot_ibpo/credit_from_values_frac"] == 0.75
+    assert metrics["rredcot_ibpo/fallback/against_shaped_advantage"] == 1.0
+    assert metrics["ibpo/all_wrong_groups_with_signal_frac"] == 1.0
+    assert record["details"]["segment_rewards"].shape == (4, 2)
 
 
 def test_degenerate_groups_setting_reaches_the_estimator():

@@ -156,11 +156,24 @@ def test_unchunked_entropy_that_cannot_fit_is_refused(build):
     check_log_prob_memory(_config(base), vocab_size=293)  # the embedded model: 65536 x 293 logits fit
 
 
-def test_ibpo_context_too_short_for_its_revisions_is_refused(build):
-    overrides = ["algorithm.adv_estimator=ibpo", "data.max_response_length=25000", "data.max_prompt_length=1024",
+@pytest.mark.parametrize(
+    "estimator", [["algorithm.adv_estimator=ibpo"], ["algorithm.adv_estimator=rredcot_ibpo"],
+                  ["algorithm.adv_estimator=rredcot", "algorithm.rredcot.candidates.source=group_and_repairs"]],
+    ids=["ibpo", "rredcot_ibpo", "rredcot-repair-bank"],
+)  # fmt: skip
+def test_ibpo_context_too_short_for_its_revisions_is_refused(build, estimator):
+    overrides = [*estimator, "data.max_response_length=25000", "data.max_prompt_length=1024",
                  "actor_rollout_ref.rollout.max_model_len=40960"]  # fmt: skip
     with pytest.raises(LaunchError, match=r"needs at least 81152 tokens .*max_model_len >= 81152"):
         prepare(_config(overrides))
+
+
+def test_extra_generations_without_a_rule_reward_are_refused(build):
+    """Repairs (and continuations) are judged by the rule reward; without one the first step would fail."""
+    for estimator in (["algorithm.adv_estimator=rredcot_ibpo"],
+                      ["algorithm.rredcot.candidates.source=group_and_repairs"]):  # fmt: skip
+        with pytest.raises(LaunchError, match="set reward.custom_reward_function.path"):
+            prepare(_config([*estimator, "reward.custom_reward_function.path=null"]))
 
 
 def test_a_cpu_platform_left_in_the_environment_does_not_break_the_launch(build):

@@ -6,6 +6,7 @@ added tokens, with a Qwen3-like chat template (the response opens thinking) and 
 ends with ``<think>\\n``). Every probe is checked against the tokenizer's encoding of the same text written in full.
 """
 
+import dataclasses
 import logging
 import random
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from rredcot_verl.core.planning import TraceRecord, continuation_text, plan_traces
+from rredcot_verl.core.planning import TraceRecord, bank_metrics, continuation_text, plan_traces
 from rredcot_verl.core.probes import KIND_CORRECT, KIND_INCORRECT, ProbeSettings
 from rredcot_verl.core.profiles import PROFILE_PRESETS, ProbeTokenizer
 from rredcot_verl.core.segmentation import SegmentationSettings
@@ -277,3 +278,36 @@ def test_joining_falls_back_when_a_merge_crosses_the_boundary(qwen_tokenizer):
     # A step separator a continuation completes is text of its own: kept, and ".\n" + "\n" joined as ".\n\n"
     # would change the trace's token, so it is tokenized alone.
     assert _text(tok, writer.continuation(context, "\nWait")) == "\nWait" and writer.split_joins == 2
+
+
+def test_verified_repairs_fill_the_bank_of_a_group_without_a_correct_trace(qwen_tokenizer):
+    """``group_and_repairs``: a group whose traces all failed is valued along its verified repair (as a correct trace
+    of the group would be); a group with a correct trace keeps its own bank; both are counted per step."""
+    tok = qwen_tokenizer
+    prompt = _prompt(tok, QWEN3_TEMPLATE)
+    wrong = [dataclasses.replace(_record(tok, prompt, _qwen3_response(PARAGRAPHS_BAD, "58"), 0.0), group="g")
+             for _ in range(2)]
+    mixed = [dataclasses.replace(_record(tok, prompt, _qwen3_response(PARAGRAPHS_OK, "59"), 1.0), group="h"),
+             dataclasses.replace(_record(tok, prompt, _qwen3_response(PARAGRAPHS_BAD, "58"), 0.0), group="h")]
+    repair = _encode(tok, _qwen3_response(PARAGRAPHS_OK, "59")) + [tok.eos_token_id]
+    other_repair = _encode(tok, _qwen3_response(["Just add them all: 23+45-17+8=59."], "59")) + [tok.eos_token_id]
+    settings = dataclasses.replace(_settings("qwen3", source="reference_continuation"),
+                                   candidates=CandidateSettings(source="group_and_repairs"))
+    plans = plan_traces(wrong + mixed, settings, tok, PARAGRAPHS, repairs={"g": [repair], "h": [other_repair]})
+    assert [plan.bank_sources for plan in plans] == [{"repairs"}, {"repairs"}, {"traces"}, {"traces"}]
+    assert not any(plan.no_candidates for plan in plans)
+    # The wrong trace's first state continues along the repair's paragraphs; group h never sees its repair.
+    first = [p for p in plans[0].probes if p.value_index == 0]
+    assert first and all("68-17=51.\nThat looks right." in _text(tok, p.scored_ids) for p in first)  # one per closing
+    assert not any("Just add them all" in _text(tok, p.scored_ids) for plan in plans[2:] for p in plan.probes)
+    assert bank_metrics(plans, ["g", "g", "h", "h"]) == {
+        "rredcot/bank_groups_from_traces": 1.0, "rredcot/bank_groups_from_dataset": 0.0,
+        "rredcot/bank_groups_from_repairs": 1.0, "rredcot/bank_groups_empty": 0.0,
+    }  # fmt: skip
+
+    group_only = dataclasses.replace(settings, candidates=CandidateSettings(source="group"))
+    plans = plan_traces(wrong + mixed, group_only, tok, PARAGRAPHS, repairs={"g": [repair]})
+    assert [plan.no_candidates for plan in plans] == [True, True, False, False]
+    assert bank_metrics(plans, ["g", "g", "h", "h"])["rredcot/bank_groups_empty"] == 1.0
+    with pytest.raises(ValueError, match="group_and_repairs needs the step's verified repairs"):
+        plan_traces(wrong, settings, tok, PARAGRAPHS)

@@ -579,7 +579,10 @@ def one_trace_cases(draw):
         "epsilon": 1e-6,
         "norm_adv_by_std": draw(st.booleans()),
     }
-    return outcomes, ends, raw, options, (low, high)
+    shaped = None
+    if draw(st.booleans()):  # IBPO's shaping R' = R + λφ(high − R), λ = 0.6, on the incorrect traces
+        shaped = [o if o == high else o + 0.6 * draw(st.sampled_from([0.0, 1 / 6, 0.5])) * (high - o) for o in outcomes]
+    return outcomes, ends, raw, options, (low, high), shaped
 
 
 @PROPERTY_SETTINGS
@@ -589,7 +592,7 @@ def test_batched_redistribution_equals_the_one_trace_reference(case):
     trace the token advantages of ``redistribution_reference.redistribute_trace``."""
     from rredcot_verl.core.redistribution_reference import redistribute_trace
 
-    outcomes, ends, raw, options, reward_range = case
+    outcomes, ends, raw, options, reward_range, shaped = case
     size, length = len(outcomes), ends[-1]
     width = max(length, 4)
     mask = torch.zeros(size, width)
@@ -602,8 +605,10 @@ def test_batched_redistribution_equals_the_one_trace_reference(case):
     raw_values[0, : len(ends)] = torch.tensor(raw, dtype=torch.float32)
     raw_values[1:, 0] = 0.5
     cfg = _config(**options)
-    result = redistribute(torch.tensor(outcomes), mask, ["g"] * size, seg_ends, raw_values, cfg, reward_range=reward_range)
+    result = redistribute(torch.tensor(outcomes), mask, ["g"] * size, seg_ends, raw_values, cfg, reward_range=reward_range,
+                          shaped_scores=None if shaped is None else torch.tensor(shaped))
     expected = redistribute_trace(
-        outcomes[0], outcomes, ends, [float(v) for v in raw_values[0, : len(ends)]], reward_range=reward_range, **options
-    )
+        outcomes[0], outcomes, ends, [float(v) for v in raw_values[0, : len(ends)]], reward_range=reward_range,
+        shaped_outcome=None if shaped is None else shaped[0], shaped_group_outcomes=shaped, **options,
+    )  # fmt: skip
     torch.testing.assert_close(result.advantages[0, :length].double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-5)

@@ -147,7 +147,7 @@ def scripted_repairs(tokenizer):
 def test_ibpo_repairs_requests_prompts_phi_and_masks(tokenizer):
     batch = trace_batch(tokenizer)
     engine = FakeEngine(scripted_repairs(tokenizer))
-    tensors, metrics = ibpo_repairs(context(tokenizer, engine), batch)
+    tensors, metrics, verified = ibpo_repairs(context(tokenizer, engine), batch)
     texts = {i: text for i, (_, _, _, text) in enumerate(ROWS)}
 
     # Which traces were revised, against which references: incorrect traces with siblings, up to 3 references,
@@ -199,6 +199,10 @@ def test_ibpo_repairs_requests_prompts_phi_and_masks(tokenizer):
     assert metrics["ibpo/revisions_skipped_by_cap"] == 0.0 and metrics["ibpo/traces_skipped_by_cap"] == 0.0
     assert metrics["ibpo/extra_generated_tokens"] > 0 and all(math.isfinite(v) for v in metrics.values())
 
+    # Verified repairs by group, for a repair-filled value bank: the local fixes and the rewrites (a correct solution
+    # all the same), not the truncated one.
+    assert verified == {"a": [list(response_ids(tokenizer, A_RIGHT))] * 9, "b": [list(response_ids(tokenizer, B_RIGHT))]}
+
 
 def test_an_aborted_generation_is_a_failed_repair(tokenizer):
     def reply(ids, params):
@@ -211,7 +215,7 @@ def test_an_aborted_generation_is_a_failed_repair(tokenizer):
                 output.stop_reason = "aborted"
             return outputs
 
-    tensors, metrics = ibpo_repairs(context(tokenizer, Aborting(reply)), trace_batch(tokenizer))
+    tensors, metrics, _ = ibpo_repairs(context(tokenizer, Aborting(reply)), trace_batch(tokenizer))
     assert not tensors["ibpo_phi"].any() and not tensors["ibpo_edited_mask"].any()
     assert metrics["ibpo/failed_truncated"] == metrics["ibpo/revisions"] == 11.0
 
@@ -222,7 +226,7 @@ def test_ibpo_repairs_with_the_embedded_template_resolve_the_question(tokenizer)
     engine = FakeEngine(lambda ids, params: response_ids(tokenizer, answers[questions[tuple(ids)]]))
     # recipes/tiny_cpu/ibpo.yaml: with the 128-token fallback context (32 + 96) the repairs need a small slack
     section = {"ibpo": {"revision_template": ibpo.EMBEDDED_TASK_TEMPLATE, "revision_slack_tokens": 16}}
-    tensors, metrics = ibpo_repairs(context(tokenizer, engine, section, max_model_length=None), trace_batch(tokenizer))
+    tensors, metrics, _ = ibpo_repairs(context(tokenizer, engine, section, max_model_length=None), trace_batch(tokenizer))
     assert all(tuple(ids) in questions for ids, _ in engine.requests)  # the bare chat prompt of the question
     assert tensors["ibpo_phi"].tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.5, 0.0])
     assert tensors["ibpo_edited_mask"][5].any()  # B_WRONG2 now gets a complete fresh solve
@@ -233,13 +237,13 @@ def test_revision_prompts_are_bounded_by_the_engine_not_the_dataset_prompt_lengt
     engine = FakeEngine(scripted_repairs(tokenizer))
     # data.max_prompt_length is 32, yet every default-template prompt (about 600 tokens) is sent: the engine's
     # 1024-token context holds it and its repair budget
-    _, metrics = ibpo_repairs(context(tokenizer, engine, max_model_length=1024), batch)
+    _, metrics, _ = ibpo_repairs(context(tokenizer, engine, max_model_length=1024), batch)
     assert metrics["ibpo/revisions"] == 11.0 and min(len(ids) for ids, _ in engine.requests) > 32
     assert all(len(ids) + p["max_tokens"] <= 1024 for ids, p in engine.requests)
 
     # a context that holds the repair budget but not the prompt: nothing is sent, and every skip is reported
     short = FakeEngine(scripted_repairs(tokenizer))
-    tensors, metrics = ibpo_repairs(context(tokenizer, short, max_model_length=200), batch)
+    tensors, metrics, _ = ibpo_repairs(context(tokenizer, short, max_model_length=200), batch)
     assert short.requests == [] and not tensors["ibpo_phi"].any()
     assert metrics["ibpo/traces_without_fitting_reference"] == 5.0
     assert metrics["ibpo/revisions_skipped_prompt_too_long"] == 11.0
@@ -252,14 +256,14 @@ def test_revision_prompts_are_bounded_by_the_engine_not_the_dataset_prompt_lengt
 def test_a_cap_gives_every_incorrect_trace_one_revision_before_any_gets_a_second(tokenizer):
     batch = trace_batch(tokenizer)
     engine = FakeEngine(scripted_repairs(tokenizer))
-    tensors, metrics = ibpo_repairs(context(tokenizer, engine, {"ibpo": {"max_revisions": 5}}), batch)
+    tensors, metrics, _ = ibpo_repairs(context(tokenizer, engine, {"ibpo": {"max_revisions": 5}}), batch)
     revised = [solutions_in(tokenizer, ids)[0] for ids, _ in engine.requests]
     assert sorted(revised) == sorted([A_STEP2, A_STEP1, A_NOIDEA, B_WRONG1, B_WRONG2])
     assert metrics["ibpo/traces_skipped_by_cap"] == 0.0 and metrics["ibpo/revisions_skipped_by_cap"] == 6.0
     assert tensors["ibpo_phi"].tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0])
 
     tight = FakeEngine(scripted_repairs(tokenizer))
-    _, metrics = ibpo_repairs(context(tokenizer, tight, {"ibpo": {"max_revisions": 3}}), batch)
+    _, metrics, _ = ibpo_repairs(context(tokenizer, tight, {"ibpo": {"max_revisions": 3}}), batch)
     assert len(tight.requests) == 3 and len({solutions_in(tokenizer, ids)[0] for ids, _ in tight.requests}) == 3
     assert metrics["ibpo/traces_skipped_by_cap"] == 2.0 and metrics["ibpo/revisions_skipped_by_cap"] == 8.0
 
@@ -272,7 +276,7 @@ def test_ibpo_repairs_reward_scale_plus_minus_one(tokenizer):
     assert sorted(set(batch.outcomes.tolist())) == [-1.0, 1.0]
     engine = FakeEngine(scripted_repairs(tokenizer))
     section = {"reward_range": [-1.0, 1.0]}
-    tensors, metrics = ibpo_repairs(context(tokenizer, engine, section, score=plus_minus), batch)
+    tensors, metrics, _ = ibpo_repairs(context(tokenizer, engine, section, score=plus_minus), batch)
     # the same verdicts as on the 0/1 scale: −1 traces are incorrect, repairs scoring +1 are verified
     assert tensors["ibpo_phi"].tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0])
     assert metrics["ibpo/incorrect_traces"] == 6.0
@@ -289,13 +293,13 @@ def test_ibpo_repairs_reward_scale_partial_credit(tokenizer):
     batch = trace_batch(tokenizer, score=partial)
     assert batch.outcomes[1] == 0.5
     engine = FakeEngine(scripted_repairs(tokenizer))
-    tensors, metrics = ibpo_repairs(context(tokenizer, engine, score=partial), batch)
+    tensors, metrics, _ = ibpo_repairs(context(tokenizer, engine, score=partial), batch)
     assert A_STEP2 in [solutions_in(tokenizer, ids)[0] for ids, _ in engine.requests]
     assert tensors["ibpo_phi"][1] == pytest.approx(0.5) and tensors["ibpo_edited_mask"][1].any()
 
     # a repair that only earns partial credit is not a verified repair
     half = FakeEngine(lambda ids, params: response_ids(tokenizer, solutions_in(tokenizer, ids)[0]))
-    tensors, metrics = ibpo_repairs(context(tokenizer, half, score=partial), batch)
+    tensors, metrics, _ = ibpo_repairs(context(tokenizer, half, score=partial), batch)
     assert not tensors["ibpo_phi"].any() and metrics["ibpo/repair_success_rate"] == 0.0
 
 

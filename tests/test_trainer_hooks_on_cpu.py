@@ -2,7 +2,6 @@
 actor forwards and extra generation; the failed-group count; the checkpoint order. (The end-to-end runs exercise the
 same hooks with the real stack, where CPU mode turns vLLM's sleep mode off, so the order is only observable here.)"""
 
-import dataclasses
 import json
 import os
 from types import SimpleNamespace
@@ -11,9 +10,9 @@ import pytest
 from omegaconf import OmegaConf
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
-from rredcot_verl.core.settings import RRedCoTSettings
+from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
 from rredcot_verl.integration import failures, trainer as trainer_module
-from rredcot_verl.integration.estimators import ESTIMATORS
+from rredcot_verl.integration.estimators import ESTIMATORS, EngineUse, Stage
 from rredcot_verl.integration.trainer import VALUE_GATE_FILE, SegmentCreditTrainer
 
 
@@ -33,7 +32,7 @@ class Engine:
         self.events.append("wake")
 
 
-def _trainer(estimator, events, monkeypatch):
+def _trainer(estimator, events, monkeypatch, settings=RRedCoTSettings()):
     trainer = object.__new__(SegmentCreditTrainer)
     engine = Engine(events)
 
@@ -41,20 +40,24 @@ def _trainer(estimator, events, monkeypatch):
         assert not engine.awake, f"actor {name} forward while the rollout engine holds its memory"
         events.append(name)
 
-    def produce(owner, traces):
-        # rredcot's producer scores probes on the actor; the others generate with the engine.
-        if estimator == "rredcot":
-            actor_forward("value_pass")
-        else:
-            assert engine.awake, "generation while the engine sleeps"
-            events.append("generate")
-        return {key: None for key in ESTIMATORS[estimator].fields}, {}
+    def recording(stage):
+        def produce(context, traces):
+            # A stage that uses no engine scores probes on the actor (the value pass); the others generate.
+            if stage.engine_use is EngineUse.NONE:
+                actor_forward("value_pass")
+            else:
+                assert engine.awake, "generation while the engine sleeps"
+                events.append("generate")
+            return {key: None for key in ESTIMATORS[estimator].fields}, {}
+
+        return Stage(produce, stage.engine_use)
 
     monkeypatch.setattr(PPOTrainer, "_compute_old_log_prob", lambda self, batch, metrics: actor_forward("log_prob") or batch)
     trainer.estimator = estimator
     spec = ESTIMATORS.get(estimator)
-    trainer.spec = None if spec is None else dataclasses.replace(spec, produce=produce)
-    trainer.settings = RRedCoTSettings()
+    trainer.spec = spec
+    trainer.stages = () if spec is None else tuple(recording(stage) for stage in spec.stages(settings))
+    trainer.settings = settings
     trainer.sampled_groups = None
     trainer.checkpoint_manager = engine
     trainer.curr_step_profile = False
@@ -66,32 +69,56 @@ def _trainer(estimator, events, monkeypatch):
     return trainer, engine
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rredcot", "ibpo", "segment_mc"])
-def test_no_actor_forward_runs_while_the_engine_holds_its_memory(estimator, monkeypatch):
-    """verl's step: rollouts, ``on_sample_end``, then the old-log-prob pass; our producers run around that pass.
+REPAIR_BANK = RRedCoTSettings(candidates=CandidateSettings(source="group_and_repairs"))
+
+
+@pytest.mark.parametrize(
+    "estimator, settings, expected",
+    [
+        ("grpo", RRedCoTSettings(), ["sleep", "log_prob"]),
+        ("rredcot", RRedCoTSettings(), ["sleep", "log_prob", "value_pass"]),
+        # repairs need only outcomes: generated before the pass
+        ("ibpo", RRedCoTSettings(), ["generate", "sleep", "log_prob"]),
+        # boundaries need the pass's entropy
+        ("segment_mc", RRedCoTSettings(), ["sleep", "log_prob", "wake", "generate", "sleep"]),
+        # repairs first (they fill the value pass's bank), then the value pass on the actor
+        ("rredcot_ibpo", REPAIR_BANK, ["generate", "sleep", "log_prob", "value_pass"]),
+        ("rredcot", REPAIR_BANK, ["generate", "sleep", "log_prob", "value_pass"]),
+    ],
+    ids=["grpo", "rredcot", "ibpo", "segment_mc", "rredcot_ibpo", "rredcot-repair-bank"],
+)
+def test_no_actor_forward_runs_while_the_engine_holds_its_memory(estimator, settings, expected, monkeypatch):
+    """verl's step: rollouts, ``on_sample_end``, then the old-log-prob pass; our stages run around that pass.
     The engine must sleep through every actor forward and be awake for every generation, and sleep at the end."""
     events = []
-    trainer, engine = _trainer(estimator, events, monkeypatch)
+    trainer, engine = _trainer(estimator, events, monkeypatch, settings)
     trainer.on_sample_end()
     trainer._compute_old_log_prob(batch=object(), metrics={})
     assert not engine.awake
-    expected = {
-        "grpo": ["sleep", "log_prob"],
-        "rredcot": ["sleep", "log_prob", "value_pass"],
-        "ibpo": ["generate", "sleep", "log_prob"],  # repairs need only outcomes: generated before the pass
-        "segment_mc": ["sleep", "log_prob", "wake", "generate", "sleep"],  # boundaries need the pass's entropy
-    }[estimator]
     assert events == expected
 
 
-def test_only_producers_after_the_pass_read_its_entropy(monkeypatch):
+def test_stages_of_one_step_share_its_context(monkeypatch):
+    """The repair stage leaves the verified repairs in the step's context; the value stage reads them there."""
+    trainer, _ = _trainer("rredcot_ibpo", [], monkeypatch, REPAIR_BANK)
+    contexts = []
+    trainer.stages = tuple(
+        Stage(lambda context, traces: (contexts.append(context) or {}, {}), stage.engine_use) for stage in trainer.stages
+    )
+    trainer.step_context = lambda: {"step": len(contexts)}
+    trainer.on_sample_end()
+    trainer._compute_old_log_prob(batch=object(), metrics={})
+    assert len(contexts) == 2 and contexts[0] is contexts[1]
+
+
+def test_only_stages_after_the_pass_read_its_entropy(monkeypatch):
     seen = {}
-    for estimator in ("rredcot", "ibpo", "segment_mc"):
+    for estimator in ("rredcot", "ibpo", "segment_mc", "rredcot_ibpo"):
         trainer, _ = _trainer(estimator, [], monkeypatch)
-        trainer._trace_batch = lambda batch, with_entropy, name=estimator: seen.setdefault(name, with_entropy)
+        trainer._trace_batch = lambda batch, with_entropy, name=estimator: seen.setdefault(name, []).append(with_entropy)
         trainer.on_sample_end()
         trainer._compute_old_log_prob(batch=object(), metrics={})
-    assert seen == {"rredcot": True, "ibpo": False, "segment_mc": True}
+    assert seen == {"rredcot": [True], "ibpo": [False], "segment_mc": [True], "rredcot_ibpo": [False, True]}
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Protocol, Sequence
+from typing import Any, Hashable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -94,6 +94,7 @@ class TracePlan:
         no_candidates: the trace's group had no candidate answer (its values are NaN: GRPO fallback).
         temperature: the rollout's sampling temperature; probe log-probs are taken from logits / temperature, the
             distribution the traces were sampled from.
+        bank_sources: where the group's bank came from (``BANK_FROM_*``; empty: no candidate).
     """
 
     prompt_ids: torch.Tensor
@@ -105,6 +106,7 @@ class TracePlan:
     value_rule: str = "raw"
     no_candidates: bool = False
     temperature: float = 1.0
+    bank_sources: frozenset[str] = frozenset()
 
     @property
     def num_values(self) -> int:
@@ -116,11 +118,26 @@ class TracePlan:
         return [0, *self.segment_ends[:-1]]
 
 
+# Where a group's bank of correct answers and continuations came from (``TracePlan.bank_sources``).
+BANK_FROM_TRACES, BANK_FROM_DATASET, BANK_FROM_REPAIRS = "traces", "dataset", "repairs"
+
+
 @dataclass
 class _GroupBank:
-    correct_answers: list[str]
-    all_answers: list[str]
-    correct_steps: list[tuple[list[str], str]]
+    correct_answers: list[str] = field(default_factory=list)
+    all_answers: list[str] = field(default_factory=list)
+    correct_steps: list[tuple[list[str], str]] = field(default_factory=list)
+    sources: set[str] = field(default_factory=set)
+
+    def add_correct(self, steps: list[str], answer: str, source: str) -> None:
+        """A correct solution (its thinking steps and answer) from ``source``."""
+        if answer not in self.correct_answers:
+            self.correct_answers.append(answer)
+        if answer not in self.all_answers:
+            self.all_answers.append(answer)
+        if (steps, answer) not in self.correct_steps:
+            self.correct_steps.append((steps, answer))
+        self.sources.add(source)
 
 
 def _thinking_text(text: str, profile: ProbeProfile, opened_by_prompt: bool) -> str:
@@ -133,31 +150,40 @@ def _thinking_text(text: str, profile: ProbeProfile, opened_by_prompt: bool) -> 
     return text.split(profile.think_end, 1)[0]
 
 
-def _group_banks(traces, texts, opened, settings: RRedCoTSettings, task: TaskAdapter) -> dict:
+def _group_banks(traces, texts, opened, settings: RRedCoTSettings, task: TaskAdapter, repairs) -> dict:
     cand, profile = settings.candidates, settings.probe.profile_values
-    banks: dict[Hashable, _GroupBank] = defaultdict(lambda: _GroupBank([], [], []))
+    banks: dict[Hashable, _GroupBank] = defaultdict(_GroupBank)
+    opened_in_group: dict[Hashable, bool] = {}
     for trace, text, by_prompt in zip(traces, texts, opened):
         bank = banks[trace.group]
+        opened_in_group.setdefault(trace.group, by_prompt)
         answer = task.extract_answer(text)
         if answer is not None and answer not in bank.all_answers:
             bank.all_answers.append(answer)
-        if settings.is_correct(trace.outcome) and answer is not None and cand.source in ("both", "group"):
-            if answer not in bank.correct_answers:
-                bank.correct_answers.append(answer)
-            steps = task.split_steps(_thinking_text(text, profile, by_prompt))
-            bank.correct_steps.append((steps, answer))
+        if settings.is_correct(trace.outcome) and answer is not None and cand.uses_group:
+            bank.add_correct(task.split_steps(_thinking_text(text, profile, by_prompt)), answer, BANK_FROM_TRACES)
+    if cand.uses_repairs:
+        # A verified repair is a correct solution of the prompt, written by the policy under the same chat template
+        # as the group's traces: it enters the bank as a correct trace would, in groups that have none.
+        for group, texts_of_group in repairs.items():
+            bank = banks[group]
+            if BANK_FROM_TRACES in bank.sources or group not in opened_in_group:
+                continue
+            for text in texts_of_group:
+                answer = task.extract_answer(text)
+                if answer is not None:
+                    steps = task.split_steps(_thinking_text(text, profile, opened_in_group[group]))
+                    bank.add_correct(steps, answer, BANK_FROM_REPAIRS)
     for trace in traces:
         bank = banks[trace.group]
-        if cand.source in ("both", "ground_truth") and trace.ground_truth is not None:
+        if cand.uses_dataset and trace.ground_truth is not None:
             truth = task.answer_text(str(trace.ground_truth))
-            if truth not in bank.correct_answers:
-                bank.correct_answers.append(truth)
-            if truth not in bank.all_answers:
-                bank.all_answers.append(truth)
             if trace.reference_steps is not None:
-                entry = (list(trace.reference_steps), truth)
-                if entry not in bank.correct_steps:
-                    bank.correct_steps.append(entry)
+                bank.add_correct(list(trace.reference_steps), truth, BANK_FROM_DATASET)
+            else:  # an answer to score (exit probes), no continuation
+                bank.correct_answers += [truth] * (truth not in bank.correct_answers)
+                bank.all_answers += [truth] * (truth not in bank.all_answers)
+                bank.sources.add(BANK_FROM_DATASET)
     for bank in banks.values():
         # An answer written differently from a correct one but equal to it (0.5 and 1/2) is rewarded like it: it
         # is a correct candidate, not a competitor in the self-normalising denominator.
@@ -301,6 +327,7 @@ def plan_traces(
     *,
     vocab: BoundaryVocab | None = None,
     temperature: float = 1.0,
+    repairs: Mapping[Hashable, Sequence[Sequence[int]]] | None = None,
 ) -> list[TracePlan]:
     """Segment every trace and build its probes from the whole batch's group banks.
 
@@ -312,26 +339,33 @@ def plan_traces(
         vocab: boundary tokens (``settings.boundary_vocab(tokenizer)`` when None).
         temperature: the rollout's sampling temperature (``actor_rollout_ref.rollout.temperature``), copied into
             every plan so that probes are scored under the distribution the traces were sampled from.
+        repairs: per group, the token ids of its verified repairs (required by ``candidates.source:
+            group_and_repairs``, which banks them in the groups without a correct trace; ignored otherwise).
 
     Returns:
         One plan per trace, in order.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if settings.candidates.uses_repairs and repairs is None:
+        raise ValueError("candidates.source=group_and_repairs needs the step's verified repairs (repairs=...)")
     vocab = vocab or settings.boundary_vocab(tokenizer)
     planner = _Planner(settings, tokenizer, task)
     texts = [planner.probe_tokenizer.decode(t.response_ids.tolist()) for t in traces]
     by_prompt = [planner.opened_by_prompt(t.prompt_ids.tolist()) for t in traces]
-    banks = _group_banks(traces, texts, by_prompt, settings, task)
+    repair_texts = {group: [planner.probe_tokenizer.decode(list(ids)) for ids in ids_of_group]
+                    for group, ids_of_group in (repairs or {}).items()}
+    banks = _group_banks(traces, texts, by_prompt, settings, task, repair_texts)
     rule = _value_rule(settings)
     source = settings.probe.value_source
     plans = []
     for trace, prompt_opened in zip(traces, by_prompt):
+        bank = banks[trace.group]
         plan = TracePlan(trace.prompt_ids, trace.response_ids, float(trace.outcome), [], value_rule=rule,
-                         success=settings.success_probability(trace.outcome), temperature=float(temperature))
+                         success=settings.success_probability(trace.outcome), temperature=float(temperature),
+                         bank_sources=frozenset(bank.sources))
         if trace.response_ids.numel() > 0:
             plan.segment_ends = segment_response(trace.response_ids, trace.entropy, vocab, settings.segmentation)
-            bank = banks[trace.group]
             if rule != "own_continuation":
                 if bank.correct_answers:
                     reference = source == "reference_continuation"
@@ -347,6 +381,21 @@ def plan_traces(
         logger.warning("%d probe texts could not be joined to their prefix as the tokenizer writes them in one piece; "
                        "they were tokenized on their own (core/profiles.py)", planner.probe_tokenizer.split_joins)
     return plans
+
+
+def bank_metrics(plans: Sequence[TracePlan], groups: Sequence[Hashable]) -> dict[str, float]:
+    """Per step, the prompt groups whose bank holds entries from each source (``rredcot/bank_groups_from_traces``,
+    ``..._from_dataset``, ``..._from_repairs``; a group may count under two) and those with an empty bank
+    (``rredcot/bank_groups_empty``: their traces get no values)."""
+    sources: dict[Hashable, frozenset[str]] = {}
+    for plan, group in zip(plans, groups):
+        sources.setdefault(group, plan.bank_sources)
+    metrics = {
+        f"rredcot/bank_groups_from_{source}": float(sum(source in found for found in sources.values()))
+        for source in (BANK_FROM_TRACES, BANK_FROM_DATASET, BANK_FROM_REPAIRS)
+    }
+    metrics["rredcot/bank_groups_empty"] = float(sum(not found for found in sources.values()))
+    return metrics
 
 
 def records_from_arrays(

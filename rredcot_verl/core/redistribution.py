@@ -161,6 +161,8 @@ class RedistributionResult:
         values: (bs, Kmax + 1) V_0..V_K per trace on the outcome scale, NaN beyond K and on traces that fell back.
         segment_rewards: (bs, Kmax) R_1..R_K per trace, NaN beyond K and on traces that fell back.
         fallback: (bs,) bool, the redistribution was not applicable and the trace kept its GRPO advantage.
+        interpolated: (bs,) bool, redistributed traces whose values were interpolated in token position (the map
+            was undefined or its gain out of bounds): they too got exactly their GRPO advantage.
         metrics: scalar diagnostics, see ``redistribute``.
         concordance: this batch's value-outcome comparisons, for the caller's ``ConcordanceWindow``.
     """
@@ -170,6 +172,7 @@ class RedistributionResult:
     values: torch.Tensor
     segment_rewards: torch.Tensor
     fallback: torch.Tensor
+    interpolated: torch.Tensor
     metrics: dict[str, float]
     concordance: ConcordanceCounts
 
@@ -258,6 +261,7 @@ def redistribute(
     cfg: RedistributionSettings,
     reward_range: tuple[float, float] = (0.0, 1.0),
     prior_concordance: ConcordanceCounts = ConcordanceCounts(),
+    shaped_scores: torch.Tensor | None = None,
 ) -> RedistributionResult:
     """Token advantages from outcome scores and per-segment probe values.
 
@@ -281,6 +285,13 @@ def redistribute(
         reward_range: (low, high) with low < high, the scale of the outcomes (high = correct). Default (0, 1).
         prior_concordance: the value-outcome comparisons of the previous ``cfg.concordance_window − 1`` batches
             (``ConcordanceWindow.pooled``); the gate decides on them plus this batch's.
+        shaped_scores: (bs,) outcomes after reward shaping (IBPO's R', on ``reward_range``), or None. When given,
+            GRPO's advantage, the anchor V_0 and the degenerate-group test come from them, while the values still
+            end at the verified outcome V_K = ζ (a state's value is the chance of a correct answer from it; the
+            shaping bonus judges the whole trace): the trace's token mean stays its shaped advantage Â' and the
+            values decide where it lands. A trace whose values sum against Â' (Σ R = ζ − V_0 of the other sign: a
+            repaired failure above its group's mean) keeps GRPO's row, counted under
+            ``fallback/against_shaped_advantage``.
 
     Returns:
         ``RedistributionResult``. With ``cfg.mix == 0`` its advantages are verl's GRPO tensor unchanged; the
@@ -293,8 +304,8 @@ def redistribute(
     or the value gate is closed for the batch (``min_value_concordance``; closed too when neither this batch nor the
     window has a comparison).
     Metrics (floats): ``redistributed_frac``; ``fallback/{empty,singleton_group,outside_reward_range,zero_return,
-    missing_segments,nonfinite,low_value_concordance}`` (trace counts, each trace counted under its first reason in
-    that order); ``value_gate_open`` (1 or 0), ``value_concordance_comparisons`` (this batch's) and, when there are
+    missing_segments,nonfinite,against_shaped_advantage,low_value_concordance}`` (trace counts, each trace counted
+    under its first reason in that order; ``against_shaped_advantage`` only with ``shaped_scores``); ``value_gate_open`` (1 or 0), ``value_concordance_comparisons`` (this batch's) and, when there are
     comparisons, ``value_concordance`` (this batch) and ``value_concordance_pooled`` (the window's);
     ``degenerate_groups`` (groups of two or more where every outcome equals the mean);
     ``degenerate_groups_with_signal`` (of those, groups where some trace got a nonzero advantage from value
@@ -313,7 +324,8 @@ def redistribute(
     """
     low, high = check_reward_range(reward_range)
     lengths, num_segments = _check_batch(scores, response_mask, index, segment_ends, raw_values)
-    adv, group_mean = group_outcome_advantage(scores, index, cfg.epsilon, cfg.norm_adv_by_std)
+    baseline_scores = scores if shaped_scores is None else _check_shaped(shaped_scores, scores)
+    adv, group_mean = group_outcome_advantage(baseline_scores, index, cfg.epsilon, cfg.norm_adv_by_std)
     grpo = adv.unsqueeze(-1) * response_mask
     # Values are mapped on the probability scale, where the probes live, and reported on the outcome scale.
     outcome = (scores.double() - low) / (high - low)
@@ -321,7 +333,8 @@ def redistribute(
 
     # 1. degenerate groups
     groups = _groups(index)
-    outcome_at_mean, degenerate, differences = _degenerate_groups(groups, index, outcome, mean_outcome, cfg)
+    baseline_outcome = (baseline_scores.double() - low) / (high - low)
+    outcome_at_mean, degenerate, differences = _degenerate_groups(groups, index, baseline_outcome, mean_outcome, cfg)
     # 2. values and segment rewards
     values, flat, steep = _segment_values(
         raw_values, segment_ends, lengths, num_segments, scores, group_mean, outcome, mean_outcome, differences, cfg,
@@ -331,9 +344,10 @@ def redistribute(
     in_segment = torch.arange(segment_ends.shape[1]) < num_segments.unsqueeze(1)
     total_reward = rewards.where(in_segment, 0.0).sum(1)
     # 3. fallbacks and the value gate
+    against_shaped = None if shaped_scores is None else (total_reward * adv.double() < 0) & ~differences
     fallback, counts, concordance, pooled, gate_open = _fallbacks(
         scores, index, groups, lengths, num_segments, segment_ends, raw_values, outcome, outcome_at_mean,
-        differences, total_reward, cfg, (low, high), prior_concordance,
+        differences, total_reward, cfg, (low, high), prior_concordance, against_shaped,
     )  # fmt: skip
     uniform = flat | steep  # interpolated in token position: exactly GRPO
     live_segments = in_segment & ~fallback.unsqueeze(1)
@@ -365,7 +379,8 @@ def redistribute(
         metrics["value_concordance"] = concordance.concordance
     if pooled.concordance is not None:
         metrics["value_concordance_pooled"] = pooled.concordance
-    return RedistributionResult(advantages, advantages, values, rewards, fallback, metrics, concordance)
+    return RedistributionResult(advantages, advantages, values, rewards, fallback, uniform & ~fallback, metrics,
+                                concordance)
 
 
 def _groups(index) -> dict:
@@ -424,11 +439,12 @@ def _segment_values(raw_values, segment_ends, lengths, num_segments, scores, gro
 
 
 def _fallbacks(scores, index, groups, lengths, num_segments, segment_ends, raw_values, outcome, outcome_at_mean,
-               differences, total_reward, cfg, scale, prior_concordance):  # fmt: skip
+               differences, total_reward, cfg, scale, prior_concordance, against_shaped):  # fmt: skip
     """Step 3. The traces that keep their GRPO advantage, each counted under its first reason, and the value gate.
 
     Args:
-        (bs,) tensors per trace; raw_values (bs, M+1); total_reward: (bs,) Σ_k R_k on the outcome scale.
+        (bs,) tensors per trace; raw_values (bs, M+1); total_reward: (bs,) Σ_k R_k on the outcome scale;
+        against_shaped: (bs,) bool, Σ R of the other sign than the shaped advantage (None without shaping).
 
     Returns:
         fallback (bs,) bool; counts {reason: traces}; this batch's and the pooled ``ConcordanceCounts``; whether the
@@ -459,6 +475,8 @@ def _fallbacks(scores, index, groups, lengths, num_segments, segment_ends, raw_v
     )
     pooled = prior_concordance + concordance
     gate_open = gate_is_open(pooled, cfg.min_value_concordance)
+    if against_shaped is not None:  # values that are fine in themselves: still in the concordance
+        reasons.append(("against_shaped_advantage", against_shaped))
     reasons.append(("low_value_concordance", torch.full((bsz,), not gate_open)))
     fallback, counts = _first_reasons(reasons)
     return fallback, counts, concordance, pooled, gate_open
@@ -540,6 +558,14 @@ def _check_probabilities(name: str, values: torch.Tensor):
     outside = (values < -_PROBABILITY_SLACK) | (values > 1.0 + _PROBABILITY_SLACK)
     if outside.any():
         raise ValueError(f"{name} must be probabilities in [0, 1]; found {values[outside][:5].tolist()}")
+
+
+def _check_shaped(shaped_scores: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    if shaped_scores.shape != scores.shape or not shaped_scores.is_floating_point():
+        raise ValueError(f"shaped_scores must be float of shape {tuple(scores.shape)}, got {tuple(shaped_scores.shape)}")
+    if not torch.isfinite(shaped_scores).all():
+        raise ValueError(f"shaped_scores must be finite, got {shaped_scores.tolist()}")
+    return shaped_scores.to(scores.dtype)
 
 
 def _check_batch(scores, response_mask, index, segment_ends, raw_values) -> tuple[torch.Tensor, torch.Tensor]:

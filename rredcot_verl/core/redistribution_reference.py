@@ -55,6 +55,8 @@ def redistribute_trace(
     epsilon: float,
     norm_adv_by_std: bool,
     reward_range: tuple[float, float] = (0.0, 1.0),
+    shaped_outcome: float | None = None,
+    shaped_group_outcomes: Sequence[float] | None = None,
 ) -> list[float]:
     """Token advantages of one trace.
 
@@ -62,6 +64,8 @@ def redistribute_trace(
         outcome: ζ. group_outcomes: the outcomes of its group, itself included.
         segment_ends: b_1 < ... < b_K = L, exclusive segment ends. raw_values: v̂_0..v̂_{K-1}, probabilities.
         The keyword arguments are ``RedistributionSettings``' fields; reward_range: (low, high).
+        shaped_outcome, shaped_group_outcomes: the same after reward shaping (IBPO's R'), or None: the advantage
+            and the anchor V_0 come from them, the values still end at ζ.
 
     Returns:
         L token advantages A_t.
@@ -70,12 +74,15 @@ def redistribute_trace(
     width = high - low
     length, k_segments = segment_ends[-1], len(segment_ends)
     boundaries = [0, *segment_ends]
-    advantage = grpo_advantage(outcome, group_outcomes, epsilon, norm_adv_by_std)
+    baseline, baseline_group = (
+        (outcome, group_outcomes) if shaped_outcome is None else (shaped_outcome, shaped_group_outcomes)
+    )
+    advantage = grpo_advantage(baseline, baseline_group, epsilon, norm_adv_by_std)
     grpo = [advantage] * length
 
     # 1. Values V_0..V_K on the probability scale [0, 1], where the probes live.
     zeta = (outcome - low) / width
-    mean = (sum(group_outcomes) / len(group_outcomes) - low) / width
+    mean = (sum(baseline_group) / len(baseline_group) - low) / width
     probe = [*raw_values, zeta]  # v̂_K = ζ
     linear = [mean + (zeta - mean) * b / length for b in boundaries]  # gives exactly GRPO (step 3)
     interpolated = False
@@ -96,13 +103,15 @@ def redistribute_trace(
     values = [low + width * v for v in values]
     values[-1] = outcome
     if anchored:
-        values[0] = sum(group_outcomes) / len(group_outcomes)
+        values[0] = sum(baseline_group) / len(baseline_group)
 
     # 2. Segment rewards R_k = V_k − V_{k−1}; they telescope to V_K − V_0.
     rewards = [values[k] - values[k - 1] for k in range(1, k_segments + 1)]
     total = sum(rewards)
-    if interpolated or abs(zeta - mean) < epsilon or abs(total) < epsilon * width:
+    if interpolated or abs((baseline - low) / width - mean) < epsilon or abs(total) < epsilon * width:
         return grpo  # the values say nothing this trace's GRPO advantage does not (or nothing at all)
+    if total * advantage < 0:
+        return grpo  # shaped: the values sum against the advantage
 
     # 3. Coefficients σ_k = R_k / Σ R, with K·σ_k kept within [−c, c] at Σ σ = 1.
     sigma = [r / total for r in rewards]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rredcot_verl.core import outcomes
+from rredcot_verl.core.fused import FusedSettings
 from rredcot_verl.core.ibpo import IBPOSettings
 from rredcot_verl.core.montecarlo import MonteCarloSettings
 from rredcot_verl.core.probes import ProbeSettings
@@ -23,20 +24,38 @@ from rredcot_verl.core.scoring import ValuePassSettings
 from rredcot_verl.core.redistribution import RedistributionSettings
 from rredcot_verl.core.segmentation import BoundaryVocab, SegmentationSettings
 
+CANDIDATE_SOURCES = ("both", "group", "ground_truth", "group_and_repairs")
+
+
 @dataclass(frozen=True)
 class CandidateSettings:
     """Where exit-probe answers and reference continuations come from (how they are written: ``probe.profile``).
 
     Attributes:
-        source: ``"both"`` (default), ``"group"`` (distinct answers / traces of the group's correct rollouts) or
-            ``"ground_truth"`` (the dataset's ``reward_model.ground_truth`` and ``extra_info.reference_steps``).
+        source: ``"both"`` (default), ``"group"`` (distinct answers / traces of the group's correct rollouts),
+            ``"ground_truth"`` (the dataset's ``reward_model.ground_truth`` and ``extra_info.reference_steps``) or
+            ``"group_and_repairs"`` (the group's correct rollouts; a group without one takes the verified IBPO
+            repairs of its traces, generated through the rollout engine before the log-prob pass: no reference
+            solutions needed, at the cost of the repairs).
     """
 
     source: str = "both"
 
     def __post_init__(self):
-        if self.source not in ("both", "group", "ground_truth"):
-            raise ValueError(f"candidates.source must be 'both', 'group' or 'ground_truth', got {self.source!r}")
+        if self.source not in CANDIDATE_SOURCES:
+            raise ValueError(f"candidates.source must be one of {CANDIDATE_SOURCES}, got {self.source!r}")
+
+    @property
+    def uses_group(self) -> bool:
+        return self.source in ("both", "group", "group_and_repairs")
+
+    @property
+    def uses_dataset(self) -> bool:
+        return self.source in ("both", "ground_truth")
+
+    @property
+    def uses_repairs(self) -> bool:
+        return self.source == "group_and_repairs"
 
 @dataclass(frozen=True)
 class RRedCoTSettings:
@@ -69,6 +88,7 @@ class RRedCoTSettings:
     candidates: CandidateSettings = field(default_factory=CandidateSettings)
     redistribution: RedistributionSettings = field(default_factory=RedistributionSettings)
     ibpo: IBPOSettings = field(default_factory=IBPOSettings)
+    rredcot_ibpo: FusedSettings = field(default_factory=FusedSettings)
     segment_mc: MonteCarloSettings = field(default_factory=MonteCarloSettings)
     value_pass: ValuePassSettings = field(default_factory=ValuePassSettings)
 

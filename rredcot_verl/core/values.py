@@ -107,10 +107,13 @@ def score_plans(
 
 
 @torch.no_grad()
-def compute_segment_values(model, tokenizer, traces, settings, *, task, vocab=None, max_positions=None) -> SegmentValues:
+def compute_segment_values(
+    model, tokenizer, traces, settings, *, task, vocab=None, max_positions=None, repairs=None
+) -> SegmentValues:
     """Plan and score in one process (analysis and benchmarks): ``plan_traces`` then ``score_plans``.
-    ``task``: the task adapter (``rredcot_verl.tasks.resolve_task``)."""
-    plans = plan_traces(traces, settings, tokenizer, task, vocab=vocab)
+    ``task``: the task adapter (``rredcot_verl.tasks.resolve_task``); ``repairs``: verified repairs per group
+    (``candidates.source: group_and_repairs``)."""
+    plans = plan_traces(traces, settings, tokenizer, task, vocab=vocab, repairs=repairs)
     return score_plans(
         model,
         plans,

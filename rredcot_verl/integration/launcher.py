@@ -1,13 +1,13 @@
 """``python -m rredcot_verl.main``: verl's PPO entry point with the rredcot estimators, trainer and CPU support.
 
 Config: verl's ``ppo_trainer`` composed with ``conf/rredcot_trainer.yaml`` (hydra), so every verl key works as usual;
-``algorithm.adv_estimator`` may be ``grpo`` or any verl estimator, or ``rredcot`` / ``ibpo`` / ``segment_mc``, whose
-settings live under ``algorithm.rredcot``. Every estimator trains with the rredcot trainer, verl's sync trainer plus
+``algorithm.adv_estimator`` may be ``grpo`` or any verl estimator, or ``rredcot`` / ``ibpo`` / ``rredcot_ibpo`` /
+``segment_mc``, whose settings live under ``algorithm.rredcot``. Every estimator trains with the rredcot trainer, verl's sync trainer plus
 the estimators' hooks. Before Ray starts, the launcher checks what would otherwise fail late or hang: one of verl's
 async trainer modes, unknown estimator or ``algorithm.rredcot`` keys, a missing/broken model folder (hub ids are
 verl's to download), datasets without ``reward_model.ground_truth`` or whose prompts all exceed
-``data.max_prompt_length``, a log-prob token budget whose unchunked entropy cannot fit a GPU, an engine context too
-short for IBPO's revisions. On a machine without an accelerator it switches on ``rredcot_verl.compat`` and the
+``data.max_prompt_length``, a log-prob token budget whose unchunked entropy cannot fit a GPU, extra generations
+without a rule reward to judge them, an engine context too short for IBPO's revisions. On a machine without an accelerator it switches on ``rredcot_verl.compat`` and the
 matching config (``RREDCOT_CPU=0`` forces it off; ``RREDCOT_CPU=1`` forces it on).
 """
 
@@ -181,13 +181,36 @@ def check_log_prob_memory(config: DictConfig, vocab_size: int | None) -> None:
         )
 
 
+def _stages(config: DictConfig, settings) -> tuple:
+    from rredcot_verl.integration.estimators import ESTIMATORS
+
+    spec = ESTIMATORS.get(str(config.algorithm.adv_estimator))
+    return () if spec is None else spec.stages(settings)
+
+
+def check_rule_reward(config: DictConfig, settings) -> None:
+    """Refuse an estimator that judges extra generations (repairs, continuations) without a rule reward to judge them
+    with (it would fail at the first step)."""
+    from rredcot_verl.integration.estimators import EngineUse
+
+    generates = any(stage.engine_use is not EngineUse.NONE for stage in _stages(config, settings))
+    custom = config.reward.get("custom_reward_function", None) or {}
+    if generates and not custom.get("path"):
+        raise LaunchError(
+            f"algorithm.adv_estimator={config.algorithm.adv_estimator} (candidates.source={settings.candidates.source})"
+            " judges its extra generations with the rule reward: set reward.custom_reward_function.path (and .name)"
+        )
+
+
 def check_ibpo_context(config: DictConfig, settings, hf_config) -> None:
     """Refuse an engine context in which IBPO could not revise a failure of the full response budget: its revision
     prompt holds the question, the trace and a reference, and the repair may be ``revision_budget`` tokens."""
     from rredcot_verl.core.ibpo import revision_budget
+    from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE
 
-    if str(config.algorithm.adv_estimator) != "ibpo":
+    if REPAIR_STAGE not in _stages(config, settings):
         return
+    estimator = str(config.algorithm.adv_estimator)
     context = config.actor_rollout_ref.rollout.get("max_model_len", None)
     if context is None:
         if hf_config is None:
@@ -199,7 +222,8 @@ def check_ibpo_context(config: DictConfig, settings, hf_config) -> None:
     need = prompt + 2 * response + revision_budget(response, settings.ibpo)
     if int(context) < need:
         raise LaunchError(
-            f"algorithm.adv_estimator=ibpo: revising a {response}-token failure needs at least {need} tokens of engine "
+            f"algorithm.adv_estimator={estimator} generates IBPO repairs: revising a {response}-token failure needs "
+            f"at least {need} tokens of engine "
             f"context (question {prompt} + trace and reference 2 x {response} + repair {need - prompt - 2 * response}), "
             f"the engine has {context}: set actor_rollout_ref.rollout.max_model_len >= {need} (within the model's "
             "context), or lower data.max_response_length or algorithm.rredcot.ibpo.revision_length_factor"
@@ -267,6 +291,7 @@ def prepare(config: DictConfig) -> DictConfig:
     hf_config = _local_pretrained(AutoConfig, model_path)
     check_prompt_lengths(config, _local_pretrained(AutoTokenizer, model_path))
     check_log_prob_memory(config, getattr(hf_config, "vocab_size", None))
+    check_rule_reward(config, settings)
     check_ibpo_context(config, settings, hf_config)
     select_trainer(config)
     env = {"VERL_USE_EXTERNAL_MODULES": PLUGIN_MODULE}

@@ -133,7 +133,9 @@ def _question(record: TraceRecord, i: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- IBPO
-def ibpo_repairs(ctx: RolloutContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def ibpo_repairs(
+    ctx: RolloutContext, traces: StepTraces
+) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[Any, list[list[int]]]]:
     """For each incorrect trace, repairs guided by sibling references, judged and aligned against the trace.
 
     A trace is incorrect, and a repair verified, when its outcome falls short of / reaches the top of
@@ -148,7 +150,9 @@ def ibpo_repairs(ctx: RolloutContext, traces: StepTraces) -> tuple[dict[str, tor
         traces: the step's traces (each record's tokens, outcome, prompt group, question and reward inputs).
 
     Returns:
-        ``{"ibpo_phi": (bs,) float32, "ibpo_edited_mask": (bs, R) bool}`` (R = the batch's response width) and metrics.
+        ``{"ibpo_phi": (bs,) float32, "ibpo_edited_mask": (bs, R) bool}`` (R = the batch's response width), metrics,
+        and per prompt group the token ids of its verified repairs (rewrites included: a correct solution of the
+        prompt, whatever it kept of the trace), for a reference bank (``candidates.source: group_and_repairs``).
     """
     cfg = ctx.settings.ibpo
     tokenizer, reward_range = ctx.tokenizer, ctx.settings.reward_range
@@ -188,6 +192,7 @@ def ibpo_repairs(ctx: RolloutContext, traces: StepTraces) -> tuple[dict[str, tor
     if len(outputs) != len(requests):
         raise ValueError(f"generate returned {len(outputs)} outputs for {len(requests)} revision requests")
     per_trace: dict[int, list[ibpo.RepairEvaluation]] = {}
+    verified: dict[Any, list[list[int]]] = {}
     generated_tokens = 0
     for (i, _), budget, output in zip(plan.pairs, budgets, outputs):
         truth, extra, source = _reward_inputs(records[i])
@@ -197,6 +202,8 @@ def ibpo_repairs(ctx: RolloutContext, traces: StepTraces) -> tuple[dict[str, tor
         truncated = _truncated(output, budget, tokenizer.eos_token_id)
         evaluation = ibpo.evaluate_repair(responses[i], repair, outcomes.is_correct(reward, reward_range), truncated, cfg)
         per_trace.setdefault(i, []).append(evaluation)
+        if evaluation.correct:
+            verified.setdefault(records[i].group, []).append(repair)
     width = traces.response_width
     phi = torch.zeros(len(responses), dtype=torch.float32)
     masks = []
@@ -218,7 +225,7 @@ def ibpo_repairs(ctx: RolloutContext, traces: StepTraces) -> tuple[dict[str, tor
             "ibpo/extra_generated_tokens": float(generated_tokens),
         }
     )
-    return {"ibpo_phi": phi, "ibpo_edited_mask": ibpo.stack_edited_masks(masks, width)}, metrics
+    return {"ibpo_phi": phi, "ibpo_edited_mask": ibpo.stack_edited_masks(masks, width)}, metrics, verified
 
 
 # ------------------------------------------------------------------------------------------------- segment MC

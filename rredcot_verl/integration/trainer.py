@@ -4,12 +4,13 @@ Registered as ``trainer.v1.trainer_mode=rredcot`` (the launcher selects it); to 
 (sync replay buffer, the configured ``data.gen_batch_size``, sync checkpoints and resume). Compared with verl's
 ``PPOTrainerSync``:
 - the actor worker class gains ``compute_segment_data`` (``workers.py``);
-- the estimator's producer (its ``SPEC`` in ``estimators/``) writes its per-trace fields, given a ``StepContext``:
-  ``rredcot`` plans probes from the whole batch after verl's old-log-prob pass and scores them on the actor; ``ibpo``
-  generates repairs through the rollout engine before that pass; ``segment_mc`` needs the pass's entropies for its
-  boundaries, so it wakes the engine after the pass (``update_weights``, verl's wake-and-sync, with the unchanged
-  weights) to sample continuations. Either way the engine sleeps through the actor's forward passes, as in
-  ``PPOTrainerSync`` (``EngineUse``);
+- the estimator's stages (its ``SPEC`` in ``estimators/``) write its per-trace fields, given the step's
+  ``StepContext``: ``rredcot`` plans probes from the whole batch after verl's old-log-prob pass and scores them on the
+  actor; ``ibpo`` generates repairs through the rollout engine before that pass; ``rredcot_ibpo`` (and ``rredcot``
+  with a repair-filled bank) does both, in that order; ``segment_mc`` needs the pass's entropies for its boundaries,
+  so it wakes the engine after the pass (``update_weights``, verl's wake-and-sync, with the unchanged weights) to
+  sample continuations. Either way the engine sleeps through the actor's forward passes, as in ``PPOTrainerSync``
+  (``EngineUse``);
 - every step counts the groups that verl's agent loop lost to an exception and stops the run past
   ``algorithm.rredcot.max_failed_group_share`` (``failures.py``);
 - the advantage step passes those fields to the registered estimator (``estimators.estimator_inputs``), with the
@@ -40,7 +41,7 @@ from rredcot_verl.core.concordance import ConcordanceWindow
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration import failures, rollouts
 from rredcot_verl.core.planning import records_from_arrays
-from rredcot_verl.integration.estimators import ESTIMATORS, EngineUse, StepContext, StepTraces, estimator_inputs
+from rredcot_verl.integration.estimators import ESTIMATORS, EngineUse, Stage, StepContext, StepTraces, estimator_inputs
 from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
 from rredcot_verl.tasks import resolve_task
 
@@ -76,6 +77,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
         self.estimator = str(config.algorithm.adv_estimator)
         self.spec = ESTIMATORS.get(self.estimator)
         self.settings = settings_from_config(config.algorithm)
+        self.stages = () if self.spec is None else self.spec.stages(self.settings)
         self.task = resolve_task(self.settings.task)
         self.value_window = ConcordanceWindow(self.settings.redistribution.concordance_window)
         self.value_gate_open = True
@@ -136,7 +138,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
         self.boundary_vocab = self.settings.boundary_vocab(self.tokenizer)
 
     def step_context(self) -> StepContext:
-        """What the estimator's producer gets from this step."""
+        """What the estimator's stages get from this step (one context per step: it carries between them)."""
         return StepContext(
             settings=self.settings,
             tokenizer=self.tokenizer,
@@ -167,10 +169,13 @@ class SegmentCreditTrainer(PPOTrainerSync):
                 self.role_worker_mapping[role] = ray.remote(SegmentActorRolloutRefWorker)
 
     # ------------------------------------------------------------------------------------------------------------
+    def _stages(self, engine_uses: tuple[EngineUse, ...]) -> list[Stage]:
+        return [stage for stage in self.stages if stage.engine_use in engine_uses]
+
     def on_sample_end(self):
-        # A producer that generates before the log-prob pass needs the replicas awake until it is done; they are put
+        # A stage that generates before the log-prob pass needs the replicas awake until it is done; they are put
         # to sleep in _compute_old_log_prob, before the actor's first forward.
-        if self.spec is None or not self.spec.runs_before_log_prob_pass:
+        if not self._stages((EngineUse.BEFORE_LOG_PROB_PASS,)):
             super().on_sample_end()
 
     def _fetch(self, batch, fields) -> TensorDict:
@@ -205,13 +210,14 @@ class SegmentCreditTrainer(PPOTrainerSync):
         width = max((row.numel() for row in _rows(responses)), default=0) if responses.is_nested else responses.size(1)
         return StepTraces(records, response_width=width)
 
-    def _produce(self, batch, metrics: dict, with_entropy: bool) -> None:
-        """Run the estimator's producer on the step's traces and write its fields to the batch."""
+    def _produce(self, stage: Stage, context: StepContext, batch, metrics: dict, with_entropy: bool) -> None:
+        """Run one stage on the step's traces and write its fields of the estimator to the batch."""
         with marked_timer(f"{self.estimator}_inputs", self.timing_raw, color="purple"):
             started = time.perf_counter()
-            tensors, extra_metrics = self.spec.produce(self.step_context(), self._trace_batch(batch, with_entropy))
-            self._put(batch, {key: tensors[key] for key in self.spec.fields})
-            extra_metrics[f"{self.estimator}/inputs_time_s"] = time.perf_counter() - started
+            tensors, extra_metrics = stage.produce(context, self._trace_batch(batch, with_entropy))
+            self._put(batch, {key: tensors[key] for key in self.spec.fields if key in tensors})
+            key = f"{self.estimator}/inputs_time_s"
+            extra_metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - started
             metrics.update(extra_metrics)
 
     def _check_rollout_failures(self, metrics: dict) -> None:
@@ -231,25 +237,29 @@ class SegmentCreditTrainer(PPOTrainerSync):
             )
 
     def _compute_old_log_prob(self, batch, metrics: dict):
-        """verl's step 4 (old log-probs), with the estimator's producer before or after it (``EngineUse``)."""
+        """verl's step 4 (old log-probs), with the estimator's stages before and after it (``EngineUse``)."""
         # 1. the groups verl's agent loop lost this step: logged, and the run stopped past the configured share
         self._check_rollout_failures(metrics)
         if self.spec is None:
             return super()._compute_old_log_prob(batch, metrics)
-        # 2. a producer that needs only outcomes generates while the engine is still awake, then the engine sleeps
-        if self.spec.runs_before_log_prob_pass:
-            self._produce(batch, metrics, with_entropy=False)
+        context = self.step_context()
+        # 2. stages that need only outcomes generate while the engine is still awake, then the engine sleeps
+        before = self._stages((EngineUse.BEFORE_LOG_PROB_PASS,))
+        for stage in before:
+            self._produce(stage, context, batch, metrics, with_entropy=False)
+        if before:
             super().on_sample_end()
         # 3. verl's log-prob pass (old log-probs, entropies) with the engine asleep
         batch = super()._compute_old_log_prob(batch, metrics)
-        # 4. a producer that reads the pass: the value pass on the actor, or continuations with the engine woken by
+        # 4. stages that read the pass: the value pass on the actor, or continuations with the engine woken by
         #    verl's own wake-and-sync (the actor's weights are unchanged yet) and put to sleep again after
-        if self.spec.engine_use is EngineUse.AFTER_LOG_PROB_PASS:
-            self.checkpoint_manager.update_weights(self.global_steps)
-            self._produce(batch, metrics, with_entropy=True)
-            super().on_sample_end()
-        elif self.spec.engine_use is EngineUse.NONE:
-            self._produce(batch, metrics, with_entropy=True)
+        for stage in self._stages((EngineUse.NONE, EngineUse.AFTER_LOG_PROB_PASS)):
+            if stage.engine_use is EngineUse.AFTER_LOG_PROB_PASS:
+                self.checkpoint_manager.update_weights(self.global_steps)
+                self._produce(stage, context, batch, metrics, with_entropy=True)
+                super().on_sample_end()
+            else:
+                self._produce(stage, context, batch, metrics, with_entropy=True)
         return batch
 
     def _compute_advantage(self, batch, metrics: dict):

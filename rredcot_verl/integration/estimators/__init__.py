@@ -1,25 +1,27 @@
-"""The estimators this package adds to verl, one module each: ``rredcot``, ``segment_mc``, ``ibpo``.
+"""The estimators this package adds to verl, one module each: ``rredcot``, ``segment_mc``, ``ibpo``, ``rredcot_ibpo``.
 
-Each module defines ``SPEC`` (``base.EstimatorSpec``): the per-trace batch fields its producer writes and its advantage
-function reads, the producer (what a training step runs for it, given a ``base.StepContext``), whether and when the
-producer uses the rollout engine, and the advantage function that verl's ``compute_advantage`` calls by name.
+Each module defines ``SPEC`` (``base.EstimatorSpec``): the per-trace batch fields its stages write and its advantage
+function reads, its stages (the producers a training step runs for it, given a ``base.StepContext``, each with when
+it runs and whether it uses the rollout engine), and the advantage function that verl's ``compute_advantage`` calls
+by name.
 The trainer, the launcher and the workers read ``ESTIMATORS``; importing this package registers every advantage
 function with verl (``register_adv_est``). Adding an estimator: a module with its ``SPEC``, and its name in the tuple
 below.
 """
 
-from rredcot_verl.integration.estimators import ibpo, rredcot, segment_mc
+from rredcot_verl.integration.estimators import ibpo, rredcot, rredcot_ibpo, segment_mc
 from rredcot_verl.integration.estimators.base import (
     EngineUse,
     EstimatorSpec,
+    Stage,
     StepContext,
     StepTraces,
     estimator_inputs,
     register,
 )
 
-ESTIMATORS: dict[str, EstimatorSpec] = {module.SPEC.name: module.SPEC for module in (rredcot, segment_mc, ibpo)}
+ESTIMATORS: dict[str, EstimatorSpec] = {module.SPEC.name: module.SPEC for module in (rredcot, segment_mc, ibpo, rredcot_ibpo)}
 for _spec in ESTIMATORS.values():
     register(_spec)
 
-__all__ = ["ESTIMATORS", "EngineUse", "EstimatorSpec", "StepContext", "StepTraces", "estimator_inputs", "register"]
+__all__ = ["ESTIMATORS", "EngineUse", "EstimatorSpec", "Stage", "StepContext", "StepTraces", "estimator_inputs", "register"]

@@ -29,12 +29,13 @@ from rredcot_verl.core.settings import RRedCoTSettings, settings_from_config
 
 
 class EngineUse(enum.Enum):
-    """When a producer generates with the rollout engine, relative to verl's old-log-prob pass.
+    """When a stage runs relative to verl's old-log-prob pass, and whether it generates with the rollout engine.
 
     The engine's weights and KV cache must not sit beside the actor's log-prob micro-batches (on a GPU they hold
-    ``rollout.gpu_memory_utilization`` of its memory), so a producer generates while the engine is still awake from
-    the rollouts (``BEFORE_LOG_PROB_PASS``), or wakes it after the pass (``AFTER_LOG_PROB_PASS``, for a producer that
-    reads the pass's outputs); the engine sleeps again before the next actor forward.
+    ``rollout.gpu_memory_utilization`` of its memory), so a stage generates while the engine is still awake from
+    the rollouts (``BEFORE_LOG_PROB_PASS``), or wakes it after the pass (``AFTER_LOG_PROB_PASS``, for a stage that
+    reads the pass's outputs); the engine sleeps again before the next actor forward. ``NONE``: after the pass,
+    without generating (it may run the actor's value pass).
     """
 
     NONE = "none"
@@ -76,6 +77,8 @@ class StepContext:
         rollout: builds the generation context (``rollouts.RolloutContext``: the engine's client, the rule reward,
             length budgets) for producers that generate.
         value_pass: the actor workers' ``compute_segment_data`` (``workers.py``), for producers that score probes.
+        carry: what one stage of this step leaves for a later one (e.g. ``VERIFIED_REPAIRS``), empty at the start
+            of every step.
     """
 
     settings: RRedCoTSettings
@@ -86,10 +89,20 @@ class StepContext:
     temperature: float
     rollout: Callable[[], Any]
     value_pass: Callable[[DataProto], DataProto]
+    carry: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-# A producer returns the estimator's per-trace tensors (rows in batch order) and step metrics.
+# A producer returns per-trace tensors (rows in batch order; the trainer keeps those among the spec's ``fields``) and
+# step metrics.
 Producer = Callable[[StepContext, StepTraces], tuple[dict[str, torch.Tensor], dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One producer of a training step, and where it runs (``EngineUse``)."""
+
+    produce: Producer
+    engine_use: EngineUse
 # verl's advantage-function signature: (token_level_rewards, response_mask, index, config) -> (advantages, returns).
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -100,27 +113,22 @@ class EstimatorSpec:
 
     Attributes:
         name: ``algorithm.adv_estimator``.
-        fields: per-trace batch keys its producer writes and its advantage function reads.
-        engine_use: whether and when the producer generates (``EngineUse``); a producer that runs after verl's
-            old-log-prob pass may read the pass's ``entropy`` (the trace batch carries it then).
-        produce: runs on the step's traces (``StepTraces``) with a ``StepContext``.
+        fields: per-trace batch keys its stages write and its advantage function reads.
+        stages: its producers for given ``algorithm.rredcot`` settings, in the order they run (each on the step's
+            ``StepTraces`` with the step's ``StepContext``). Stages before verl's old-log-prob pass come first; a
+            stage after the pass may read the pass's ``entropy`` (the trace batch carries it then).
         advantage: registered with verl under ``name``.
-        uses_value_pass: the producer scores probes on the actor workers (``StepContext.value_pass``).
+        uses_value_pass: a stage scores probes on the actor workers (``StepContext.value_pass``).
         whole_traces_per_rank: its inputs are computed on whole traces (segment boundaries, the actor's value pass),
             so Ulysses sequence parallelism is refused at launch.
     """
 
     name: str
     fields: tuple[str, ...]
-    engine_use: EngineUse
-    produce: Producer
+    stages: Callable[[RRedCoTSettings], tuple[Stage, ...]]
     advantage: AdvantageFn
     uses_value_pass: bool
     whole_traces_per_rank: bool
-
-    @property
-    def runs_before_log_prob_pass(self) -> bool:
-        return self.engine_use is EngineUse.BEFORE_LOG_PROB_PASS
 
 
 def register(spec: EstimatorSpec) -> None:

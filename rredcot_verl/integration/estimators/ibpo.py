@@ -8,16 +8,38 @@ from typing import Any
 
 import torch
 
-from rredcot_verl.core.ibpo import shaped_advantages
+from rredcot_verl.core.ibpo import IBPOSettings, shaped_advantages
 from rredcot_verl.integration import rollouts
-from rredcot_verl.integration.estimators.base import EngineUse, EstimatorSpec, StepContext, StepTraces, settings_for, step_inputs
+from rredcot_verl.integration.estimators.base import (
+    EngineUse,
+    EstimatorSpec,
+    Stage,
+    StepContext,
+    StepTraces,
+    settings_for,
+    step_inputs,
+)
 
 IBPO_FIELDS = ("ibpo_phi", "ibpo_edited_mask")
+# StepContext.carry key: per prompt group, the token ids of its verified repairs (for a repair-filled value bank).
+VERIFIED_REPAIRS = "verified_repairs"
 
 
 def repairs(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Repairs need only the traces and their outcomes: generated while the engine is still awake from the rollouts."""
-    return rollouts.ibpo_repairs(ctx.rollout(), traces)
+    """Repairs need only the traces and their outcomes: generated while the engine is still awake from the rollouts.
+    The verified ones are left in ``ctx.carry`` for a later stage's reference bank."""
+    tensors, metrics, verified = rollouts.ibpo_repairs(ctx.rollout(), traces)
+    ctx.carry[VERIFIED_REPAIRS] = verified
+    return tensors, metrics
+
+
+REPAIR_STAGE = Stage(repairs, EngineUse.BEFORE_LOG_PROB_PASS)
+
+
+def ibpo_settings(config) -> tuple[Any, Any, IBPOSettings]:
+    """``algorithm.rredcot``, its redistribution and IBPO sections, both with verl's ``norm_adv_by_std_in_grpo``."""
+    settings, redistribution = settings_for(config)
+    return settings, redistribution, dataclasses.replace(settings.ibpo, norm_adv_by_std=redistribution.norm_adv_by_std)
 
 
 def compute_ibpo_advantage(
@@ -34,8 +56,7 @@ def compute_ibpo_advantage(
         advantages (bs, T), returns (bs, T).
     """
     record = step_inputs("ibpo", IBPO_FIELDS, index)
-    settings, redistribution = settings_for(config)
-    cfg = dataclasses.replace(settings.ibpo, norm_adv_by_std=redistribution.norm_adv_by_std)
+    settings, _, cfg = ibpo_settings(config)
     result = shaped_advantages(
         token_level_rewards.sum(dim=-1),
         response_mask,
@@ -52,8 +73,7 @@ def compute_ibpo_advantage(
 SPEC = EstimatorSpec(
     name="ibpo",
     fields=IBPO_FIELDS,
-    engine_use=EngineUse.BEFORE_LOG_PROB_PASS,
-    produce=repairs,
+    stages=lambda settings: (REPAIR_STAGE,),
     advantage=compute_ibpo_advantage,
     uses_value_pass=False,
     whole_traces_per_rank=False,

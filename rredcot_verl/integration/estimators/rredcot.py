@@ -1,5 +1,7 @@
 """``rredcot``: the policy values each segment boundary (probes scored on the actor, no generation), and the outcome
-is redistributed as differences of consecutive values (``core.redistribution``)."""
+is redistributed as differences of consecutive values (``core.redistribution``). With ``candidates.source:
+group_and_repairs`` IBPO's repairs are generated first (``ibpo.REPAIR_STAGE``) and the verified ones fill the
+reference bank of every group without a correct trace."""
 
 from __future__ import annotations
 
@@ -11,17 +13,20 @@ import torch
 from verl import DataProto
 from verl.utils.metric import reduce_metrics
 
-from rredcot_verl.core.planning import plan_traces
+from rredcot_verl.core.planning import bank_metrics, plan_traces
 from rredcot_verl.core.redistribution import redistribute
+from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration.estimators.base import (
     EngineUse,
     EstimatorSpec,
+    Stage,
     StepContext,
     StepTraces,
     object_array,
     settings_for,
     step_inputs,
 )
+from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE, VERIFIED_REPAIRS
 
 # Written by the actor's value pass (``workers.py``) or by ``segment_mc``'s continuations; read by the redistribution.
 SEGMENT_FIELDS = ("seg_ends", "seg_raw_values")
@@ -35,8 +40,9 @@ def segment_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torc
         traces: the step's traces, with the log-prob pass's entropies.
     """
     plans = plan_traces(
-        traces.records, ctx.settings, ctx.tokenizer, ctx.task, vocab=ctx.boundary_vocab, temperature=ctx.temperature
-    )
+        traces.records, ctx.settings, ctx.tokenizer, ctx.task, vocab=ctx.boundary_vocab, temperature=ctx.temperature,
+        repairs=ctx.carry.get(VERIFIED_REPAIRS),
+    )  # fmt: skip
     if ctx.settings.snapshot_dir:
         # The exact inputs of this step's value pass, to re-score offline (any model, any number of processes).
         os.makedirs(ctx.settings.snapshot_dir, exist_ok=True)
@@ -51,7 +57,17 @@ def segment_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torc
     )
     output = ctx.value_pass(request)
     # verl's concat turns each rank's metrics dict into a dict of lists; average over ranks.
-    return {key: output.batch[key] for key in SEGMENT_FIELDS}, reduce_metrics(output.meta_info.get("metrics", {}))
+    metrics = reduce_metrics(output.meta_info.get("metrics", {}))
+    metrics.update(bank_metrics(plans, [record.group for record in traces.records]))
+    return {key: output.batch[key] for key in SEGMENT_FIELDS}, metrics
+
+
+VALUE_STAGE = Stage(segment_values, EngineUse.NONE)
+
+
+def value_stages(settings: RRedCoTSettings) -> tuple[Stage, ...]:
+    """The value pass, after IBPO's repairs when they fill the bank."""
+    return (REPAIR_STAGE, VALUE_STAGE) if settings.candidates.uses_repairs else (VALUE_STAGE,)
 
 
 def redistributed_advantage(name: str, token_level_rewards, response_mask, index, config):
@@ -68,12 +84,18 @@ def redistributed_advantage(name: str, token_level_rewards, response_mask, index
         reward_range=settings.reward_range,
         prior_concordance=record["prior_concordance"],
     )
-    record["metrics"].update({f"{name}/{k}": v for k, v in result.metrics.items()})
+    record_redistribution(name, record, result, result.metrics)
+    return result.advantages, result.returns
+
+
+def record_redistribution(name: str, record: dict, result, metrics: dict[str, float]) -> None:
+    """A redistribution's metrics (under ``name/``) and per-trace details (the credit report, the value gate's
+    window) into the step record."""
+    record["metrics"].update({f"{name}/{k}": v for k, v in metrics.items()})
     record["details"].update(
         values=result.values, segment_rewards=result.segment_rewards, fallback=result.fallback,
         concordance=result.concordance,
     )  # fmt: skip
-    return result.advantages, result.returns
 
 
 def compute_rredcot_advantage(
@@ -92,8 +114,7 @@ def compute_rredcot_advantage(
 SPEC = EstimatorSpec(
     name="rredcot",
     fields=SEGMENT_FIELDS,
-    engine_use=EngineUse.NONE,
-    produce=segment_values,
+    stages=value_stages,
     advantage=compute_rredcot_advantage,
     uses_value_pass=True,
     whole_traces_per_rank=True,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from rredcot_verl.integration import rollouts
-from rredcot_verl.integration.estimators.base import EngineUse, EstimatorSpec, StepContext, StepTraces
+from rredcot_verl.integration.estimators.base import EngineUse, EstimatorSpec, Stage, StepContext, StepTraces
 from rredcot_verl.integration.estimators.rredcot import SEGMENT_FIELDS, redistributed_advantage
 
 
@@ -25,12 +25,13 @@ def compute_segment_mc_advantage(
     return redistributed_advantage("segment_mc", token_level_rewards, response_mask, index, config)
 
 
+# Its boundaries need the pass's entropies: the engine is woken after the pass.
+CONTINUATION_STAGE = Stage(continuation_values, EngineUse.AFTER_LOG_PROB_PASS)
+
 SPEC = EstimatorSpec(
     name="segment_mc",
     fields=SEGMENT_FIELDS,
-    # Its boundaries need the pass's entropies: the engine is woken after the pass.
-    engine_use=EngineUse.AFTER_LOG_PROB_PASS,
-    produce=continuation_values,
+    stages=lambda settings: (CONTINUATION_STAGE,),
     advantage=compute_segment_mc_advantage,
     uses_value_pass=False,
     whole_traces_per_rank=True,
