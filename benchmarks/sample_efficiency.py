@@ -34,7 +34,13 @@ Methods (``METHODS``; variants are hydra overrides on a recipe):
 * ``rredcot_exit_probe``: the answer-forcing exit probe as value source (affine value mapping, the default for
   probability-scale values);
 * ``rredcot_group``: reference continuations from the group's own correct traces only (``candidates.source=group``);
-* ``rredcot_ground_truth``: from the dataset reference only (``candidates.source=ground_truth``).
+* ``rredcot_ground_truth``: from the dataset reference only (``candidates.source=ground_truth``);
+* added later, at GRPO's learning rate, after the gradient-quality comparison chose them, none needing reference
+  solutions: ``rredcot_ibpo`` (the fused estimator's recipe, ``recipes/tiny_cpu/rredcot_ibpo.yaml``),
+  ``rredcot_repairs_degenerate`` (``rredcot`` on the same repair-filled bank, with
+  ``degenerate_groups=value_differences``, without which the repairs, which fill only groups with no correct trace,
+  change nothing) and ``rredcot_exit_probe_gated`` (the exit probe with the value gate on, explicitly at its default
+  0.6).
 
 Task settings (``SETTINGS``; the parameters are written to the JSON):
 
@@ -131,6 +137,14 @@ METHOD_SPECS = {
     "rredcot_ground_truth": Method("rredcot", (f"{_RREDCOT}.candidates.source=ground_truth",)),
     "ibpo": Method("ibpo"),
     "segment_mc": Method("segment_mc"),
+    # Added after the study above, chosen by benchmarks/gradient_quality.py (RESULTS.md §4): no reference
+    # solutions, GRPO's rate.
+    "rredcot_ibpo": Method("rredcot_ibpo"),
+    "rredcot_repairs_degenerate": Method("rredcot_ibpo", ("algorithm.adv_estimator=rredcot",
+                                                         f"{_RREDCOT}.redistribution.degenerate_groups=value_differences")),
+    "rredcot_exit_probe_gated": Method("rredcot", (f"{_RREDCOT}.probe.value_source=exit_probe",
+                                                   f"{_RREDCOT}.redistribution.value_mapping=affine",
+                                                   f"{_RREDCOT}.redistribution.min_value_concordance=0.6")),
 }
 METHODS = tuple(METHOD_SPECS)
 
@@ -161,6 +175,9 @@ SWEEP_DATA_SEED = 1  # generator stream of the sweep's problems; the main runs' 
 # segment_mc is rredcot's redistribution on Monte-Carlo values, and its steps cost about 5x GRPO's: a sweep of its own
 # would take longer than all the others together, so it trains at the learning rate chosen for rredcot.
 LEARNING_RATE_FROM = {"segment_mc": "rredcot"}
+# The methods added later take GRPO's rate: a user swaps the estimator, not the learning rate.
+LEARNING_RATE_FROM.update({method: "grpo" for method in ("rredcot_ibpo", "rredcot_repairs_degenerate",
+                                                         "rredcot_exit_probe_gated")})
 MAIN_DATA_SEED = 0
 LR_KEY = "actor_rollout_ref.actor.optim.lr"
 RESULTS_PATH = RESULTS_DIR / "sample_efficiency.json"
@@ -393,6 +410,8 @@ DIAGNOSTIC_KEYS = (
     "rredcot/degenerate_groups", "rredcot/traces_without_candidates",
     "ibpo/repair_success_rate", "ibpo/masked_token_frac", "ibpo/phi_mean_incorrect",
     "segment_mc/truncated_continuations",
+    "rredcot/value_gate_open", "rredcot_ibpo/value_gate_open", "rredcot_ibpo/credit_from_values_frac",
+    "rredcot/bank_groups_from_traces", "rredcot/bank_groups_from_repairs", "rredcot/bank_groups_empty",
 )
 FALLBACK_PREFIX, FALLBACK_TOTAL = "rredcot/fallback/", "rredcot/fallback_total"  # the per-reason counts, summed
 DIAGNOSTIC_WINDOW = 10
