@@ -173,3 +173,18 @@ def test_value_gate_window_is_written_before_verl_declares_the_checkpoint_comple
     saved = json.loads((tmp_path / "global_step_1" / VALUE_GATE_FILE).read_text())
     assert saved == {"previous_batches": trainer.value_window.state_dict()}
     assert os.path.isfile(tmp_path / "latest_checkpointed_iteration.txt")
+
+
+@pytest.mark.parametrize("estimator, fallback", [("rredcot", "GRPO's advantage"), ("rredcot_ibpo", "IBPO's advantage")])
+def test_the_log_says_when_the_value_gate_closes_and_what_the_batch_trains_with(estimator, fallback, monkeypatch, caplog):
+    trainer, _ = _trainer(estimator, [], monkeypatch)
+    trainer.value_gate_open = True
+    closed = {f"{estimator}/value_gate_open": 0.0, f"{estimator}/value_concordance_pooled": 0.54}
+    with caplog.at_level("WARNING", logger=trainer_module.logger.name):
+        trainer._report_value_gate(closed)
+        trainer._report_value_gate(closed)  # still closed: said once
+        trainer._report_value_gate({f"{estimator}/value_gate_open": 1.0})
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2
+    assert "value gate closed (pooled value-outcome concordance 0.540, threshold 0.6)" in messages[0]
+    assert f"this batch trains with {fallback}" in messages[0] and "value gate opened" in messages[1]

@@ -129,15 +129,19 @@ class _GroupBank:
     correct_steps: list[tuple[list[str], str]] = field(default_factory=list)
     sources: set[str] = field(default_factory=set)
 
-    def add_correct(self, steps: list[str], answer: str, source: str) -> None:
-        """A correct solution (its thinking steps and answer) from ``source``."""
+    def add_answer(self, answer: str, source: str) -> None:
+        """A correct answer from ``source`` (scored by exit probes)."""
         if answer not in self.correct_answers:
             self.correct_answers.append(answer)
         if answer not in self.all_answers:
             self.all_answers.append(answer)
+        self.sources.add(source)
+
+    def add_correct(self, steps: list[str], answer: str, source: str) -> None:
+        """A correct solution from ``source``: its answer and its thinking steps (a reference continuation)."""
+        self.add_answer(answer, source)
         if (steps, answer) not in self.correct_steps:
             self.correct_steps.append((steps, answer))
-        self.sources.add(source)
 
 
 def _thinking_text(text: str, profile: ProbeProfile, opened_by_prompt: bool) -> str:
@@ -181,9 +185,7 @@ def _group_banks(traces, texts, opened, settings: RRedCoTSettings, task: TaskAda
             if trace.reference_steps is not None:
                 bank.add_correct(list(trace.reference_steps), truth, BANK_FROM_DATASET)
             else:  # an answer to score (exit probes), no continuation
-                bank.correct_answers += [truth] * (truth not in bank.correct_answers)
-                bank.all_answers += [truth] * (truth not in bank.all_answers)
-                bank.sources.add(BANK_FROM_DATASET)
+                bank.add_answer(truth, BANK_FROM_DATASET)
     for bank in banks.values():
         # An answer written differently from a correct one but equal to it (0.5 and 1/2) is rewarded like it: it
         # is a correct candidate, not a competitor in the self-normalising denominator.

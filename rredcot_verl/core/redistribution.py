@@ -305,8 +305,9 @@ def redistribute(
     window has a comparison).
     Metrics (floats): ``redistributed_frac``; ``fallback/{empty,singleton_group,outside_reward_range,zero_return,
     missing_segments,nonfinite,against_shaped_advantage,low_value_concordance}`` (trace counts, each trace counted
-    under its first reason in that order; ``against_shaped_advantage`` only with ``shaped_scores``); ``value_gate_open`` (1 or 0), ``value_concordance_comparisons`` (this batch's) and, when there are
-    comparisons, ``value_concordance`` (this batch) and ``value_concordance_pooled`` (the window's);
+    under its first reason in that order; ``against_shaped_advantage`` only with ``shaped_scores``);
+    ``value_gate_open`` (1 or 0), ``value_concordance_comparisons`` (this batch's) and, when there are comparisons,
+    ``value_concordance`` (this batch) and ``value_concordance_pooled`` (the window's);
     ``degenerate_groups`` (groups of two or more where every outcome equals the mean);
     ``degenerate_groups_with_signal`` (of those, groups where some trace got a nonzero advantage from value
     differences); ``affine_flat_traces`` / ``affine_gain_traces`` (redistributed traces whose values were

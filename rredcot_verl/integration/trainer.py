@@ -286,7 +286,8 @@ class SegmentCreditTrainer(PPOTrainerSync):
                 "%s step %d: value gate %s (pooled value-outcome concordance %s, threshold %s)%s",
                 self.estimator, self.global_steps, "opened" if is_open else "closed",
                 "n/a" if pooled is None else f"{pooled:.3f}", self.settings.redistribution.min_value_concordance,
-                "" if is_open else ": this batch trains with GRPO's advantages; see docs/choices.md, 'Value gate'",
+                "" if is_open else f": this batch trains with {self.spec.fallback_advantage}; see docs/choices.md, "
+                "'Value gate'",
             )  # fmt: skip
         self.value_gate_open = is_open
 

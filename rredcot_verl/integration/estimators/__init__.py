@@ -20,8 +20,12 @@ from rredcot_verl.integration.estimators.base import (
     register,
 )
 
-ESTIMATORS: dict[str, EstimatorSpec] = {module.SPEC.name: module.SPEC for module in (rredcot, segment_mc, ibpo, rredcot_ibpo)}
+ESTIMATORS: dict[str, EstimatorSpec] = {
+    module.SPEC.name: module.SPEC for module in (rredcot, segment_mc, ibpo, rredcot_ibpo)
+}
 for _spec in ESTIMATORS.values():
     register(_spec)
 
-__all__ = ["ESTIMATORS", "EngineUse", "EstimatorSpec", "Stage", "StepContext", "StepTraces", "estimator_inputs", "register"]
+__all__ = [
+    "ESTIMATORS", "EngineUse", "EstimatorSpec", "Stage", "StepContext", "StepTraces", "estimator_inputs", "register",
+]

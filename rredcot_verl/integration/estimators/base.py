@@ -103,6 +103,8 @@ class Stage:
 
     produce: Producer
     engine_use: EngineUse
+
+
 # verl's advantage-function signature: (token_level_rewards, response_mask, index, config) -> (advantages, returns).
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -121,6 +123,7 @@ class EstimatorSpec:
         uses_value_pass: a stage scores probes on the actor workers (``StepContext.value_pass``).
         whole_traces_per_rank: its inputs are computed on whole traces (segment boundaries, the actor's value pass),
             so Ulysses sequence parallelism is refused at launch.
+        fallback_advantage: what a trace gets where its values decide nothing (a closed value gate, in the log).
     """
 
     name: str
@@ -129,6 +132,7 @@ class EstimatorSpec:
     advantage: AdvantageFn
     uses_value_pass: bool
     whole_traces_per_rank: bool
+    fallback_advantage: str = "GRPO's advantage"
 
 
 def register(spec: EstimatorSpec) -> None:

@@ -55,4 +55,5 @@ SPEC = EstimatorSpec(
     advantage=compute_rredcot_ibpo_advantage,
     uses_value_pass=True,
     whole_traces_per_rank=True,
+    fallback_advantage="IBPO's advantage",
 )
