@@ -27,18 +27,21 @@ from rredcot_verl.tasks.math_reward import compute_score
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# recipe -> (folder under recipes/, model family, data folder the recipe reads under $DATA_DIR, estimator override)
+# recipe -> (folder under recipes/, model family, data folder the recipe reads under $DATA_DIR, estimator overrides)
 RECIPES = {
-    "qwen3_4b_numina_grpo": ("paper", "qwen3", "numina", None),
-    "qwen3_4b_numina_rredcot": ("paper", "qwen3", "numina", None),
-    "r1_distill_1p5b_openrs_rredcot": ("paper", "r1_distill", "open_rs", None),
-    # The one-GPU recipe's comparison runs grpo, rredcot and ibpo; the paper recipes cover the first two.
-    "qwen3_0p6b_gsm8k": ("gpu_single", "qwen3", "gsm8k", "ibpo"),
+    "qwen3_4b_numina_grpo": ("paper", "qwen3", "numina", {}),
+    "qwen3_4b_numina_rredcot": ("paper", "qwen3", "numina", {}),
+    "r1_distill_1p5b_openrs_rredcot": ("paper", "r1_distill", "open_rs", {}),
+    # The one-GPU recipe's comparison runs grpo, rredcot, ibpo and rredcot_ibpo without the dataset's solutions; the
+    # paper recipes cover the first two, this run the last (IBPO's repairs and the value pass, on a chat template).
+    "qwen3_0p6b_gsm8k": ("gpu_single", "qwen3", "gsm8k",
+                         {"algorithm.adv_estimator": "rredcot_ibpo",
+                          "algorithm.rredcot.candidates.source": "group_and_repairs"}),
 }
 
 # What a miniature run may change, and why: the model (a tiny one of the family, built here), lengths and batch
 # sizes (CPU scale), devices and workers (one CPU box), the number of steps and validation (time), output paths and
-# loggers (no wandb here), and the estimator of the one-GPU recipe (it is meant to be swapped).
+# loggers (no wandb here), and the estimator of the one-GPU recipe with its bank (compare.sh swaps them).
 PERMITTED_OVERRIDES = frozenset(
     {
         "actor_rollout_ref.model.path",
@@ -59,6 +62,7 @@ PERMITTED_OVERRIDES = frozenset(
         "trainer.rollout_data_dir",
         "trainer.logger",
         "algorithm.adv_estimator",
+        "algorithm.rredcot.candidates.source",
     }
 )
 STEPS = 2
@@ -67,7 +71,6 @@ RUN_TIMEOUT_S = 900
 
 def miniature_overrides(recipe: str, build: Path, out: Path) -> dict[str, object]:
     """The overrides a miniature run of ``recipe`` passes (each key must be in ``PERMITTED_OVERRIDES``)."""
-    estimator = RECIPES[recipe][3]
     overrides = {
         "actor_rollout_ref.model.path": str(build / "model"),
         "data.max_prompt_length": 192,
@@ -87,9 +90,7 @@ def miniature_overrides(recipe: str, build: Path, out: Path) -> dict[str, object
         "trainer.rollout_data_dir": str(out / "rollouts"),
         "trainer.logger": "[console,file]",
     }
-    if estimator is not None:
-        overrides["algorithm.adv_estimator"] = estimator
-    return overrides
+    return {**overrides, **RECIPES[recipe][3]}
 
 
 def _as_cli(overrides: dict) -> list[str]:
@@ -177,13 +178,17 @@ def test_recipe_trains_in_miniature(recipe, miniatures, tmp_path):
         assert row["rollout/failed_groups"] == 0 and row["rollout/missing_traces"] == 0
         for key in ("actor/grad_norm", "actor/pg_loss", "critic/advantages/mean", "critic/score/mean"):
             assert math.isfinite(float(row[key])), (key, row[key])
-    estimator = RECIPES[recipe][3] or ("grpo" if recipe.endswith("_grpo") else "rredcot")
-    if estimator == "rredcot":
-        assert all(row["rredcot/fallback/nonfinite"] == 0 for row in rows)
-        assert any(row["rredcot/redistributed_frac"] > 0 for row in rows), "no trace was redistributed"
-    if estimator == "ibpo":
+    estimator = RECIPES[recipe][3].get("algorithm.adv_estimator") or ("grpo" if recipe.endswith("_grpo") else "rredcot")
+    if estimator in ("rredcot", "rredcot_ibpo"):
+        assert all(row[f"{estimator}/fallback/nonfinite"] == 0 for row in rows)
+        assert any(row[f"{estimator}/redistributed_frac"] > 0 for row in rows), "no trace was redistributed"
+    if estimator == "rredcot_ibpo":
         assert all(row["ibpo/incorrect_traces"] > 0 for row in rows)
         assert any(row["ibpo/revisions"] > 0 for row in rows)
+        groups = miniature_overrides(recipe, build, out)["data.train_batch_size"]
+        for row in rows:  # no reference solutions: every group's bank is its own traces, its repairs, or empty
+            assert row["rredcot/bank_groups_from_dataset"] == 0
+            assert sum(row[f"rredcot/bank_groups_{kind}"] for kind in ("from_traces", "from_repairs", "empty")) == groups
 
     # The reward workers ran the recipe's reward (math-verify, off the main thread) on parsed answers: their scores
     # equal the function's, recomputed here, and some responses had a boxed answer to parse.
