@@ -114,7 +114,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta
+from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta, write_result
 from benchmarks.cost import launch_run, read_metrics
 from rredcot_verl.tasks import TASKS, ArithmeticTaskConfig, load_model_dir, write_parquet
 from rredcot_verl.tasks.build import DEFAULT_N_TRAIN
@@ -879,12 +879,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print("chosen learning rates: " + ", ".join(f"{m} {v['lr']}" for m, v in lrs.items()))
     print_table(result)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    result = write_result(result, out)
     if result["methods"]:
         plot(result, out.parent / ("curves.png" if args.setting == "default" else f"curves_{args.setting}.png"))
-    print(f"wrote {out}")
-    result["out"] = str(out)
     return result
 
 
