@@ -16,7 +16,8 @@ gives:
 
 Registered names (``TASKS``): ``arithmetic`` (the embedded task, one step per line, integer answers), ``boxed_math``
 (competition maths: math-verify equivalence, blank-line separated paragraphs), ``paragraphs`` (exact answers,
-paragraphs). ``resolve_task`` also accepts ``module:attr``.
+paragraphs), ``code`` (Python programs judged by tests: ``tasks/code.py``, which also says which value sources it
+refuses). ``resolve_task`` also accepts ``module:attr``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Callable
 
 from rredcot_verl.tasks.arithmetic import THINK_CLOSE, THINK_OPEN, ArithmeticProblem
 from rredcot_verl.tasks.arithmetic import first_wrong_step as arithmetic_first_wrong_step
+from rredcot_verl.tasks.code import equivalent_programs, extract_program
 from rredcot_verl.tasks.reward import extract_boxed_answer
 
 StepSpan = tuple[int, tuple[int, int]]
@@ -165,7 +167,15 @@ PARAGRAPHS = Task(
     split_steps=split_paragraphs,
     step_separator="\n\n",
 )
-TASKS: dict[str, Task] = {task.name: task for task in (ARITHMETIC, BOXED_MATH, PARAGRAPHS)}
+CODE = Task(
+    name="code",
+    extract_answer=extract_program,
+    answer_text=lambda truth: str(truth),  # tests, not a program: read by no value source this task accepts
+    equivalent=equivalent_programs,
+    split_steps=split_paragraphs,
+    step_separator="\n\n",
+)
+TASKS: dict[str, Task] = {task.name: task for task in (ARITHMETIC, BOXED_MATH, PARAGRAPHS, CODE)}
 
 
 def resolve_task(spec: str) -> Task:
