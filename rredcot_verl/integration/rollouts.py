@@ -5,19 +5,25 @@ before verl's old-log-prob pass, continuations after it (they need its entropies
 (``StepTraces``) and a ``RolloutContext``: a ``generate`` function (the trainer passes one over verl's
 ``LLMServerClient``; tests pass a fake), the step's rule reward, the tokenizer and the settings. Token accounting is
 returned as metrics so the cost can be compared with GRPO.
+
+Every extra generation is judged with the reward verl gives the rollouts (:func:`reward_function`), and revision
+prompts are rendered with the dataset's ``data.apply_chat_template_kwargs`` as the rollouts' prompts are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from verl.utils.import_utils import load_extern_object
+from verl.trainer.ppo.reward import get_custom_reward_fn
+from verl.utils.tokenizer import normalize_token_ids
+from verl.utils.tokenizer.chat_template import apply_chat_template
 
 from rredcot_verl.core import ibpo, montecarlo, outcomes
 from rredcot_verl.core.planning import TraceRecord
@@ -37,7 +43,8 @@ class RolloutContext:
 
     Attributes:
         generate: runs every (prompt ids, sampling params) request; returns outputs with ``token_ids``.
-        score: verl's rule reward ``score(data_source, solution_str, ground_truth, extra_info) -> float``.
+        score: the rollouts' reward ``score(data_source, solution_str, ground_truth, extra_info) -> float`` (the
+            trainer passes :func:`reward_function`'s).
         tokenizer: the policy's tokenizer.
         settings: ``algorithm.rredcot``.
         max_prompt_length / max_response_length: ``data.max_prompt_length`` / ``data.max_response_length``.
@@ -47,6 +54,8 @@ class RolloutContext:
             reference and so cannot live within ``data.max_prompt_length``. None: ``max_prompt_length +
             max_response_length``, a context every engine serving the step's rollouts provides (verl's vLLM server
             may provide more), so nothing is sent that the server would have to cut short.
+        chat_template_kwargs: ``data.apply_chat_template_kwargs``, which verl renders the rollouts' prompts with (e.g.
+            Qwen3's ``enable_thinking``); revision prompts get them too.
     """
 
     generate: GenerateFn
@@ -57,12 +66,22 @@ class RolloutContext:
     max_response_length: int
     seed: int
     max_model_length: int | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
 
     def engine_length(self) -> int:
         """The context a request (prompt + generated tokens) may fill."""
         if self.max_model_length is None:
             return self.max_prompt_length + self.max_response_length
         return self.max_model_length
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat prompt as verl's agent loop renders a rollout's (``ContinuousTokenBuilder.
+        render_prompt``: verl's ``apply_chat_template`` with the dataset's kwargs, then ``normalize_token_ids``)."""
+        return normalize_token_ids(
+            apply_chat_template(
+                self.tokenizer, messages, tokenize=True, add_generation_prompt=True, **self.chat_template_kwargs
+            )
+        )
 
 
 def engine_max_model_length(config) -> int:
@@ -85,16 +104,71 @@ def engine_max_model_length(config) -> int:
     return get_max_position_embeddings(hf_config)
 
 
-def reward_function(config):
-    """The step's rule reward (``compute_score(data_source, solution_str, ground_truth, extra_info)``)."""
-    custom = config.reward.get("custom_reward_function", {}) or {}
-    path = custom.get("path")
-    if not path:
+# verl 0.9.1's reward managers (experimental/reward_loop/reward_manager/) whose run_single returns the reward
+# function's own result (dapo: without its overlong penalty, checked below); rate_limited scores errors and timeouts 0
+# and an importlib manager may do anything. The managers' additions to extra_info (num_turns, the agent loop's fields)
+# are not reproduced: they describe the rollout's agent loop, which extra generations do not run.
+_SCORE_PRESERVING_MANAGERS = ("naive", "dapo", "gdpo", "remote")
+
+
+def reward_manager_refusal(config) -> str | None:
+    """Why the extra generations could not be judged as verl's reward manager judges the rollouts, or None.
+
+    Args:
+        config: verl's full trainer config.
+    """
+    manager = config.reward.get("reward_manager", None) or {}
+    source, manager_name = manager.get("source", "register"), manager.get("name", "naive")  # verl's defaults
+    name = f"reward.reward_manager (source={source}, name={manager_name})"
+    if source != "register" or manager_name not in _SCORE_PRESERVING_MANAGERS:
+        return (
+            f"{name} may score a rollout otherwise than its reward function does, and extra generations (repairs, "
+            f"continuations) are judged by the reward function: use one of {', '.join(_SCORE_PRESERVING_MANAGERS)}"
+        )
+    overlong = (config.reward.get("reward_kwargs", None) or {}).get("overlong_buffer_cfg", None)
+    if manager_name == "dapo" and overlong is not None and overlong.get("enable", False):
+        # DAPO's penalty depends on the response's token count against reward.reward_kwargs.max_resp_len, a budget
+        # the rollouts have but repairs (revision budget) and continuations (prefix + continuation) do not share.
+        return (
+            f"{name} with reward.reward_kwargs.overlong_buffer_cfg.enable=true penalises long rollouts, a penalty "
+            "extra generations (repairs, continuations) would not get: set it to false"
+        )
+    return None
+
+
+def reward_function(config) -> Callable[[Any, str, Any, Any], float]:
+    """The reward verl gives a rollout, as ``score(data_source, solution_str, ground_truth, extra_info) -> float``.
+
+    The function is verl's own ``get_custom_reward_fn`` (``reward.custom_reward_function``: path, name and
+    ``reward_kwargs``), called as verl's reward managers call it: by keyword, awaited when it is a coroutine
+    function, a dict result read at ``"score"``; the score is then rounded to float32 as verl's ``rm_scores`` holds
+    it (the rollouts' outcomes are read from there). Raises ValueError without a custom reward function or with a
+    reward manager whose score differs from the function's (:func:`reward_manager_refusal`).
+
+    Args:
+        config: verl's full trainer config.
+    """
+    refusal = reward_manager_refusal(config)
+    if refusal:
+        raise ValueError(refusal)
+    compute_score = get_custom_reward_fn(config)
+    if compute_score is None:
         raise ValueError(
             f"adv_estimator={config.algorithm.adv_estimator!r} scores its extra rollouts with the rule reward: set "
             "reward.custom_reward_function.path (and .name, default compute_score)"
         )
-    return load_extern_object(path, custom.get("name") or "compute_score")
+    is_async = inspect.iscoroutinefunction(compute_score)
+
+    def score(data_source, solution_str: str, ground_truth, extra_info) -> float:
+        kwargs = {"data_source": data_source, "solution_str": solution_str, "ground_truth": ground_truth,
+                  "extra_info": extra_info}  # fmt: skip
+        # Called from the trainer's thread, which runs no event loop between generation calls.
+        result = asyncio.run(compute_score(**kwargs)) if is_async else compute_score(**kwargs)
+        # NaiveRewardManager.run_single: a dict's "score" is the reward (its other keys are logged).
+        value = result["score"] if isinstance(result, dict) else result
+        return torch.tensor(value, dtype=torch.float32).item()
+
+    return score
 
 
 def server_generate(client) -> GenerateFn:
@@ -172,11 +246,7 @@ def ibpo_repairs(
 
     def fits(i: int, j: int) -> bool:
         user = ibpo.build_revision_prompt(_question(records[i], i), text(i), text(j), template)
-        ids = list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
+        ids = ctx.chat_prompt_ids([{"role": "user", "content": user}])
         prompt_ids[(i, j)] = ids
         return ibpo.fits_engine(len(ids), len(responses[i]), engine_length, cfg)
 

@@ -160,6 +160,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
             max_response_length=int(self.config.data.max_response_length),
             seed=int(self.global_steps),
             max_model_length=rollouts.engine_max_model_length(self.config),
+            chat_template_kwargs=dict(self.config.data.get("apply_chat_template_kwargs", None) or {}),
         )
 
     def _init_resource_pool_mgr(self):
