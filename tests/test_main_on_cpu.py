@@ -146,16 +146,6 @@ def test_an_empty_dataset_after_verls_filter_names_the_key(monkeypatch):
         trainer._init_dataloader()
 
 
-def test_unchunked_entropy_that_cannot_fit_is_refused(build):
-    from rredcot_verl.integration.launcher import check_log_prob_memory
-
-    base = ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=65536"]
-    with pytest.raises(LaunchError, match="entropy_from_logits_with_chunking=true"):
-        check_log_prob_memory(_config(base), vocab_size=151_936)
-    check_log_prob_memory(_config([*base, "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true"]), 151_936)
-    check_log_prob_memory(_config(base), vocab_size=293)  # the embedded model: 65536 x 293 logits fit
-
-
 @pytest.mark.parametrize(
     "estimator", [["algorithm.adv_estimator=ibpo"], ["algorithm.adv_estimator=rredcot_ibpo"],
                   ["algorithm.adv_estimator=rredcot", "algorithm.rredcot.candidates.source=group_and_repairs"]],

@@ -2,12 +2,18 @@
 
 Config: verl's ``ppo_trainer`` composed with ``conf/rredcot_trainer.yaml`` (hydra), so every verl key works as usual;
 ``algorithm.adv_estimator`` may be ``grpo`` or any verl estimator, or ``rredcot`` / ``ibpo`` / ``rredcot_ibpo`` /
-``segment_mc``, whose settings live under ``algorithm.rredcot``. Every estimator trains with the rredcot trainer, verl's sync trainer plus
-the estimators' hooks. Before Ray starts, the launcher checks what would otherwise fail late or hang: one of verl's
-async trainer modes, unknown estimator or ``algorithm.rredcot`` keys, a missing/broken model folder (hub ids are
-verl's to download), datasets without ``reward_model.ground_truth`` or whose prompts all exceed
-``data.max_prompt_length``, a log-prob token budget whose unchunked entropy cannot fit a GPU, extra generations
-without a rule reward to judge them, an engine context too short for IBPO's revisions. On a machine without an accelerator it switches on ``rredcot_verl.compat`` and the
+``segment_mc``, whose settings live under ``algorithm.rredcot``. Every estimator trains with the rredcot trainer, verl's
+sync trainer plus the estimators' hooks. Before Ray starts, the launcher checks what would otherwise fail late or
+degrade silently. For every estimator: one of verl's async trainer modes, an unknown estimator, a missing or broken
+local model folder (hub ids are verl's to download), local dataset files that do not exist. For this package's
+estimators also: unknown ``algorithm.rredcot`` keys, datasets without ``reward_model.ground_truth`` or whose prompts
+all exceed ``data.max_prompt_length``, extra generations without a rule reward to judge them, an engine context too
+short for IBPO's revisions, Ulysses sequence parallelism, and the run shapes of ``run_shapes.py`` (legacy trainer,
+bypass mode, a critic, groups of one, multi-turn rollouts, KL in reward, a reward model, Megatron, hybrid attention).
+
+``python -m rredcot_verl.main --check-only ...`` runs every check, prints ``ok`` (naming the checks it had to skip: a
+hub model or tokenizer not in the local cache, remote dataset files) or the refusal, and exits 0 / 2 without starting
+Ray or loading weights. On a machine without an accelerator the launcher switches on ``rredcot_verl.compat`` and the
 matching config (``RREDCOT_CPU=0`` forces it off; ``RREDCOT_CPU=1`` forces it on).
 """
 
@@ -108,17 +114,28 @@ def check_model_dir(path: str) -> None:
         raise LaunchError(f"model folder {path!r} is broken: missing {', '.join(missing)}")
 
 
-def check_dataset(path: str, key: str) -> None:
+def is_remote_uri(path: str) -> bool:
+    """A ``scheme://`` location (hdfs://, s3://, gs://) that verl copies to local disk itself."""
+    return "://" in str(path)
+
+
+def check_dataset(path, key: str, need_ground_truth: bool, skipped: list[str]) -> None:
+    """Local files must exist; for this package's estimators every row needs ``reward_model.ground_truth`` (its
+    extra generations and outcomes are judged by the rule reward). Remote URIs are verl's to fetch: skipped."""
     import pyarrow.parquet as pq
 
     files = [path] if isinstance(path, str) else list(path)
     for file in files:
+        if is_remote_uri(file):
+            skipped.append(f"{key} {file!r} (remote: verl copies it at start)")
+            continue
         if not Path(file).is_file():
             raise LaunchError(f"{key} file {file!r} does not exist")
-        table = pq.read_table(file, columns=None)
-        if "reward_model" not in table.column_names:
+        if not need_ground_truth:
+            continue
+        if "reward_model" not in pq.read_schema(file).names:
             raise LaunchError(f"{key} file {file!r} has no reward_model column (need reward_model.ground_truth)")
-        rows = table.column("reward_model").to_pylist()
+        rows = pq.read_table(file, columns=["reward_model"]).column("reward_model").to_pylist()
         bad = sum(1 for row in rows if not isinstance(row, dict) or row.get("ground_truth") is None)
         if bad:
             raise LaunchError(f"{key} file {file!r}: {bad} of {len(rows)} rows lack reward_model.ground_truth")
@@ -142,6 +159,8 @@ def check_prompt_lengths(config: DictConfig, tokenizer, sample: int = 64) -> Non
         return
     files = config.data.train_files
     first = files if isinstance(files, str) else list(files)[0]
+    if is_remote_uri(first):
+        return
     key = config.data.get("prompt_key", "prompt")
     first_rows = next(pq.ParquetFile(first).iter_batches(batch_size=sample, columns=[key]), None)
     prompts = [] if first_rows is None else first_rows.column(key).to_pylist()
@@ -158,29 +177,6 @@ def check_prompt_lengths(config: DictConfig, tokenizer, sample: int = 64) -> Non
         )
 
 
-# Bytes per logit verl's unchunked entropy holds beside the logits (fp32 softmax and product).
-_ENTROPY_BYTES_PER_LOGIT = 8
-LOGIT_MEMORY_LIMIT_BYTES = 16 << 30
-
-
-def check_log_prob_memory(config: DictConfig, vocab_size: int | None) -> None:
-    """Refuse a log-prob token budget whose unchunked full-vocabulary entropy alone would not fit a GPU (verl computes
-    entropy in every log-prob pass, whatever the estimator)."""
-    actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
-    if vocab_size is None or not rollout.get("log_prob_use_dynamic_bsz", False):
-        return
-    if actor.get("entropy_from_logits_with_chunking", False) or config.actor_rollout_ref.model.get("use_fused_kernels", False):
-        return
-    tokens = int(rollout.log_prob_max_token_len_per_gpu)
-    need = tokens * vocab_size * _ENTROPY_BYTES_PER_LOGIT
-    if need > LOGIT_MEMORY_LIMIT_BYTES:
-        raise LaunchError(
-            f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={tokens} with a {vocab_size}-token vocabulary "
-            f"needs ~{need / 2**30:.0f} GiB for the log-prob pass's unchunked entropy: set "
-            "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true (or lower the token budget)"
-        )
-
-
 def _stages(config: DictConfig, settings) -> tuple:
     from rredcot_verl.integration.estimators import ESTIMATORS
 
@@ -190,16 +186,23 @@ def _stages(config: DictConfig, settings) -> tuple:
 
 def check_rule_reward(config: DictConfig, settings) -> None:
     """Refuse an estimator that judges extra generations (repairs, continuations) without a rule reward to judge them
-    with (it would fail at the first step)."""
+    with, or with a reward manager that scores rollouts otherwise than that function (it would fail at the first
+    step, or judge repairs and rollouts differently)."""
     from rredcot_verl.integration.estimators import EngineUse
+    from rredcot_verl.integration.rollouts import reward_manager_refusal
 
     generates = any(stage.engine_use is not EngineUse.NONE for stage in _stages(config, settings))
+    if not generates:
+        return
     custom = config.reward.get("custom_reward_function", None) or {}
-    if generates and not custom.get("path"):
+    if not custom.get("path"):
         raise LaunchError(
             f"algorithm.adv_estimator={config.algorithm.adv_estimator} (candidates.source={settings.candidates.source})"
             " judges its extra generations with the rule reward: set reward.custom_reward_function.path (and .name)"
         )
+    refusal = reward_manager_refusal(config)
+    if refusal:
+        raise LaunchError(refusal)
 
 
 def check_ibpo_context(config: DictConfig, settings, hf_config) -> None:
@@ -253,9 +256,9 @@ def check_value_pass_parallelism(config: DictConfig, estimator: str) -> None:
         )
 
 
-def select_trainer(config: DictConfig) -> None:
-    """Select the rredcot trainer (verl's sync trainer plus the estimators' hooks) for every estimator. verl's async
-    trainer modes are refused rather than silently replaced: the estimators' producers exist only in the sync one."""
+def select_trainer_mode(config: DictConfig) -> None:
+    """Refuse verl's async trainer modes rather than silently replace them: ``prepare`` selects the rredcot trainer
+    (verl's sync trainer plus the estimators' hooks) for every estimator, and its producers exist only in sync mode."""
     from rredcot_verl.integration.trainer import SYNC_MODE, TRAINER_NAME
 
     mode = str(config.trainer.v1.trainer_mode)
@@ -264,19 +267,21 @@ def select_trainer(config: DictConfig) -> None:
             f"trainer.v1.trainer_mode={mode} is not supported: rredcot_verl trains with verl's sync trainer "
             f"(trainer.v1.trainer_mode={SYNC_MODE}, the default)"
         )
-    _set(config, "trainer.v1.trainer_mode", TRAINER_NAME)
 
 
-def prepare(config: DictConfig) -> DictConfig:
-    """Validate the config and adapt it (trainer mode, CPU accommodations, plugin loading). Returns it."""
-    cpu = use_cpu_mode()
-    if cpu:
-        # Before verl is first imported (check_estimator loads the plugin): verl resolves its platform on import,
-        # and a VERL_PLATFORM=cpu already in the environment names a platform only enable_cpu_mode registers.
-        os.environ.update(CPU_PROCESS_ENV)
-        enable_cpu_mode()
+def check(config: DictConfig) -> list[str]:
+    """Every launch check, in the order a user meets them; raises ``LaunchError`` with the first refusal. Returns
+    the checks skipped because what they read is not on this machine (a hub model not in the local cache, remote
+    dataset files): verl fetches those at start, where the same problems would fail late."""
+    from rredcot_verl.integration.estimators import ESTIMATORS
+    from rredcot_verl.integration.run_shapes import shape_refusal
+    from rredcot_verl.tasks.code import code_task_refusal
+
+    skipped: list[str] = []
     estimator = str(config.algorithm.adv_estimator)
     check_estimator(estimator)
+    spec = ESTIMATORS.get(estimator)
+    select_trainer_mode(config)
     check_value_pass_parallelism(config, estimator)
     try:
         settings = settings_from_config(config.algorithm)
@@ -284,30 +289,53 @@ def prepare(config: DictConfig) -> DictConfig:
         raise LaunchError(str(error)) from error
     model_path = str(config.actor_rollout_ref.model.path)
     check_model_dir(model_path)
-    check_dataset(config.data.train_files, "data.train_files")
-    check_dataset(config.data.val_files, "data.val_files")
+    check_dataset(config.data.train_files, "data.train_files", spec is not None, skipped)
+    check_dataset(config.data.val_files, "data.val_files", spec is not None, skipped)
     from transformers import AutoConfig, AutoTokenizer
 
     hf_config = _local_pretrained(AutoConfig, model_path)
-    check_prompt_lengths(config, _local_pretrained(AutoTokenizer, model_path))
-    check_log_prob_memory(config, getattr(hf_config, "vocab_size", None))
+    tokenizer = _local_pretrained(AutoTokenizer, model_path)
+    if hf_config is None:
+        skipped.append(f"model config of {model_path!r} (not local: attention kind, engine context)")
+    if tokenizer is None:
+        skipped.append(f"tokenizer of {model_path!r} (not local: prompt lengths)")
+    else:
+        check_prompt_lengths(config, tokenizer)
+    refusal = shape_refusal(config, spec, hf_config) or (spec and code_task_refusal(settings, estimator))
+    if refusal:
+        raise LaunchError(refusal)
     check_rule_reward(config, settings)
     check_ibpo_context(config, settings, hf_config)
-    select_trainer(config)
+    return skipped
+
+
+def prepare(config: DictConfig) -> DictConfig:
+    """Check the config (``check``) and adapt it (trainer, CPU accommodations, Ray, plugin loading). Returns it."""
+    cpu = use_cpu_mode()
+    if cpu:
+        # Before verl is first imported (check_estimator loads the plugin): verl resolves its platform on import,
+        # and a VERL_PLATFORM=cpu already in the environment names a platform only enable_cpu_mode registers.
+        os.environ.update(CPU_PROCESS_ENV)
+        enable_cpu_mode()
+    check(config)
+    from rredcot_verl.integration.trainer import TRAINER_NAME
+
+    _set(config, "trainer.v1.trainer_mode", TRAINER_NAME)
     env = {"VERL_USE_EXTERNAL_MODULES": PLUGIN_MODULE}
     env.update({key: os.environ[key] for key in FORWARDED_ENV if key in os.environ})
+    address = config.get("ray_kwargs", {}).get("ray_init", {}).get("address", None)
     if os.environ.get("RAY_ADDRESS"):
         print(f"rredcot_verl: connecting to the Ray cluster at {os.environ['RAY_ADDRESS']}")
-    else:
-        # A new local cluster even when another one runs on this machine (ray.init() would otherwise join it and
-        # then refuse the resource arguments).
+    elif cpu and address is None:
+        # A CPU run without a cluster named starts its own, with the fake GPUs verl's resource pools ask for, even
+        # when another one runs on this machine (ray.init() would otherwise join it and refuse the resources).
         _set(config, "ray_kwargs.ray_init.address", "local")
+        for key, value in local_cpu_cluster(config).items():
+            _set(config, key, value)
+    # Otherwise Ray is verl's: ray.init() joins a cluster brought up with `ray start` on this node, else starts one.
     if cpu:
         env.update(CPU_PROCESS_ENV)
-        cpu_config = dict(CPU_CONFIG)
-        if not os.environ.get("RAY_ADDRESS"):
-            cpu_config.update(local_cpu_cluster(config))
-        for key, value in cpu_config.items():
+        for key, value in CPU_CONFIG.items():
             _set(config, key, value)
     os.environ.update(env)
     # Workers on a remote cluster do not inherit this process's environment: pass it through Ray's runtime_env.
@@ -321,7 +349,8 @@ def run(config: DictConfig) -> None:
 
 
 def launch(config: DictConfig) -> None:
-    """What verl's ``main_ppo.main`` does with a config: the V1 task runner, with whichever trainer it selects."""
+    """What verl's ``main_ppo.main`` does with a config: the V1 task runner with whichever trainer it selects, or
+    verl's legacy task runner where ``trainer.use_v1=false`` (verl's own estimators only: ``run_shapes``)."""
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
@@ -329,16 +358,44 @@ def launch(config: DictConfig) -> None:
 
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    run_ppo(config, task_runner_class=TaskRunnerV1)
+    if config.trainer.get("use_v1", True):
+        run_ppo(config, task_runner_class=TaskRunnerV1)
+    else:
+        from verl.trainer.main_ppo_v0 import TaskRunner
+
+        run_ppo(config, task_runner_class=TaskRunner)
+
+
+CHECK_ONLY_FLAG = "--check-only"
+
+
+def check_only(config: DictConfig) -> None:
+    """Every launch check on the composed config, without starting Ray or loading weights: ``ok`` or the refusal."""
+    if use_cpu_mode():
+        os.environ.update(CPU_PROCESS_ENV)
+        enable_cpu_mode()
+    skipped = check(config)
+    print("rredcot_verl: ok" + (f"; skipped (not on this machine): {'; '.join(skipped)}" if skipped else ""))
 
 
 @hydra.main(config_path="../conf", config_name="rredcot_trainer", version_base=None)
-def main(config: DictConfig) -> None:
+def _main(config: DictConfig) -> None:
     try:
-        run(config)
+        check_only(config) if _CHECK_ONLY else run(config)
     except LaunchError as error:
         print(f"rredcot_verl: {error}", file=sys.stderr)
         sys.exit(2)
+
+
+_CHECK_ONLY = False
+
+
+def main() -> None:
+    """The command line: hydra's, plus ``--check-only`` (taken out before hydra parses the rest)."""
+    global _CHECK_ONLY
+    _CHECK_ONLY = CHECK_ONLY_FLAG in sys.argv[1:]
+    sys.argv = [arg for arg in sys.argv if arg != CHECK_ONLY_FLAG]
+    _main()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ For ``grpo`` and every other estimator (no entry in ``ESTIMATORS``) it behaves e
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -150,6 +151,12 @@ class SegmentCreditTrainer(PPOTrainerSync):
             value_pass=self.actor_rollout_wg.compute_segment_data,
         )
 
+    @functools.cached_property
+    def engine_max_model_length(self) -> int:
+        # Once per run: without rollout.max_model_len it reads the model's config, which for a hub id is a download
+        # (or a cache lookup) that must not repeat every step.
+        return rollouts.engine_max_model_length(self.config)
+
     def rollout_context(self) -> rollouts.RolloutContext:
         return rollouts.RolloutContext(
             generate=rollouts.server_generate(self.get_llm_client()),
@@ -159,7 +166,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
             max_prompt_length=int(self.config.data.max_prompt_length),
             max_response_length=int(self.config.data.max_response_length),
             seed=int(self.global_steps),
-            max_model_length=rollouts.engine_max_model_length(self.config),
+            max_model_length=self.engine_max_model_length,
             chat_template_kwargs=dict(self.config.data.get("apply_chat_template_kwargs", None) or {}),
         )
 

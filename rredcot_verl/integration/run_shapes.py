@@ -1,0 +1,216 @@
+"""Run shapes this package's estimators cannot serve, refused at launch with the key to change (thin).
+
+Each check reads only the composed config and, where it needs one, the model's ``transformers`` config; it returns the
+one-line refusal or None. They apply to the estimators of ``integration/estimators`` (``spec`` not None): ``grpo``
+and every other verl estimator run through the launcher exactly as through ``verl.trainer.main_ppo``. The support
+matrix (``benchmarks/support_matrix.py``, docs/usage.md) records each shape's outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig
+
+# verl's agent loop for plain single-turn generation; any other loop (tool_agent, a custom one) returns multi-turn
+# trajectories whose response_mask has holes over tool output, which the estimators cannot read yet.
+SINGLE_TURN_AGENT_LOOP = "single_turn_agent"
+
+
+def _get(config: DictConfig, dotted: str, default=None):
+    node: Any = config
+    for key in dotted.split("."):
+        if node is None or not hasattr(node, "get"):
+            return default
+        node = node.get(key, None)
+    return default if node is None else node
+
+
+def megatron(config: DictConfig, spec, hf_config) -> str | None:
+    """The value pass calls the actor module as one model; Megatron's engine holds a list of model chunks."""
+    strategy = str(_get(config, "actor_rollout_ref.actor.strategy", "fsdp"))
+    if spec.uses_value_pass and strategy == "megatron":
+        return (
+            f"actor_rollout_ref.actor.strategy=megatron is not supported with algorithm.adv_estimator={spec.name}: "
+            "the segment value pass runs on FSDP/FSDP2 actors only; use strategy=fsdp2 (or adv_estimator=ibpo, "
+            "which needs no value pass)"
+        )
+    return None
+
+
+def attention_kind(config: DictConfig, spec, hf_config) -> str | None:
+    """The value pass scores probes with its own packed attention mask: full causal attention without logit
+    softcapping, which sliding-window / hybrid-attention layers and softcapped logits are not."""
+    if not spec.uses_value_pass or hf_config is None:
+        return None
+    model_type = getattr(hf_config, "model_type", "?")
+    layer_types = getattr(hf_config, "layer_types", None)
+    other = sorted({str(kind) for kind in layer_types or () if str(kind) != "full_attention"})
+    # Where a config lists its layer types, those say which layers use sliding_window; older configs say it globally.
+    windowed = (
+        layer_types is None
+        and getattr(hf_config, "sliding_window", None) is not None
+        and getattr(hf_config, "use_sliding_window", True)
+    )
+    if other or windowed:
+        kinds = ", ".join(other) if other else f"sliding_window={hf_config.sliding_window}"
+        return (
+            f"actor_rollout_ref.model.path is a {model_type} model with {kinds} attention layers, which the segment "
+            f"value pass of algorithm.adv_estimator={spec.name} does not support (full causal attention only); use "
+            "adv_estimator=ibpo or a full-attention model"
+        )
+    capped = [name for name in ("attn_logit_softcapping", "final_logit_softcapping") if getattr(hf_config, name, None)]
+    if capped:
+        return (
+            f"actor_rollout_ref.model.path is a {model_type} model with {' and '.join(capped)}, which the segment "
+            f"value pass of algorithm.adv_estimator={spec.name} does not apply; use adv_estimator=ibpo or another model"
+        )
+    return None
+
+
+def multi_turn(config: DictConfig, spec, hf_config) -> str | None:
+    """Multi-turn tool trajectories hold tool output inside the response (a response_mask with holes)."""
+    agent_loop = str(_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", SINGLE_TURN_AGENT_LOOP))
+    if bool(_get(config, "actor_rollout_ref.rollout.multi_turn.enable", False)):
+        key = "actor_rollout_ref.rollout.multi_turn.enable=true"
+    elif agent_loop != SINGLE_TURN_AGENT_LOOP:
+        key = f"actor_rollout_ref.rollout.agent.default_agent_loop={agent_loop}"
+    elif _get(config, "actor_rollout_ref.rollout.agent.agent_loop_config_path"):
+        key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+    else:
+        return None
+    return (
+        f"{key} (multi-turn rollouts) is not supported with algorithm.adv_estimator={spec.name} yet: its segments "
+        "and repairs assume one assistant turn per response; use a single-turn rollout or adv_estimator=grpo"
+    )
+
+
+def bypass_mode(config: DictConfig, spec, hf_config) -> str | None:
+    """In bypass mode verl skips the old-log-prob pass, around which the estimators' stages run."""
+    if bool(_get(config, "algorithm.rollout_correction.bypass_mode", False)):
+        return (
+            f"algorithm.rollout_correction.bypass_mode=true is not supported with algorithm.adv_estimator={spec.name}:"
+            " its inputs are produced around verl's old-log-prob pass, which bypass mode skips; set it to false"
+        )
+    return None
+
+
+def legacy_trainer(config: DictConfig, spec, hf_config) -> str | None:
+    """The estimators' stages hook into verl's V1 trainer only."""
+    if not bool(_get(config, "trainer.use_v1", True)):
+        return (
+            f"trainer.use_v1=false (verl's legacy trainer) is not supported with algorithm.adv_estimator={spec.name}:"
+            " its stages run in verl's V1 trainer; set trainer.use_v1=true"
+        )
+    return None
+
+
+def group_size(config: DictConfig, spec, hf_config) -> str | None:
+    """Every estimator here compares the traces of one prompt; a group of one keeps GRPO's advantage (zero)."""
+    n = int(_get(config, "actor_rollout_ref.rollout.n", 1))
+    if n < 2:
+        return (
+            f"actor_rollout_ref.rollout.n={n} gives groups of one trace, which algorithm.adv_estimator={spec.name} "
+            "cannot compare (every trace would fall back); set actor_rollout_ref.rollout.n >= 2"
+        )
+    return None
+
+
+def kl_in_reward(config: DictConfig, spec, hf_config) -> str | None:
+    """With KL in the reward, verl hands the estimator the KL-penalised sum, no longer an outcome on the declared
+    scale, and every trace whose sum leaves ``reward_range`` falls back."""
+    if bool(_get(config, "algorithm.use_kl_in_reward", False)):
+        return (
+            f"algorithm.use_kl_in_reward=true is not supported with algorithm.adv_estimator={spec.name}: the outcome "
+            "it redistributes would carry the per-token KL penalty; use actor_rollout_ref.actor.use_kl_loss=true"
+        )
+    return None
+
+
+def critic(config: DictConfig, spec, hf_config) -> str | None:
+    """The estimators write advantages directly; a critic's values and GAE would be trained and then unused."""
+    if bool(_get(config, "critic.enable", False)):
+        return (
+            f"critic.enable=true is not supported with algorithm.adv_estimator={spec.name}: its advantages come from "
+            "segment values, not a critic; set critic.enable=false (or adv_estimator=gae for PPO with a critic)"
+        )
+    return None
+
+
+def reward_model(config: DictConfig, spec, hf_config) -> str | None:
+    """A reward model's scores have no declared scale; correctness and the redistribution need outcomes on
+    ``algorithm.rredcot.reward_range``, and extra generations are judged by the rule reward."""
+    if bool(_get(config, "reward.reward_model.enable", False)):
+        return (
+            f"reward.reward_model.enable=true is not supported with algorithm.adv_estimator={spec.name}: it needs a "
+            "rule reward on algorithm.rredcot.reward_range (reward.custom_reward_function); set it to false"
+        )
+    return None
+
+
+# In the order a user meets them (trainer, rollout, reward, model); the launcher raises the first refusal.
+SHAPE_CHECKS: tuple[Callable[[DictConfig, Any, Any], str | None], ...] = (
+    legacy_trainer, bypass_mode, critic, group_size, multi_turn, kl_in_reward, reward_model, megatron, attention_kind,
+)  # fmt: skip
+
+
+def shape_refusal(config: DictConfig, spec, hf_config) -> str | None:
+    """The first refusal of ``SHAPE_CHECKS`` for this package's estimator ``spec`` (None for verl's own)."""
+    if spec is None:
+        return None
+    for check in SHAPE_CHECKS:
+        message = check(config, spec, hf_config)
+        if message:
+            return message
+    return None
+
+
+# verl's entry points whose trainers have no hook for the estimators' stages (their own rollouter/trainer classes).
+ASYNC_ENTRY_POINTS = (
+    "verl.experimental.fully_async_policy.fully_async_main",
+    "verl.experimental.one_step_off_policy.main_ppo",
+)
+
+
+def running_entry_point() -> str | None:
+    """The dotted name of the ``__main__`` module (``python -m x.y`` or ``python path/to/x/y.py``), if importable."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None:
+        return spec.name
+    path = str(getattr(main, "__file__", "") or "").replace("\\", "/").removesuffix(".py")
+    return next((name for name in ASYNC_ENTRY_POINTS if path.endswith(name.replace(".", "/"))), None)
+
+
+def guard_async_entry_points() -> None:
+    """Under one of verl's async entry points, refuse this package's estimators before Ray starts.
+
+    Both call ``verl.utils.device.auto_set_device(config)`` first, with the composed config, and import it by name
+    after ``import verl`` has loaded this plugin. The entry point is read when it is called: under ``python -m`` the
+    plugin loads while Python imports the module's parent packages, before ``__main__`` is the module."""
+    import sys
+
+    import verl.utils.device as device
+
+    original = device.auto_set_device
+    if getattr(original, "guards_async_entry_points", False):
+        return
+
+    def auto_set_device(config):
+        from rredcot_verl.integration.estimators import ESTIMATORS
+
+        entry, estimator = running_entry_point(), str(config.algorithm.adv_estimator)
+        if entry in ASYNC_ENTRY_POINTS and estimator in ESTIMATORS:
+            print(
+                f"rredcot_verl: algorithm.adv_estimator={estimator} is not supported by {entry}: its stages run in "
+                "verl's sync trainer; launch with `python -m rredcot_verl.main`",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+        return original(config)
+
+    auto_set_device.guards_async_entry_points = True
+    device.auto_set_device = auto_set_device

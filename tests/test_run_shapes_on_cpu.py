@@ -1,0 +1,206 @@
+"""Run shapes: what this package's estimators cannot serve is refused at launch with the key named; what stock verl
+runs with its own estimators is accepted unchanged; ``--check-only`` says which, without starting Ray."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from transformers import Gemma2Config, MistralConfig, Qwen2Config, Qwen3Config
+
+from rredcot_verl.integration.estimators import ESTIMATORS
+from rredcot_verl.integration.launcher import LaunchError, check, prepare
+from rredcot_verl.integration.run_shapes import attention_kind
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTEFACT = ROOT / "rredcot_verl" / "tasks" / "assets" / "warmstart"
+OURS = sorted(ESTIMATORS)
+
+
+@pytest.fixture()
+def build(tmp_path, monkeypatch):
+    from rredcot_verl.tasks.arithmetic import write_parquet
+
+    write_parquet(str(tmp_path / "data"), n_train=8, n_val=4, seed=0)
+    shutil.copytree(ARTEFACT, tmp_path / "model")
+    monkeypatch.setenv("RREDCOT_BUILD", str(tmp_path))
+    monkeypatch.setenv("RREDCOT_REWARD_FILE", str(ROOT / "rredcot_verl/tasks/reward.py"))
+    monkeypatch.setenv("RREDCOT_CPU", "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return tmp_path
+
+
+def _config(estimator: str, overrides=()):
+    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "tiny_cpu"), version_base=None):
+        return compose(config_name="rredcot", overrides=[f"algorithm.adv_estimator={estimator}", *overrides])
+
+
+# shape -> (overrides, the key the refusal must name)
+REFUSED_SHAPES = {
+    "legacy_trainer": (["trainer.use_v1=false"], "trainer.use_v1=false"),
+    "bypass_mode": (["algorithm.rollout_correction.bypass_mode=true"], "algorithm.rollout_correction.bypass_mode=true"),
+    "critic": (["critic.enable=true"], "critic.enable=true"),
+    "n_1": (["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n=1"),
+    "multi_turn": (["actor_rollout_ref.rollout.multi_turn.enable=true"], "multi_turn.enable=true"),
+    "tool_agent_loop": (["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"],
+                        "default_agent_loop=tool_agent"),
+    "kl_in_reward": (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward=true"),
+    "reward_model": (["reward.reward_model.enable=true"], "reward.reward_model.enable=true"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("estimator", OURS)
+@pytest.mark.parametrize("shape", sorted(REFUSED_SHAPES))
+def test_shapes_the_estimators_cannot_serve_are_refused_naming_the_key(build, estimator, shape):
+    overrides, key = REFUSED_SHAPES[shape]
+    with pytest.raises(LaunchError) as error:
+        check(_config(estimator, overrides))
+    message = str(error.value)
+    assert key in message and f"algorithm.adv_estimator={estimator}" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("shape", sorted(REFUSED_SHAPES))
+def test_grpo_accepts_every_shape_verl_accepts(build, shape):
+    overrides, _ = REFUSED_SHAPES[shape]
+    assert check(_config("grpo", overrides)) == []
+
+
+def test_megatron_is_refused_for_the_value_pass_only(build):
+    for estimator in ("rredcot", "rredcot_ibpo"):
+        with pytest.raises(LaunchError, match="actor_rollout_ref.actor.strategy=megatron is not supported"):
+            check(_config(estimator, ["actor_rollout_ref.actor.strategy=megatron"]))
+    for estimator in ("grpo", "ibpo", "segment_mc"):
+        check(_config(estimator, ["actor_rollout_ref.actor.strategy=megatron"]))
+
+
+@pytest.mark.parametrize(
+    "hf_config, refused",
+    [
+        (Gemma2Config(), "sliding_attention attention layers"),
+        (MistralConfig(sliding_window=4096), "sliding_window=4096 attention layers"),
+        (Gemma2Config(layer_types=["full_attention"] * 26), "attn_logit_softcapping and final_logit_softcapping"),
+        (Qwen2Config(), None),  # sliding_window is set but use_sliding_window is false
+        (Qwen3Config(), None),
+        (MistralConfig(sliding_window=None), None),
+    ],
+    ids=["gemma2", "mistral-v0.1", "softcapped", "qwen2", "qwen3", "mistral-v0.3"],
+)
+def test_hybrid_attention_and_softcapping_are_refused_for_the_value_pass(hf_config, refused):
+    for name in OURS:
+        message = attention_kind(_config_stub(), ESTIMATORS[name], hf_config)
+        if refused is None or not ESTIMATORS[name].uses_value_pass:
+            assert message is None
+        else:
+            assert refused in message and "actor_rollout_ref.model.path" in message
+
+
+def _config_stub():
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({})
+
+
+def test_grpo_needs_no_ground_truth_but_the_estimators_do(build):
+    frame = pd.read_parquet(build / "data" / "train.parquet")
+    frame["reward_model"] = [{"style": "model", "ground_truth": None}] * len(frame)
+    frame.to_parquet(build / "data" / "train.parquet")
+    check(_config("grpo"))
+    with pytest.raises(LaunchError, match="lack reward_model.ground_truth"):
+        check(_config("rredcot"))
+
+
+def test_remote_dataset_uris_are_left_to_verl_and_named_as_skipped(build):
+    skipped = check(_config("rredcot", ["data.val_files=hdfs://namenode/data/val.parquet"]))
+    assert skipped == ["data.val_files 'hdfs://namenode/data/val.parquet' (remote: verl copies it at start)"]
+
+
+def test_verls_default_log_prob_budget_is_accepted(build):
+    """verl's default (16,384 tokens, dynamic batch size) was refused for every estimator by a memory check of
+    verl's own entropy; the value pass bounds its logits itself (core/scoring.py), so nothing is added to check."""
+    overrides = ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                 "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=16384"]  # fmt: skip
+    for estimator in ("grpo", "rredcot"):
+        check(_config(estimator, overrides))
+
+
+def test_a_gpu_launch_leaves_ray_to_verl_so_a_running_cluster_is_joined(build, monkeypatch):
+    """verl's ray.init() joins a cluster brought up with `ray start`; forcing address=local would start another."""
+    monkeypatch.setenv("RREDCOT_CPU", "0")
+    config = prepare(_config("rredcot"))
+    assert config.ray_kwargs.ray_init.get("address") is None and config.ray_kwargs.ray_init.get("num_gpus") is None
+    assert config.trainer.device != "cpu"
+
+
+def test_a_cluster_address_in_the_recipe_is_kept_on_cpu(build):
+    config = prepare(_config("rredcot", ["+ray_kwargs.ray_init.address=auto"]))
+    assert config.ray_kwargs.ray_init.address == "auto" and config.ray_kwargs.ray_init.get("num_gpus") is None
+
+
+def _check_only(*overrides, config_name="rredcot"):
+    env = {**os.environ, "RREDCOT_CPU": "1"}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "rredcot_verl.main", "--check-only", "--config-dir", str(ROOT / "recipes/tiny_cpu"),
+         "--config-name", config_name, *overrides],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+
+
+def test_check_only_says_ok_refuses_and_names_what_it_skipped(build):
+    """One process for three answers would hide which one exits how: three runs, none starting Ray."""
+    ok = _check_only()
+    assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1] == "rredcot_verl: ok", ok.stderr[-2000:]
+    refused = _check_only("algorithm.use_kl_in_reward=true")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith("rredcot_verl: algorithm.use_kl_in_reward=true")
+    hub = _check_only("actor_rollout_ref.model.path=Qwen/Qwen3-4B")
+    assert hub.returncode == 0, hub.stderr[-2000:]
+    assert "skipped (not on this machine): model config of 'Qwen/Qwen3-4B'" in hub.stdout
+    for result in (ok, refused, hub):
+        assert "Started a local Ray instance" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "entry_point",
+    ["verl.experimental.one_step_off_policy.main_ppo", "verl.experimental.fully_async_policy.fully_async_main"],
+)
+def test_verls_async_entry_points_refuse_the_estimators_before_ray_starts(entry_point):
+    """They do not go through this launcher; the plugin (loaded by `import verl`) refuses at their first call."""
+    env = {**os.environ, "RREDCOT_CPU": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", entry_point, "algorithm.adv_estimator=rredcot",
+         "hydra.searchpath=[pkg://verl.trainer.config]"],  # their configs name verl's by a repo-relative path
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"rredcot_verl: algorithm.adv_estimator=rredcot is not supported by {entry_point}: its stages run in verl's "
+        "sync trainer; launch with `python -m rredcot_verl.main`"
+    )
+    assert "Started a local Ray instance" not in result.stdout + result.stderr
+
+
+def test_a_reward_manager_that_rescores_is_refused_for_extra_generations(build):
+    overrides = ["reward.reward_manager.name=prime"]
+    with pytest.raises(LaunchError, match=r"reward.reward_manager \(source=register, name=prime\) may score"):
+        check(_config("ibpo", overrides))
+    check(_config("rredcot", overrides))  # no extra generations: the rollouts' scores are verl's own
+    check(_config("grpo", overrides))
+
+
+def test_the_engine_context_of_a_hub_model_is_read_once_per_run(monkeypatch):
+    """Without rollout.max_model_len the context comes from the model's config: a hub lookup, not one per step."""
+    from omegaconf import OmegaConf
+
+    from rredcot_verl.integration import rollouts
+    from rredcot_verl.integration.trainer import SegmentCreditTrainer
+
+    reads = []
+    monkeypatch.setattr(rollouts, "engine_max_model_length", lambda config: reads.append(config) or 40960)
+    trainer = object.__new__(SegmentCreditTrainer)
+    trainer.config = OmegaConf.create({"actor_rollout_ref": {"model": {"path": "Qwen/Qwen3-4B"}}})
+    assert [trainer.engine_max_model_length for _ in range(3)] == [40960] * 3 and len(reads) == 1
