@@ -71,9 +71,10 @@ def test_value_quality_smoke(build, tmp_path):
     assert written["traces"]["n"] == 4 and written["traces"]["states"] > 4
     assert set(written["states"]) == set(value_quality.STATE_SOURCES)
     assert set(written["segments"]) == set(value_quality.SEGMENT_SOURCES)
+    samples = written["meta"]["mc_samples"]
     for trace in result["per_trace"]:
         assert len(trace["mc"]) == len(trace["segment_ends"]) == len(trace["loo"]) == len(trace["rule"])
-        assert all(0.0 <= v <= 1.0 for v in trace["mc"])
+        assert all(0 <= v * samples <= samples and (v * samples).is_integer() for v in trace["mc"])  # successes / n
         assert trace["rule"][0] == 1.0  # nothing written yet at S_0
     # Probability-space values: every defined estimate lies in [0, 1], and the reference values vary within a trace.
     for name in value_quality.PROBE_SOURCES:
@@ -90,12 +91,24 @@ def test_value_gate_smoke_decides_as_the_gate_would(build, tmp_path):
     for name, row in part["sources"].items():
         assert row["comparisons_per_batch"] > 0, name  # 2 x 4 traces at the warm start's ~35% have mixed groups
         concordance = row["concordance"]["mean"]
-        assert 0.0 <= concordance <= 1.0
+        # One batch: its concordance is the window's, so the mean over batches equals the pooled counts' ratio.
+        assert row["concordance"]["n"] == 1 and concordance == pytest.approx(row["concordance_pooled"])
         # One batch: the gate is open exactly when its own concordance reaches the threshold, whatever the window.
         for window in row["gate_open_share"].values():
             assert window[threshold] == float(concordance >= result["threshold"])
         if row["localisation_traces"]:
-            assert 0.0 <= row["localisation"] <= 1.0 and 0.0 < row["localisation_chance"] <= 0.5
+            hits = row["localisation"] * row["localisation_traces"]  # a share of the scored traces
+            assert hits == pytest.approx(round(hits)) and 0.0 < row["localisation_chance"] <= 0.5  # K >= 2 each
+
+
+def test_localisation_hit_by_hand():
+    """A hit when the most negative segment reward lies on the segment holding the first wrong step; chance 1/K
+    over the segment rewards that are not padding; None where there is nothing to score."""
+    hit = sample_efficiency.localisation_hit
+    assert hit([0.2, -0.5, 0.1], 1) == (1.0, pytest.approx(1 / 3))
+    assert hit([0.2, -0.5, 0.1], 2) == (0.0, pytest.approx(1 / 3))
+    assert hit([-0.1, 0.3, None, float("nan")], 0) == (1.0, 0.5)  # padding and fallback entries are not segments
+    assert hit([0.2, -0.5, 0.1], None) is None and hit([-0.5], 0) is None and hit([0.2, -0.5], 2) is None
 
 
 def test_value_gate_replay_pools_the_window_like_the_trainer():

@@ -15,25 +15,35 @@ def test_gradient_quality_smoke(tmp_path):
     out = tmp_path / "gq.json"
     result = gradient_quality.main(["--smoke", "--cache", str(tmp_path / "cache"), "--out", str(out)])
     written = json.loads(out.read_text())
+    # The per-batch records (cached), from which the summary is computed.
+    batches = json.loads((tmp_path / "cache" / "batches.json").read_text())["results"]
     assert set(written["methods"]) == set(gradient_quality.METHODS)
     for name, entry in written["methods"].items():
         assert "ess_over_grpo_at_32" in entry  # None here: one size gives no GRPO curve
         assert list(entry["batches"]) == ["16"], name  # 4 prompts x 4 rollouts
         stats = entry["batches"]["16"]
         assert stats["n_batches"] == 2
-        assert math.isfinite(stats["cosine_mean"]) and -1.0 <= stats["cosine_mean"] <= 1.0
-        low, high = stats["cosine_ci95"]
-        assert low <= stats["cosine_mean"] <= high
+        # Two batches: the mean of their cosines, and its t interval ± t(0.975, 1) · sd / √2 = ± 12.706 · |c1 − c2| / 2.
+        (records,) = batches[name].values()  # the one size, keyed by prompts
+        first, second = [record["cosine"] for record in records.values()]
+        assert stats["cosine_mean"] == pytest.approx((first + second) / 2)
+        half = 12.706204736174698 * abs(first - second) / 2
+        assert stats["cosine_ci95"] == pytest.approx([stats["cosine_mean"] - half, stats["cosine_mean"] + half])
         assert math.isfinite(stats["rel_error_mean"]) and stats["rel_error_mean"] >= 0.0
     settings = written["settings"]
     assert settings["pool_prompts"] * settings["pool_rollouts_per_prompt"] == settings["gstar"]["pool_rollouts"]
     assert settings["temperature"] == 1.0 and "vLLM" in settings["rollout_engine"]
-    # Per-batch cosines (the cached records) are finite and in [-1, 1].
-    batches = json.loads((tmp_path / "cache" / "batches.json").read_text())["results"]
     cosines = [r["cosine"] for sizes in batches.values() for rows in sizes.values() for r in rows.values()]
     assert len(cosines) == 2 * len(gradient_quality.METHODS)
-    assert all(math.isfinite(c) and -1.0 - 1e-9 <= c <= 1.0 + 1e-9 for c in cosines)
     assert result["out"] == str(out)
+
+
+def test_cosine_by_hand():
+    a = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    assert gradient_quality.cosine(a, torch.tensor([4.0, 3.0], dtype=torch.float64)) == pytest.approx(24 / 25)
+    assert gradient_quality.cosine(a, torch.tensor([-4.0, 3.0], dtype=torch.float64)) == pytest.approx(0.0)
+    assert gradient_quality.cosine(a, -2 * a) == pytest.approx(-1.0)
+    assert gradient_quality.cosine(a, torch.zeros(2, dtype=torch.float64)) == 0.0  # no direction: no agreement
 
 
 def test_inverse_square_fit_recovers_a_known_curve():

@@ -27,6 +27,7 @@ def test_ulysses_without_a_value_pass_is_not_refused_by_this_check(monkeypatch):
     monkeypatch.setenv("RREDCOT_CPU", "1")
     config = _config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
                       "actor_rollout_ref.model.path=/nonexistent"])
-    # The launcher goes on to its next check (the model folder), so the value-pass check let it through.
-    with pytest.raises(LaunchError, match="does not exist"):
+    # The launcher goes on to its next check, the model folder's (the data files' "does not exist" would not do).
+    refusal = r"^model folder '/nonexistent' does not exist \(actor_rollout_ref\.model\.path\)"
+    with pytest.raises(LaunchError, match=refusal):
         prepare(config)

@@ -51,7 +51,6 @@ from rredcot_verl.core.outcomes import (
 
 __all__ = [
     "IBPOSettings",
-    "CORRECT_TOLERANCE",
     "correct_outcomes",
     "select_references",
     "RevisionPlan",

@@ -26,7 +26,9 @@ Imports only torch; GRPO's advantage is ``outcomes.group_outcome_advantage``, ve
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -227,7 +229,6 @@ def anchor_values(
     width = high - low
     values, _, _ = _map_values(
         raw_values.double().unsqueeze(0),
-        torch.tensor([num_segments]),
         fraction.unsqueeze(0),
         torch.tensor([(float(outcome) - low) / width], dtype=torch.float64),
         torch.tensor([(float(group_mean) - low) / width], dtype=torch.float64),
@@ -265,13 +266,18 @@ def redistribute(
 ) -> RedistributionResult:
     """Token advantages from outcome scores and per-segment probe values.
 
-    The steps (``redistribution_reference.redistribute_trace`` does the same for one trace in plain Python):
+    The steps (``redistribution_reference.redistribute_trace`` does the same for one trace in plain Python), each a
+    function of the batch's per-trace quantities (``_Traces``):
     1. ``_degenerate_groups``: all-equal groups, and whether they learn from value differences;
-    2. ``_segment_values``: values V_0..V_K on the outcome scale, then ``segment_rewards`` R_k;
-    3. ``_fallbacks``: the traces that keep GRPO's advantage and why, and the value gate;
-    4. ``_clip_coefficients``: σ_k = R_k / Σ R with K·σ_k within [−c, c];
-    5. ``_token_factors``: f_k, within the token bound B;
-    6. ``_token_advantages``: A_t = unit · f_{k(t)} over GRPO's row.
+    2. values V_0..V_K on the outcome scale, ``_anchored_values`` for mixed groups and ``_difference_values`` for
+       all-equal ones that learn from them, then ``segment_rewards`` R_k;
+    3. ``_undefined``: the traces where the redistribution is undefined, each with its reason;
+    4. ``_anchored_redistribution`` of mixed groups: σ_k = R_k / Σ R with K·σ_k within [−c, c]
+       (``_coefficients``), f_k = (1 − λ) + λ·L·σ_k / n_k within the token bound B, A_k = Â·f_k;
+    5. ``_value_differences`` of all-equal groups: f_k = λ·(R_k / s)·L / n_k within B, A_k = unit·f_k;
+    6. ``_token_rows``: each token's advantage, its segment's A_k;
+    7. shaped scores: a trace whose values sum against its shaped advantage keeps GRPO's row;
+    8. ``_value_gate``, then the final choice: the redistributed row where no reason holds, GRPO's elsewhere.
 
     Args:
         scores: (bs,) float outcome ζ per trace, on ``reward_range``.
@@ -305,7 +311,8 @@ def redistribute(
     window has a comparison).
     Metrics (floats): ``redistributed_frac``; ``fallback/{empty,singleton_group,outside_reward_range,zero_return,
     missing_segments,nonfinite,against_shaped_advantage,low_value_concordance}`` (trace counts, each trace counted
-    under its first reason in that order; ``against_shaped_advantage`` only with ``shaped_scores``);
+    under its first reason in that order, except that a non-finite result counts under ``nonfinite`` only when no
+    other reason holds; ``against_shaped_advantage`` only with ``shaped_scores``);
     ``value_gate_open`` (1 or 0), ``value_concordance_comparisons`` (this batch's) and, when there are comparisons,
     ``value_concordance`` (this batch) and ``value_concordance_pooled`` (the window's);
     ``degenerate_groups`` (groups of two or more where every outcome equals the mean);
@@ -325,234 +332,291 @@ def redistribute(
     """
     low, high = check_reward_range(reward_range)
     lengths, num_segments = _check_batch(scores, response_mask, index, segment_ends, raw_values)
-    baseline_scores = scores if shaped_scores is None else _check_shaped(shaped_scores, scores)
-    adv, group_mean = group_outcome_advantage(baseline_scores, index, cfg.epsilon, cfg.norm_adv_by_std)
-    grpo = adv.unsqueeze(-1) * response_mask
-    # Values are mapped on the probability scale, where the probes live, and reported on the outcome scale.
-    outcome = (scores.double() - low) / (high - low)
-    mean_outcome = (group_mean.double() - low) / (high - low)
+    baseline = scores if shaped_scores is None else _check_shaped(shaped_scores, scores)
+    advantage, group_mean = group_outcome_advantage(baseline, index, cfg.epsilon, cfg.norm_adv_by_std)
+    traces = _Traces(
+        index=index, scores=scores.double(), baseline=baseline.double(), group_mean=group_mean.double(),
+        advantage=advantage, grpo=advantage.unsqueeze(-1) * response_mask, lengths=lengths,
+        num_segments=num_segments, segment_ends=segment_ends, raw_values=raw_values, low=low, high=high,
+    )  # fmt: skip
 
-    # 1. degenerate groups
-    groups = _groups(index)
-    baseline_outcome = (baseline_scores.double() - low) / (high - low)
-    outcome_at_mean, degenerate, differences = _degenerate_groups(groups, index, baseline_outcome, mean_outcome, cfg)
+    # 1. all-equal groups (of the shaped scores when given: their Â' is 0)
+    traces.degenerate, traces.differences = _degenerate_groups(traces, cfg)
     # 2. values and segment rewards
-    values, flat, steep = _segment_values(
-        raw_values, segment_ends, lengths, num_segments, scores, group_mean, outcome, mean_outcome, differences, cfg,
-        (low, high),
-    )  # fmt: skip
-    rewards = segment_rewards(values)
-    in_segment = torch.arange(segment_ends.shape[1]) < num_segments.unsqueeze(1)
-    total_reward = rewards.where(in_segment, 0.0).sum(1)
-    # 3. fallbacks and the value gate
-    against_shaped = None if shaped_scores is None else (total_reward * adv.double() < 0) & ~differences
-    fallback, counts, concordance, pooled, gate_open = _fallbacks(
-        scores, index, groups, lengths, num_segments, segment_ends, raw_values, outcome, outcome_at_mean,
-        differences, total_reward, cfg, (low, high), prior_concordance, against_shaped,
-    )  # fmt: skip
-    uniform = flat | steep  # interpolated in token position: exactly GRPO
-    live_segments = in_segment & ~fallback.unsqueeze(1)
-    # 4. coefficients
-    sigma, clipped = _clip_coefficients(
-        rewards / total_reward.unsqueeze(1), in_segment & (~fallback & ~differences & ~uniform).unsqueeze(1),
-        num_segments, cfg.clip,
-    )  # fmt: skip
-    # 5. token factors
-    factor, bounded, unit = _token_factors(
-        sigma, rewards, total_reward, segment_ends, lengths, live_segments, adv, differences, uniform, cfg, high - low
-    )
-    # 6. token advantages
-    advantages, fallback, signal = _token_advantages(
-        grpo, factor, unit, segment_ends, lengths, live_segments, fallback, uniform, differences, counts, cfg.mix
-    )
+    values, traces.flat, traces.steep = _anchored_values(traces, cfg)
+    values = torch.where(traces.differences.unsqueeze(1), _difference_values(traces), values)
+    traces.rewards = segment_rewards(values)
+    traces.total = traces.rewards.where(traces.in_segment, 0.0).sum(1)
+    # 3. where the redistribution is undefined
+    reasons = _undefined(traces, cfg)
+    defined = ~_first_reasons(reasons)[0]
+    # 4. anchored redistribution (mixed groups)
+    mixed = defined & ~traces.differences
+    traces.sigma, traces.clipped = _coefficients(traces, mixed, cfg)
+    anchored, anchored_bounded = _anchored_redistribution(traces, mixed, cfg)
+    # 5. value differences (all-equal groups)
+    differences, differences_bounded = _value_differences(traces, defined & traces.differences, cfg)
+    traces.bounded = anchored_bounded | differences_bounded
+    # 6. token rows
+    rows = _token_rows(traces, torch.where(traces.differences.unsqueeze(1), differences, anchored))
+    # 7. shaped scores
+    if shaped_scores is not None:  # not undefined: these values are fine in themselves, the gate compares them
+        against = (traces.total * traces.advantage.double() < 0) & ~traces.differences
+        reasons.append(("against_shaped_advantage", against))
+    # 8. the value gate and the final choice
+    gate_open, concordance, gate_metrics = _value_gate(traces, defined, prior_concordance, cfg)
+    reasons.append(("low_value_concordance", torch.full(lengths.shape, not gate_open)))
+    reasons.append(("nonfinite", ~(torch.isfinite(rows) | ~traces.in_response).all(1)))  # rows that overflowed
+    fallback, counts = _first_reasons(reasons)
+    interpolated = traces.interpolated & ~fallback  # f_t = 1 is GRPO's row: they keep it, bit for bit
+    write = (~fallback & ~interpolated).unsqueeze(1) & traces.in_response  # padding keeps GRPO's Â · 0
+    advantages = torch.where(write, rows, traces.grpo) if cfg.mix > 0 else traces.grpo  # λ = 0: verl's tensor
 
     kept = ~fallback.unsqueeze(1)
     values = values.where(kept, float("nan")).to(raw_values.dtype)
-    rewards = rewards.where(kept, float("nan")).to(raw_values.dtype)
-    metrics = _metrics(
-        counts, fallback, groups, num_segments, rewards,
-        sigma=sigma, clipped=clipped, bounded=bounded, flat=flat, steep=steep,
-        differences=differences, degenerate=degenerate, signal=signal,
+    rewards = traces.rewards.where(kept, float("nan")).to(raw_values.dtype)
+    metrics = {**_metrics(traces, rows, fallback, counts), **gate_metrics}
+    return RedistributionResult(advantages, advantages, values, rewards, fallback, interpolated, metrics, concordance)
+
+
+@dataclass
+class _Traces:
+    """The per-trace quantities of one batch: bs traces of T tokens, M = Kmax segment columns. Outcomes are on the
+    outcome scale [low, high]; ``probability`` maps one onto the probes' scale [0, 1], where the values are mapped.
+
+    Attributes:
+        index: (bs,) group ids.
+        scores: (bs,) float64 verified outcomes ζ, where the values end.
+        baseline: (bs,) float64 the outcomes GRPO normalises: ζ, or the shaped scores.
+        group_mean: (bs,) float64 mean of ``baseline`` over the trace's group: V_0 when anchored.
+        advantage: (bs,) GRPO's Â in the scores' dtype; grpo: (bs, T) verl's GRPO token advantages Â · mask.
+        lengths, num_segments: (bs,) int64 L and K; segment_ends: (bs, M) int64 b_1..b_K, -1 padded.
+        raw_values: (bs, M+1) probe values v̂_0..v̂_K, NaN padded.
+        Set by the steps of ``redistribute``:
+        degenerate, differences: (bs,) bool, traces of all-equal groups and those of them that learn from value
+            differences (step 1).
+        rewards: (bs, M) float64 R_k, NaN beyond K; total: (bs,) Σ_k R_k; flat, steep: (bs,) bool, traces of mixed
+            groups whose values were interpolated in token position (step 2).
+        sigma: (bs, M) float64 σ_k; clipped, bounded: (bs,) bool, traces whose σ_k / f_k were projected onto their
+            bounds (steps 4 and 5).
+    """
+
+    index: Sequence[Hashable]
+    scores: torch.Tensor
+    baseline: torch.Tensor
+    group_mean: torch.Tensor
+    advantage: torch.Tensor
+    grpo: torch.Tensor
+    lengths: torch.Tensor
+    num_segments: torch.Tensor
+    segment_ends: torch.Tensor
+    raw_values: torch.Tensor
+    low: float
+    high: float
+    # Step 1.
+    degenerate: torch.Tensor = field(init=False)
+    differences: torch.Tensor = field(init=False)
+    # Step 2.
+    rewards: torch.Tensor = field(init=False)
+    total: torch.Tensor = field(init=False)
+    flat: torch.Tensor = field(init=False)
+    steep: torch.Tensor = field(init=False)
+    # Steps 4 and 5.
+    sigma: torch.Tensor = field(init=False)
+    clipped: torch.Tensor = field(init=False)
+    bounded: torch.Tensor = field(init=False)
+
+    @cached_property
+    def groups(self) -> dict[Hashable, list[int]]:
+        """The rows of each group id, in batch order."""
+        groups = defaultdict(list)
+        for i, group in enumerate(self.index):
+            groups[group].append(i)
+        return groups
+
+    @cached_property
+    def in_segment(self) -> torch.Tensor:
+        """(bs, M) bool, k < K."""
+        return torch.arange(self.segment_ends.shape[1]) < self.num_segments.unsqueeze(1)
+
+    @cached_property
+    def tokens(self) -> torch.Tensor:
+        """(bs, M) int64 n_k, meaningless beyond K."""
+        first_starts = torch.zeros(self.segment_ends.shape[0], 1, dtype=torch.int64)
+        return self.segment_ends - torch.cat([first_starts, self.segment_ends[:, :-1]], dim=1)
+
+    @cached_property
+    def in_response(self) -> torch.Tensor:
+        """(bs, T) bool, t < L."""
+        return torch.arange(self.grpo.shape[1]) < self.lengths.unsqueeze(1)
+
+    @property
+    def width(self) -> float:
+        return self.high - self.low
+
+    @property
+    def interpolated(self) -> torch.Tensor:
+        """(bs,) bool, values interpolated in token position (``flat`` or ``steep``): σ_k = n_k / L, GRPO's row."""
+        return self.flat | self.steep
+
+    def at_mean(self, epsilon: float) -> torch.Tensor:
+        """(bs,) bool, the baseline at its group's mean (within ``epsilon`` on the probability scale)."""
+        return (self.probability(self.baseline) - self.probability(self.group_mean)).abs() < epsilon
+
+    def probability(self, outcomes: torch.Tensor) -> torch.Tensor:
+        """Outcomes on the probes' scale: 0 at ``low``, 1 at ``high``."""
+        return (outcomes - self.low) / self.width
+
+    def outcome(self, probabilities: torch.Tensor) -> torch.Tensor:
+        """Probabilities as expectations on the outcome scale."""
+        return self.low + self.width * probabilities
+
+    def ending_at_outcome(self, values: torch.Tensor) -> torch.Tensor:
+        """(bs, M+1) values with V_K = ζ exactly, so that Σ_k R_k = ζ − V_0 holds up to the summation's own rounding
+        on any scale, and NaN beyond K."""
+        position = torch.arange(values.shape[1])
+        k = self.num_segments.unsqueeze(1)
+        return torch.where(position == k, self.scores.unsqueeze(1), values).where(position <= k, float("nan"))
+
+
+def _degenerate_groups(traces: _Traces, cfg: RedistributionSettings) -> tuple[torch.Tensor, ...]:
+    """Step 1. Which groups are all-equal (every outcome at the mean: Â = 0), and which of those learn from value
+    differences (``degenerate_groups="value_differences"``).
+
+    Returns:
+        degenerate (bs,), differences (bs,), both bool.
+    """
+    at_mean = traces.at_mean(cfg.epsilon)
+    groups = traces.groups
+    degenerate = torch.tensor(
+        [len(groups[group]) > 1 and bool(at_mean[groups[group]].all()) for group in traces.index], dtype=torch.bool
+    )
+    return degenerate, degenerate & (cfg.degenerate_groups == "value_differences")
+
+
+def _anchored_values(traces: _Traces, cfg: RedistributionSettings) -> tuple[torch.Tensor, ...]:
+    """Step 2, mixed groups. Values mapped from the probe values (``_map_values``) with the exact ends V_K = ζ and,
+    anchored, V_0 = the group mean.
+
+    Returns:
+        values (bs, M+1) float64, NaN beyond K; flat, steep (bs,) bool: traces of mixed groups interpolated in token
+        position because the map is undefined / its gain is out of bounds.
+    """
+    bsz = traces.segment_ends.shape[0]
+    boundaries = torch.cat([torch.zeros(bsz, 1, dtype=torch.int64), traces.segment_ends], dim=1)  # b_0 = 0, b_k
+    fraction = boundaries.double() / traces.lengths.clamp(min=1).double().unsqueeze(1)
+    outcome, start = traces.probability(traces.scores), traces.probability(traces.group_mean)
+    values, flat, steep = _map_values(traces.raw_values.double(), fraction, outcome, start, cfg)
+    values = traces.ending_at_outcome(traces.outcome(values))
+    if cfg.anchored:
+        values[:, 0] = traces.group_mean
+    return values, flat & ~traces.differences, steep & ~traces.differences
+
+
+def _difference_values(traces: _Traces) -> torch.Tensor:
+    """Step 2, all-equal groups that learn from value differences: the probe values as they are, as expectations on
+    the outcome scale, ending at V_K = ζ. (bs, M+1) float64, NaN beyond K."""
+    return traces.ending_at_outcome(traces.outcome(traces.raw_values.double()))
+
+
+def _undefined(traces: _Traces, cfg: RedistributionSettings) -> list[tuple[str, torch.Tensor]]:
+    """Step 3. The traces where the redistribution is undefined: (reason, (bs,) bool) pairs, in the order in which
+    ``fallback/{reason}`` counts each trace under its first reason."""
+    bsz, max_segments = traces.segment_ends.shape
+    outcome = traces.probability(traces.scores)
+    in_range = (outcome >= -_PROBABILITY_SLACK) & (outcome <= 1.0 + _PROBABILITY_SLACK)  # False for NaN
+    last_end = torch.cat([torch.full((bsz, 1), -1), traces.segment_ends], dim=1).amax(1)  # ends increase; -1 if none
+    has_segments = (traces.num_segments > 0) & (last_end == traces.lengths)
+    read = torch.arange(max_segments + 1) < traces.num_segments.unsqueeze(1)  # entries v̂_0..v̂_{K-1}
+    finite_raw = ~(read & ~torch.isfinite(traces.raw_values)).any(1)
+    _check_probabilities("raw_values", traces.raw_values.double()[read & torch.isfinite(traces.raw_values)])
+    singleton = torch.tensor([len(traces.groups[group]) == 1 for group in traces.index], dtype=torch.bool)
+    # The outcome equals the anchor: at the group mean, or values that sum to nothing (unanchored: ζ == v̂_0).
+    empty_sum = has_segments & finite_raw & (traces.total.abs() < cfg.epsilon * traces.width)
+    return [
+        ("empty", traces.lengths == 0),
+        ("singleton_group", singleton),
+        ("outside_reward_range", ~in_range),
+        ("zero_return", (traces.at_mean(cfg.epsilon) | empty_sum) & ~traces.differences),
+        ("missing_segments", ~has_segments),
+        ("nonfinite", ~finite_raw),
+    ]
+
+
+def _coefficients(traces: _Traces, live: torch.Tensor, cfg: RedistributionSettings) -> tuple[torch.Tensor, ...]:
+    """Step 4. σ_k = R_k / Σ R, with K·σ_k within [−c, c] (``_clip_coefficients``) on the ``live`` (bs,) traces whose
+    values were not interpolated. Returns sigma (bs, M) float64 and clipped (bs,) bool."""
+    active = traces.in_segment & (live & ~traces.interpolated).unsqueeze(1)
+    return _clip_coefficients(traces.rewards / traces.total.unsqueeze(1), active, traces.num_segments, cfg.clip)
+
+
+def _anchored_redistribution(traces: _Traces, live: torch.Tensor, cfg: RedistributionSettings):
+    """Step 4. Each segment's token advantage A_k = Â·f_k, f_k = (1 − λ) + λ·L·σ_k / n_k (f = 1 where the values
+    were interpolated), |f_k| kept within B at Σ_t f_t = L (``_bound_token_factors``), on the ``live`` (bs,) traces.
+
+    Returns:
+        advantages (bs, M) float64; bounded (bs,) bool.
+    """
+    lengths = traces.lengths.double()
+    factor = (1.0 - cfg.mix) + cfg.mix * lengths.unsqueeze(1) * traces.sigma / traces.tokens
+    factor = factor.where(~traces.interpolated.unsqueeze(1), 1.0)
+    active = traces.in_segment & live.unsqueeze(1)
+    factor, bounded = _bound_token_factors(factor, traces.tokens, active, lengths, cfg.max_token_advantage_ratio)
+    return traces.advantage.double().unsqueeze(1) * factor, bounded
+
+
+def _value_differences(traces: _Traces, live: torch.Tensor, cfg: RedistributionSettings):
+    """Step 5. Each segment's token advantage A_k = unit·f_k, f_k = λ·(R_k / s)·L / n_k, |f_k| kept within B at
+    Σ_t f_t = λ·L·Σ_k R_k / s, on the ``live`` (bs,) traces. s is half the reward range; the unit is 1 with
+    ``norm_adv_by_std`` and s without it, which makes A_t the advantage of a trace of a 50/50 group (see
+    ``degenerate_groups``) and the bound B·unit that of mixed groups.
+
+    Returns:
+        advantages (bs, M) float64; bounded (bs,) bool.
+    """
+    lengths = traces.lengths.double()
+    half_range = traces.width / 2.0
+    factor = cfg.mix * (traces.rewards / half_range) * (lengths.unsqueeze(1) / traces.tokens)
+    target = cfg.mix * lengths * traces.total / half_range
+    active = traces.in_segment & live.unsqueeze(1)
+    factor, bounded = _bound_token_factors(factor, traces.tokens, active, target, cfg.max_token_advantage_ratio)
+    return (1.0 if cfg.norm_adv_by_std else half_range) * factor, bounded
+
+
+def _token_rows(traces: _Traces, advantages: torch.Tensor) -> torch.Tensor:
+    """Step 6. (bs, T) in GRPO's dtype: each token's advantage is its segment's (``advantages``, (bs, M)); read only
+    within a response."""
+    bsz, max_segments = traces.segment_ends.shape
+    if max_segments == 0:  # no trace has segment data
+        return torch.zeros_like(traces.grpo)
+    horizon = traces.grpo.shape[1]
+    # Segment of each token: the number of ends at or before it (padding ends sort last).
+    sorted_ends = traces.segment_ends.where(traces.segment_ends >= 0, horizon + 1).contiguous()
+    token_segment = torch.searchsorted(
+        sorted_ends, torch.arange(horizon).expand(bsz, horizon).contiguous(), right=True
+    ).clamp(max=max_segments - 1)
+    return advantages.gather(1, token_segment).to(traces.grpo.dtype)
+
+
+def _value_gate(traces: _Traces, defined: torch.Tensor, prior: ConcordanceCounts, cfg: RedistributionSettings):
+    """Step 8. The value gate: open while the concordance of the ``defined`` (bs,) traces' values with their
+    outcomes, pooled with the ``prior`` window's, reaches ``min_value_concordance``.
+
+    Returns:
+        whether it is open, this batch's ``ConcordanceCounts`` and the gate's metrics.
+    """
+    concordance = value_outcome_concordance(
+        traces.raw_values, traces.segment_ends, traces.lengths, traces.scores, traces.index, defined,
+        tie=cfg.epsilon * traces.width,
     )  # fmt: skip
-    metrics["value_gate_open"] = float(gate_open)
-    metrics["value_concordance_comparisons"] = float(concordance.comparisons)
+    pooled = prior + concordance
+    gate_open = gate_is_open(pooled, cfg.min_value_concordance)
+    metrics = {"value_gate_open": float(gate_open), "value_concordance_comparisons": float(concordance.comparisons)}
     if concordance.concordance is not None:
         metrics["value_concordance"] = concordance.concordance
     if pooled.concordance is not None:
         metrics["value_concordance_pooled"] = pooled.concordance
-    return RedistributionResult(advantages, advantages, values, rewards, fallback, uniform & ~fallback, metrics,
-                                concordance)
-
-
-def _groups(index) -> dict:
-    """Rows of each group id, in batch order."""
-    groups = defaultdict(list)
-    for i, group in enumerate(index):
-        groups[group].append(i)
-    return groups
-
-
-def _degenerate_groups(groups: dict, index, outcome, mean_outcome, cfg) -> tuple[torch.Tensor, ...]:
-    """Step 1. Which traces sit at their group's mean, which groups are all-equal (every outcome at the mean: Â = 0),
-    and which of those learn from value differences (``degenerate_groups="value_differences"``).
-
-    Args:
-        outcome, mean_outcome: (bs,) float64 on the probability scale.
-
-    Returns:
-        outcome_at_mean (bs,), degenerate (bs,), differences (bs,), all bool.
-    """
-    outcome_at_mean = (outcome - mean_outcome).abs() < cfg.epsilon
-    degenerate = torch.tensor(
-        [len(groups[group]) > 1 and bool(outcome_at_mean[groups[group]].all()) for group in index],
-        dtype=torch.bool,
-    )
-    return outcome_at_mean, degenerate, degenerate & (cfg.degenerate_groups == "value_differences")
-
-
-def _segment_values(raw_values, segment_ends, lengths, num_segments, scores, group_mean, outcome, mean_outcome,
-                    differences, cfg, scale):  # fmt: skip
-    """Step 2. Values V_0..V_K on the outcome scale (``_map_values``; unanchored probe values for groups that learn
-    from value differences), with exact ends V_K = ζ and, anchored, V_0 = the group mean.
-
-    Args:
-        raw_values: (bs, M+1) probe values; segment_ends: (bs, M); lengths, num_segments: (bs,);
-        scores, group_mean: (bs,) on the outcome scale, outcome, mean_outcome the same on the probability scale;
-        differences: (bs,) bool; scale: (low, high).
-
-    Returns:
-        values (bs, M+1) float64, NaN beyond K; flat, steep (bs,) bool: rows interpolated in token position.
-    """
-    low, high = scale
-    bsz, max_segments = segment_ends.shape
-    boundaries = torch.cat([torch.zeros(bsz, 1, dtype=torch.int64), segment_ends], dim=1)  # b_0 = 0, b_k
-    fraction = boundaries.double() / lengths.clamp(min=1).double().unsqueeze(1)
-    values, flat, steep = _map_values(raw_values.double(), num_segments, fraction, outcome, mean_outcome, cfg)
-    unanchored = _unanchored_values(raw_values.double(), num_segments, outcome)
-    values = torch.where(differences.unsqueeze(1), unanchored, values)
-    values = low + (high - low) * values
-    # Exact endpoints, so Σ_k R_k = ζ − V_0 holds up to the summation's own rounding on any scale.
-    position = torch.arange(max_segments + 1)
-    values = torch.where(position == num_segments.unsqueeze(1), scores.double().unsqueeze(1), values)
-    if cfg.anchored:
-        values[:, 0] = torch.where(differences, values[:, 0], group_mean.double())
-    return values, flat & ~differences, steep & ~differences
-
-
-def _fallbacks(scores, index, groups, lengths, num_segments, segment_ends, raw_values, outcome, outcome_at_mean,
-               differences, total_reward, cfg, scale, prior_concordance, against_shaped):  # fmt: skip
-    """Step 3. The traces that keep their GRPO advantage, each counted under its first reason, and the value gate.
-
-    Args:
-        (bs,) tensors per trace; raw_values (bs, M+1); total_reward: (bs,) Σ_k R_k on the outcome scale;
-        against_shaped: (bs,) bool, Σ R of the other sign than the shaped advantage (None without shaping).
-
-    Returns:
-        fallback (bs,) bool; counts {reason: traces}; this batch's and the pooled ``ConcordanceCounts``; whether the
-        gate is open.
-    """
-    low, high = scale
-    width = high - low
-    bsz, max_segments = segment_ends.shape
-    in_range = (outcome >= -_PROBABILITY_SLACK) & (outcome <= 1.0 + _PROBABILITY_SLACK)  # False for NaN
-    last_end = torch.cat([torch.full((bsz, 1), -1), segment_ends], dim=1).amax(1)  # ends increase; -1 if none
-    has_segments = (num_segments > 0) & (last_end == lengths)
-    read = torch.arange(max_segments + 1) < num_segments.unsqueeze(1)  # entries v̂_0..v̂_{K-1}
-    finite_raw = ~(read & ~torch.isfinite(raw_values)).any(1)
-    _check_probabilities("raw_values", raw_values.double()[read & torch.isfinite(raw_values)])
-    singleton = torch.tensor([len(groups[group]) == 1 for group in index], dtype=torch.bool)
-    reasons = [
-        ("empty", lengths == 0),
-        ("singleton_group", singleton),
-        ("outside_reward_range", ~in_range),
-        ("zero_return", outcome_at_mean & ~differences),
-        ("missing_segments", ~has_segments),
-        ("nonfinite", ~finite_raw),
-        ("zero_return", (total_reward.abs() < cfg.epsilon * width) & ~differences),  # unanchored: ζ == v̂_0
-    ]
-    undefined, _ = _first_reasons(reasons)
-    concordance = value_outcome_concordance(
-        raw_values, segment_ends, lengths, scores, index, ~undefined, tie=cfg.epsilon * width
-    )
-    pooled = prior_concordance + concordance
-    gate_open = gate_is_open(pooled, cfg.min_value_concordance)
-    if against_shaped is not None:  # values that are fine in themselves: still in the concordance
-        reasons.append(("against_shaped_advantage", against_shaped))
-    reasons.append(("low_value_concordance", torch.full((bsz,), not gate_open)))
-    fallback, counts = _first_reasons(reasons)
-    return fallback, counts, concordance, pooled, gate_open
-
-
-def _token_factors(sigma, rewards, total_reward, segment_ends, lengths, live_segments, adv, differences, uniform,
-                   cfg, width):  # fmt: skip
-    """Step 5. Per-segment token factors f_k (A_t = unit · f_k) within the token bound, and the unit.
-
-    Mixed groups: f_k = (1 − λ) + λ · L · σ_k / n_k, unit Â. Degenerate groups learning from value differences:
-    f_k = λ · (R_k / s) · L / n_k, unit 1 (s = half the reward range with ``norm_adv_by_std``, else 1: see
-    ``degenerate_groups``). Interpolated rows: f = 1.
-
-    Args:
-        sigma, rewards: (bs, M); total_reward, lengths: (bs,); live_segments: (bs, M) bool.
-
-    Returns:
-        factor (bs, M) float64; bounded (bs,) bool; unit (bs,) float64.
-    """
-    bsz = segment_ends.shape[0]
-    segment_starts = torch.cat([torch.zeros(bsz, 1, dtype=torch.int64), segment_ends[:, :-1]], dim=1)
-    tokens_per_segment = segment_ends - segment_starts
-    spread = lengths.double().unsqueeze(1) / tokens_per_segment  # L / n_k
-    half_range = width / 2.0
-    factor = torch.where(
-        differences.unsqueeze(1),
-        cfg.mix * (rewards / half_range) * spread,
-        (1.0 - cfg.mix) + cfg.mix * lengths.double().unsqueeze(1) * sigma / tokens_per_segment,
-    )
-    factor = factor.where(~uniform.unsqueeze(1), 1.0)
-    target = torch.where(differences, cfg.mix * lengths.double() * total_reward / half_range, lengths.double())
-    factor, bounded = _bound_token_factors(
-        factor, tokens_per_segment, live_segments, target, cfg.max_token_advantage_ratio
-    )
-    # A_t = unit · f_t: Â for mixed groups; for degenerate ones the advantage of a trace of a 50/50 group (see
-    # ``degenerate_groups``), which makes the bound B·unit the same for both.
-    unit = torch.where(differences, 1.0 if cfg.norm_adv_by_std else half_range, adv.double())
-    return factor, bounded, unit
-
-
-def _token_advantages(grpo, factor, unit, segment_ends, lengths, live_segments, fallback, uniform, differences,
-                      counts, mix):  # fmt: skip
-    """Step 6. Each token's advantage A_t = unit · f_{k(t)}, written over GRPO's row where the trace is redistributed.
-
-    Args:
-        grpo: (bs, T) verl's GRPO advantages; factor: (bs, M); unit: (bs,); counts: fallback counts (a row that comes
-            out non-finite is counted under ``nonfinite`` here).
-
-    Returns:
-        advantages (bs, T) (GRPO's tensor itself when λ = 0), fallback (bs,) bool updated, signal (bs,) bool:
-        degenerate-group traces that got a nonzero advantage.
-    """
-    bsz, max_segments = segment_ends.shape
-    advantages = grpo  # λ = 0: verl's tensor itself
-    signal = torch.zeros(bsz, dtype=torch.bool)
-    if max_segments == 0:
-        return advantages, fallback, signal
-    horizon = grpo.shape[1]
-    # Segment of each token: the number of ends at or before it (padding ends sort last).
-    sorted_ends = segment_ends.where(segment_ends >= 0, horizon + 1).contiguous()
-    token_segment = torch.searchsorted(
-        sorted_ends, torch.arange(horizon).expand(bsz, horizon).contiguous(), right=True
-    ).clamp(max=max_segments - 1)
-    token_factor = factor.where(live_segments, 0.0).gather(1, token_segment)
-    rows = (unit.unsqueeze(1) * token_factor).to(grpo.dtype)
-    in_response = torch.arange(horizon) < lengths.unsqueeze(1)
-    nonfinite = ~fallback & ~(torch.isfinite(rows) | ~in_response).all(1)
-    counts["nonfinite"] += float(nonfinite.sum())
-    fallback = fallback | nonfinite
-    # Interpolated traces take GRPO's own row: their f_t = 1 would give it, this way bit for bit.
-    write = (~fallback & ~uniform).unsqueeze(1) & in_response
-    signal = differences & ~fallback & (rows.where(in_response, 0.0) != 0).any(1)
-    if mix > 0:
-        advantages = torch.where(write, rows, grpo)  # padding keeps GRPO's Â · 0
-    return advantages, fallback, signal
+    return gate_open, concordance, metrics
 
 
 def _check_probabilities(name: str, values: torch.Tensor):
@@ -619,21 +683,18 @@ def _first_row(mask: torch.Tensor) -> int:
     return int(mask.any(1).nonzero()[0, 0])
 
 
-def _map_values(raw, num_segments, fraction, outcome, mean_outcome, cfg) -> tuple[torch.Tensor, ...]:
+def _map_values(raw, fraction, outcome, mean_outcome, cfg) -> tuple[torch.Tensor, ...]:
     """Values from padded probe values, on the probability scale, in float64.
 
     Args:
-        raw: (n, M+1) probe values; entries from column K on are not read.
-        num_segments: (n,) K.
-        fraction: (n, M+1) b_k / L, the share of the response read at boundary k (0 at k = 0, 1 at k = K).
-        outcome: (n,) ζ. mean_outcome: (n,) group mean, V_0 when anchored. Both on the probability scale.
+        raw: (n, M+1) probe values. fraction: (n, M+1) b_k / L, the share of the response read at boundary k (0 at
+            k = 0, 1 at k = K). outcome: (n,) ζ. mean_outcome: (n,) group mean, V_0 when anchored. Both on the
+            probability scale.
 
     Returns:
-        values (n, M+1), NaN beyond K; flat (n,) bool, rows interpolated because the map is undefined; steep (n,)
-        bool, rows interpolated because the affine gain is out of [0, max_affine_gain].
+        values (n, M+1), every column mapped (the caller sets V_K = ζ); flat (n,) bool, rows interpolated because the
+        map is undefined; steep (n,) bool, rows interpolated because the affine gain is out of [0, max_affine_gain].
     """
-    position = torch.arange(raw.shape[1]).expand_as(raw)
-    k = num_segments.unsqueeze(1)
     zeta, start = outcome.unsqueeze(1), mean_outcome.unsqueeze(1)
     flat = torch.zeros_like(outcome, dtype=torch.bool)
     steep = torch.zeros_like(flat)
@@ -658,16 +719,7 @@ def _map_values(raw, num_segments, fraction, outcome, mean_outcome, cfg) -> tupl
         values = torch.where(flat.unsqueeze(1), linear, mapped)
     if cfg.anchored:
         values[:, 0] = mean_outcome
-    values = torch.where(position == k, zeta, values)
-    return values.where(position <= k, float("nan")), flat, steep
-
-
-def _unanchored_values(raw, num_segments, outcome) -> torch.Tensor:
-    """(n, M+1) probe values with v̂_K = ζ (probability scale), NaN beyond K."""
-    position = torch.arange(raw.shape[1]).expand_as(raw)
-    k = num_segments.unsqueeze(1)
-    values = torch.where(position == k, outcome.unsqueeze(1), raw)
-    return values.where(position <= k, float("nan"))
+    return values, flat, steep
 
 
 def _first_reasons(reasons) -> tuple[torch.Tensor, dict[str, float]]:
@@ -749,31 +801,31 @@ def _bound_token_factors(factor, tokens, active, target, bound) -> tuple[torch.T
     return factor, bounded
 
 
-def _metrics(
-    counts, fallback, groups, num_segments, rewards, *, sigma, clipped, bounded, flat, steep, differences, degenerate,
-    signal,
-) -> dict:  # fmt: skip
-    """Scalar diagnostics (see ``redistribute``); every mask is (bs,) bool, sigma and rewards (bs, Kmax)."""
+def _metrics(traces: _Traces, rows: torch.Tensor, fallback: torch.Tensor, counts: dict[str, float]) -> dict:
+    """Scalar diagnostics (see ``redistribute``) from the traces, their redistributed ``rows`` (bs, T) and the
+    traces that kept GRPO's row instead (``fallback``, (bs,) bool; ``counts`` per reason)."""
     bsz = fallback.numel()
-    metrics = {f"fallback/{name}": count for name, count in counts.items()}
-    metrics["redistributed_frac"] = float((~fallback).sum()) / bsz if bsz else 0.0
-    metrics["degenerate_groups"] = float(sum(bool(degenerate[rows[0]]) for rows in groups.values()))
-    metrics["degenerate_groups_with_signal"] = float(sum(bool(signal[rows].any()) for rows in groups.values()))
     live = ~fallback
-    metrics["affine_flat_traces"] = float((flat & live).sum())  # all False unless anchored affine / log_affine
-    metrics["affine_gain_traces"] = float((steep & live).sum())
+    metrics = {f"fallback/{name}": count for name, count in counts.items()}
+    metrics["redistributed_frac"] = float(live.sum()) / bsz if bsz else 0.0
+    # Degenerate-group traces that got a nonzero advantage.
+    signal = traces.differences & live & (rows.where(traces.in_response, 0.0) != 0).any(1)
+    groups = traces.groups.values()
+    metrics["degenerate_groups"] = float(sum(bool(traces.degenerate[members[0]]) for members in groups))
+    metrics["degenerate_groups_with_signal"] = float(sum(bool(signal[members].any()) for members in groups))
+    metrics["affine_flat_traces"] = float((traces.flat & live).sum())  # all False unless anchored affine / log_affine
+    metrics["affine_gain_traces"] = float((traces.steep & live).sum())
     if live.any():
-        metrics["token_bound_trace_frac"] = float(bounded[live].double().mean())
-    mixed = live & ~differences
+        metrics["token_bound_trace_frac"] = float(traces.bounded[live].double().mean())
+    mixed = live & ~traces.differences
     if not mixed.any():
         return metrics
-    in_segment = torch.arange(sigma.shape[1]) < num_segments.unsqueeze(1)
-    live_segments = in_segment & mixed.unsqueeze(1)
+    num_segments = traces.num_segments
     metrics["segments_per_trace"] = float(num_segments[mixed].double().mean())
-    metrics["negative_coef_frac"] = float((sigma[live_segments] < 0).double().mean())
-    metrics["clipped_trace_frac"] = float(clipped[mixed].double().mean())
-    magnitude = rewards.double().abs()
-    for k in range(min(_LOGGED_POSITIONS, sigma.shape[1])):
+    metrics["negative_coef_frac"] = float((traces.sigma[traces.in_segment & mixed.unsqueeze(1)] < 0).double().mean())
+    metrics["clipped_trace_frac"] = float(traces.clipped[mixed].double().mean())
+    magnitude = traces.rewards.to(traces.raw_values.dtype).double().abs()  # as reported: in the probe values' dtype
+    for k in range(min(_LOGGED_POSITIONS, traces.sigma.shape[1])):
         has_k = mixed & (num_segments > k)
         if has_k.any():
             metrics[f"abs_segment_reward/pos_{k}"] = float(magnitude[has_k, k].mean())
