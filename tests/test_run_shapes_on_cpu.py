@@ -50,6 +50,7 @@ REFUSED_SHAPES = {
                         "default_agent_loop=tool_agent"),
     "kl_in_reward": (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward=true"),
     "reward_model": (["reward.reward_model.enable=true"], "reward.reward_model.enable=true"),
+    "async_trainer_mode": (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode=colocate_async"),
 }  # fmt: skip
 
 
@@ -67,6 +68,12 @@ def test_shapes_the_estimators_cannot_serve_are_refused_naming_the_key(build, es
 def test_grpo_accepts_every_shape_verl_accepts(build, shape):
     overrides, _ = REFUSED_SHAPES[shape]
     assert check(_config("grpo", overrides)) == []
+
+
+def test_grpo_keeps_verls_async_trainer(build):
+    config = prepare(_config("grpo", ["trainer.v1.trainer_mode=colocate_async"]))
+    assert config.trainer.v1.trainer_mode == "colocate_async"
+    assert prepare(_config("grpo")).trainer.v1.trainer_mode == "rredcot"  # sync: verl's, plus failed-group counts
 
 
 def test_megatron_is_refused_for_the_value_pass_only(build):

@@ -256,16 +256,26 @@ def check_value_pass_parallelism(config: DictConfig, estimator: str) -> None:
         )
 
 
-def select_trainer_mode(config: DictConfig) -> None:
-    """Refuse verl's async trainer modes rather than silently replace them: ``prepare`` selects the rredcot trainer
-    (verl's sync trainer plus the estimators' hooks) for every estimator, and its producers exist only in sync mode."""
+def uses_rredcot_trainer(config: DictConfig) -> bool:
+    """The rredcot trainer (verl's sync trainer plus the estimators' hooks, which counts failed groups for every
+    estimator) replaces verl's sync mode; verl's async modes stay verl's for its own estimators."""
+    from rredcot_verl.integration.trainer import SYNC_MODE, TRAINER_NAME
+
+    return str(config.trainer.v1.trainer_mode) in (SYNC_MODE, TRAINER_NAME)
+
+
+def select_trainer_mode(config: DictConfig, spec) -> None:
+    """Refuse verl's async trainer modes for this package's estimators rather than silently replace them: their
+    producers exist only in the sync trainer."""
+    if spec is None:
+        return
     from rredcot_verl.integration.trainer import SYNC_MODE, TRAINER_NAME
 
     mode = str(config.trainer.v1.trainer_mode)
     if mode not in (SYNC_MODE, TRAINER_NAME):
         raise LaunchError(
-            f"trainer.v1.trainer_mode={mode} is not supported: rredcot_verl trains with verl's sync trainer "
-            f"(trainer.v1.trainer_mode={SYNC_MODE}, the default)"
+            f"trainer.v1.trainer_mode={mode} is not supported with algorithm.adv_estimator={spec.name}: its stages "
+            f"run in verl's sync trainer (trainer.v1.trainer_mode={SYNC_MODE}, the default)"
         )
 
 
@@ -281,7 +291,7 @@ def check(config: DictConfig) -> list[str]:
     estimator = str(config.algorithm.adv_estimator)
     check_estimator(estimator)
     spec = ESTIMATORS.get(estimator)
-    select_trainer_mode(config)
+    select_trainer_mode(config, spec)
     check_value_pass_parallelism(config, estimator)
     try:
         settings = settings_from_config(config.algorithm)
@@ -320,7 +330,8 @@ def prepare(config: DictConfig) -> DictConfig:
     check(config)
     from rredcot_verl.integration.trainer import TRAINER_NAME
 
-    _set(config, "trainer.v1.trainer_mode", TRAINER_NAME)
+    if uses_rredcot_trainer(config):
+        _set(config, "trainer.v1.trainer_mode", TRAINER_NAME)
     env = {"VERL_USE_EXTERNAL_MODULES": PLUGIN_MODULE}
     env.update({key: os.environ[key] for key in FORWARDED_ENV if key in os.environ})
     address = config.get("ray_kwargs", {}).get("ray_init", {}).get("address", None)

@@ -1,0 +1,265 @@
+"""Which run shapes each estimator serves, measured: every cell ``runs``, is ``refused`` at launch, or is ``gpu_only``.
+
+    python -m benchmarks.support_matrix [--launch] [--only SHAPE ...] [--estimators NAME ...]
+
+For each estimator x run shape the launcher's checks run on the composed config (``launcher.check``, as
+``--check-only`` does; the async entry points run as a user starts them). A refusal (exit 2 before Ray starts, one line
+naming the key) is the cell's outcome. An accepted shape that runs on CPU is launched in miniature with ``--launch``
+(the embedded task, 4 prompts x 4 traces, ``STEPS`` steps, the real stack through ``recipes/tiny_cpu/run.sh``), and
+its step metrics and log are read (``launched_outcome``): a crash or a run whose metrics show the shape degrading the
+estimator (failed groups, non-finite values, fallbacks a working run never has) is ``crashed`` / ``silent``. Launched
+cells are kept in ``results/support_matrix_runs/`` (one JSON each: the command is resumable, a cell launched once is
+not launched again unless its file is removed). An accepted cell that needs what this machine lacks (a GPU kernel, an
+engine not installed) is ``gpu_only``, with what protects it; an accepted CPU cell not launched yet is
+``not_launched``. Writes ``results/support_matrix.json``: ``{"cells": [{"estimator", "shape", "outcome",
+"evidence"}]}``; docs/usage.md shows the table (``--markdown`` prints it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import build_task, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+RUNS = RESULTS / "support_matrix_runs"
+RUN_SH = ROOT / "recipes" / "tiny_cpu" / "run.sh"
+ESTIMATORS = ("grpo", "rredcot", "ibpo", "rredcot_ibpo", "segment_mc")
+OURS = ESTIMATORS[1:]
+STEPS = 1
+SMALL = ("data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.val_before_train=false",
+         "trainer.test_freq=-1")  # fmt: skip
+RUN_TIMEOUT_S = 900
+# Fallback reasons a run shape can cause on its own (a working miniature run has none): groups of one, outcomes off
+# the declared scale, traces without segment data, non-finite values.
+SHAPE_FALLBACKS = ("singleton_group", "outside_reward_range", "missing_segments", "nonfinite")
+
+DICT_REWARD = '''
+from rredcot_verl.tasks.reward import compute_score as exact
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    score = exact(data_source, solution_str, ground_truth, extra_info)
+    return {"score": score, "acc": score == 1.0}
+'''
+ASYNC_REWARD = '''
+from rredcot_verl.tasks.reward import compute_score as exact
+
+
+async def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return exact(data_source, solution_str, ground_truth, extra_info)
+'''
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A run shape: hydra overrides on the embedded recipe (or a whole command), and whether CPU can run it.
+
+    Attributes:
+        name / description: the matrix row.
+        overrides: hydra overrides on ``recipes/tiny_cpu/<estimator>.yaml``.
+        reward: source of a reward file written for the run (None: the task's own).
+        gpu_only: why this machine cannot run it (empty: it can).
+        entry_point: a verl entry point other than this package's launcher (checked by starting it).
+    """
+
+    name: str
+    description: str
+    overrides: tuple[str, ...] = ()
+    reward: str | None = None
+    gpu_only: str = ""
+    entry_point: str = ""
+
+
+SHAPES = (
+    Shape("single_turn", "single-turn thinking model, float rule reward, FSDP2, V1 sync trainer (the built shape)"),
+    Shape("kl_loss", "KL loss against the reference policy", ("actor_rollout_ref.actor.use_kl_loss=true",
+                                                               "actor_rollout_ref.actor.kl_loss_coef=0.01")),
+    Shape("ppo_epochs_2", "two PPO epochs per batch", ("actor_rollout_ref.actor.ppo_epochs=2",)),
+    Shape("val_only", "validation only", ("trainer.val_only=true", "trainer.val_before_train=true")),
+    Shape("dict_reward", "reward function returning a dict (verl's DAPO convention)", reward=DICT_REWARD),
+    Shape("async_reward", "async reward function", reward=ASYNC_REWARD),
+    Shape("group_of_one", "rollout.n=1", ("actor_rollout_ref.rollout.n=1",)),
+    Shape("kl_in_reward", "KL penalty in the reward", ("algorithm.use_kl_in_reward=true",)),
+    Shape("bypass_mode", "rollout correction in bypass mode", ("algorithm.rollout_correction.bypass_mode=true",)),
+    Shape("critic", "PPO with a critic", ("critic.enable=true",)),
+    Shape("legacy_trainer", "verl's legacy trainer", ("trainer.use_v1=false",)),
+    Shape("async_trainer_mode", "verl's V1 async trainer mode", ("trainer.v1.trainer_mode=colocate_async",)),
+    Shape("multi_turn_tools", "multi-turn tool agent loop", ("actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",),
+          gpu_only="verl's tool agent loop needs a tool config and a tool-calling dataset; not built here"),
+    Shape("reward_model", "a reward model instead of a rule", ("reward.reward_model.enable=true",),
+          gpu_only="a reward model server is not built here"),
+    Shape("megatron", "Megatron actor", ("actor_rollout_ref.actor.strategy=megatron",),
+          gpu_only="megatron-core is not installed on CPU"),
+    Shape("ulysses_sp2", "Ulysses sequence parallelism", ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",),
+          gpu_only="Ulysses needs two ranks with remove-padding (flash-attn)"),
+    Shape("remove_padding", "remove-padding forward", ("actor_rollout_ref.model.use_remove_padding=true",),
+          gpu_only="the CPU accommodations turn remove-padding off (flash-attn varlen kernels)"),
+    Shape("sglang", "SGLang rollout", ("actor_rollout_ref.rollout.name=sglang",),
+          gpu_only="sglang is not installed on CPU; extra generations use verl's engine-agnostic server client"),
+    Shape("fully_async_entry", "verl's fully-async entry point", entry_point="verl.experimental.fully_async_policy.fully_async_main",
+          gpu_only="verl's separate rollouter/trainer pools are not run on CPU here"),
+    Shape("one_step_off_entry", "verl's one-step-off entry point", entry_point="verl.experimental.one_step_off_policy.main_ppo",
+          gpu_only="verl's separate rollouter/trainer pools are not run on CPU here"),
+)  # fmt: skip
+
+
+def _environment(build: Path, out: Path, shape: Shape) -> dict[str, str]:
+    env = {**os.environ, "RREDCOT_BUILD": str(build), "RREDCOT_CPU": "1", "RREDCOT_STEPS": str(STEPS), "OUT": str(out),
+           "RUN_TIMEOUT": str(RUN_TIMEOUT_S)}  # fmt: skip
+    env.pop("RAY_ADDRESS", None)
+    env.setdefault("RREDCOT_REWARD_FILE", str(ROOT / "rredcot_verl" / "tasks" / "reward.py"))
+    if shape.reward is not None:
+        reward = out / "reward.py"
+        reward.write_text(shape.reward)
+        env["RREDCOT_REWARD_FILE"] = str(reward)
+    return env
+
+
+def launch_check(estimator: str, shape: Shape, build: Path, out: Path) -> tuple[int, str]:
+    """(exit code, refusal line) of the launch checks for one cell: ``launcher.check`` in this process (what
+    ``--check-only`` runs), or a verl entry point started as a user starts it."""
+    env = _environment(build, out, shape)
+    if shape.entry_point:
+        if estimator not in OURS:  # verl's own path, unchanged: nothing of this package runs before Ray
+            return 0, ""
+        command = [sys.executable, "-m", shape.entry_point, f"algorithm.adv_estimator={estimator}",
+                   "hydra.searchpath=[pkg://verl.trainer.config]"]  # fmt: skip
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        lines = result.stderr.strip().splitlines()
+        return result.returncode, (lines[-1] if lines else "")
+    from hydra import compose, initialize_config_dir
+
+    from rredcot_verl.integration.launcher import LaunchError, check
+
+    os.environ.update({key: env[key] for key in ("RREDCOT_BUILD", "RREDCOT_REWARD_FILE") if key in env})
+    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "tiny_cpu"), version_base=None):
+        config = compose(config_name=estimator, overrides=list(shape.overrides))
+    try:
+        check(config)
+    except LaunchError as error:
+        return 2, f"rredcot_verl: {error}"
+    return 0, ""
+
+
+def launched_outcome(estimator: str, out: Path, returncode: int, log: str) -> tuple[str, dict]:
+    """``runs``, ``crashed`` or ``silent`` from a miniature run's exit code, step metrics and log."""
+    from rredcot_verl.runs import load_metrics
+
+    metrics_file = out / "metrics.jsonl"
+    rows = load_metrics(metrics_file) if metrics_file.exists() else []
+    evidence: dict = {"returncode": returncode, "steps": len(rows)}
+    if returncode != 0 or not rows:
+        evidence["log_tail"] = log[-1500:]
+        return "crashed", evidence
+    last = rows[-1]
+    evidence["metrics"] = {key: value for key, value in last.items() if isinstance(value, (int, float)) and (
+        key.startswith(f"{estimator}/") or key.startswith("rollout/failed") or key in (
+            "critic/score/mean", "actor/grad_norm", "critic/advantages/max", "val-core/embedded/acc/mean@1"))}  # fmt: skip
+    problems = []
+    if "Error in _run_prompt" in log or "Traceback" in log:
+        problems.append("the log holds an error verl caught and carried on from")
+    if any(row.get("rollout/failed_groups", 0) for row in rows):
+        problems.append("failed groups")
+    for row in rows:
+        for key in ("actor/grad_norm", "critic/advantages/max"):
+            if key in row and not math.isfinite(float(row[key])):
+                problems.append(f"non-finite {key}")
+        for reason in SHAPE_FALLBACKS:
+            if row.get(f"{estimator}/fallback/{reason}", 0):
+                problems.append(f"{estimator}/fallback/{reason}={row[f'{estimator}/fallback/{reason}']}")
+    evidence["problems"] = sorted(set(problems))
+    return ("silent" if problems else "runs"), evidence
+
+
+def launch(estimator: str, shape: Shape, build: Path, out: Path) -> tuple[str, dict]:
+    """Train the cell in miniature through run.sh and read what it logged."""
+    env = _environment(build, out, shape)
+    result = subprocess.run(["bash", str(RUN_SH), estimator, *SMALL, *shape.overrides], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 120)  # fmt: skip
+    log = result.stdout + result.stderr
+    outcome, evidence = launched_outcome(estimator, out, result.returncode, log)
+    evidence["command"] = f"recipes/tiny_cpu/run.sh {estimator} {' '.join([*SMALL, *shape.overrides])}".strip()
+    return outcome, evidence
+
+
+def cell(estimator: str, shape: Shape, build: Path, work: Path, do_launch: bool) -> dict:
+    run_file = RUNS / f"{estimator}__{shape.name}.json"
+    if run_file.exists():
+        return json.loads(run_file.read_text())
+    out = work / f"{estimator}__{shape.name}"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    code, line = launch_check(estimator, shape, build, out)
+    result = {"estimator": estimator, "shape": shape.name}
+    if code == 2 and line.startswith("rredcot_verl: "):
+        return {**result, "outcome": "refused", "evidence": {"refusal": line.removeprefix("rredcot_verl: ")}}
+    if code != 0:
+        return {**result, "outcome": "crashed", "evidence": {"check_exit_code": code, "stderr": line}}
+    if shape.gpu_only:
+        return {**result, "outcome": "gpu_only", "evidence": {"accepted_at_launch": True, "why": shape.gpu_only}}
+    if not do_launch:
+        return {**result, "outcome": "not_launched", "evidence": {"accepted_at_launch": True}}
+    outcome, evidence = launch(estimator, shape, build, out)
+    row = {**result, "outcome": outcome, "evidence": evidence}
+    RUNS.mkdir(parents=True, exist_ok=True)
+    run_file.write_text(json.dumps(row, indent=1) + "\n")
+    return row
+
+
+def markdown(cells: list[dict]) -> str:
+    by = {(c["shape"], c["estimator"]): c["outcome"] for c in cells}
+    shapes = [s for s in SHAPES if any((s.name, e) in by for e in ESTIMATORS)]
+    lines = ["| shape | " + " | ".join(f"`{e}`" for e in ESTIMATORS) + " |", "|---" * (len(ESTIMATORS) + 1) + "|"]
+    for shape in shapes:
+        lines.append(f"| {shape.description} | " + " | ".join(by.get((shape.name, e), "") for e in ESTIMATORS) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--launch", action="store_true", help="launch accepted CPU cells in miniature (minutes each)")
+    parser.add_argument("--only", nargs="*", default=None, help="shape names (default: all)")
+    parser.add_argument("--estimators", nargs="*", default=list(ESTIMATORS))
+    parser.add_argument("--cells", nargs="*", default=None, metavar="ESTIMATOR:SHAPE", help="only these cells")
+    parser.add_argument("--markdown", action="store_true", help="print the committed matrix as a table and exit")
+    args = parser.parse_args()
+    output = RESULTS / "support_matrix.json"
+    if args.markdown:
+        print(markdown(json.loads(output.read_text())["cells"]))
+        return
+    from rredcot_verl.compat import enable_cpu_mode
+
+    os.environ["RREDCOT_CPU"] = "1"
+    enable_cpu_mode()
+    os.environ.setdefault("RREDCOT_REWARD_FILE", str(ROOT / "rredcot_verl" / "tasks" / "reward.py"))
+    work = ROOT / "outputs" / "support_matrix"  # run folders (metrics, logs) and the task build, reused
+    build = build_task(work / "build")
+    previous = {(c["estimator"], c["shape"]): c for c in json.loads(output.read_text())["cells"]} if output.exists() else {}
+    for shape in SHAPES:
+        if args.only is not None and shape.name not in args.only:
+            continue
+        for estimator in args.estimators:
+            if args.cells is not None and f"{estimator}:{shape.name}" not in args.cells:
+                continue
+            row = cell(estimator, shape, build, work, args.launch)
+            previous[(estimator, shape.name)] = row
+            print(f"{shape.name:20s} {estimator:13s} {row['outcome']:12s} {json.dumps(row['evidence'])[:150]}", flush=True)
+    order = {(e, s.name): i for i, (s, e) in enumerate((s, e) for s in SHAPES for e in ESTIMATORS)}
+    cells = sorted(previous.values(), key=lambda c: order.get((c["estimator"], c["shape"]), len(order)))
+    write_result({"cells": cells}, output)
+    print(markdown(cells))
+
+
+if __name__ == "__main__":
+    main()
