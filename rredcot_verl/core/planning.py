@@ -7,8 +7,14 @@ shards or reorders the batch.
 
 States are S_0 (empty response) and S_k at each segment end b_1..b_{K-1}; the terminal state's value is the trace's
 outcome, so a plan carries K values to estimate. The probe text comes from the probe profile (``core/profiles.py``:
-thinking opener, exit text, answer closings, joining to the prefix); how answers are read and solutions cut into steps
-comes from the task (``TaskAdapter``), which the caller passes in. Imports neither verl, ray nor the tasks.
+thinking opener, exit text, answer closings, joining to the prefix), resolved here from the tokenizer (``auto``) and
+the task's answer style; how answers are read and solutions cut into steps comes from the task (``TaskAdapter``),
+which the caller passes in. Imports neither verl, ray nor the tasks.
+
+A model without thinking markers (profile ``plain``): the whole response is the reasoning, open from its first
+token. Its answer region starts at the last answer marker it writes (``profiles.answer_region_start``); the steps of a
+correct trace end there, and a state whose boundary falls inside the region is probed from the region's start (a
+probe that forced the exit text after ``#### 4`` would score a text no model writes), so every state has a value.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any, Hashable, Mapping, Protocol, Sequence
 import torch
 
 from rredcot_verl.core.probes import Probe, build_exit_probes, build_reference_probes
-from rredcot_verl.core.profiles import ProbeProfile, ProbeTokenizer
+from rredcot_verl.core.profiles import ProbeProfile, ProbeTokenizer, answer_region_start
 from rredcot_verl.core.segmentation import BoundaryVocab, segment_response
 from rredcot_verl.core.settings import RRedCoTSettings
 
@@ -38,6 +44,8 @@ class TaskAdapter(Protocol):
     ``extract_answer(text)``: the answer inside the response's last ``\\boxed{}`` (None without one);
     ``answer_text(ground_truth)``: the dataset answer as the text to score; ``equivalent(a, b)``: same answer;
     ``split_steps(thinking_text)``: the stripped, non-empty steps; ``step_separator``: the whitespace ending a step.
+    ``answer_style`` (optional, default ``"boxed"``): the answer format, one of ``profiles.ANSWER_STYLES``; it picks
+    the profile's exit text and answer closings.
     """
 
     step_separator: str
@@ -146,7 +154,9 @@ class _GroupBank:
 
 def _thinking_text(text: str, profile: ProbeProfile, opened_by_prompt: bool) -> str:
     """The thinking part of a response text: after ``think_start`` (or from the start when the prompt opened
-    thinking), before ``think_end``."""
+    thinking), before ``think_end``; without thinking markers, the text before its answer region."""
+    if not profile.thinks:
+        return text[: answer_region_start(text, profile)]
     if profile.think_start in text:
         text = text.split(profile.think_start, 1)[1]
     elif not opened_by_prompt:
@@ -154,8 +164,9 @@ def _thinking_text(text: str, profile: ProbeProfile, opened_by_prompt: bool) -> 
     return text.split(profile.think_end, 1)[0]
 
 
-def _group_banks(traces, texts, opened, settings: RRedCoTSettings, task: TaskAdapter, repairs) -> dict:
-    cand, profile = settings.candidates, settings.probe.profile_values
+def _group_banks(traces, texts, opened, settings: RRedCoTSettings, task: TaskAdapter, repairs,
+                 profile: ProbeProfile) -> dict:
+    cand = settings.candidates
     banks: dict[Hashable, _GroupBank] = defaultdict(_GroupBank)
     opened_in_group: dict[Hashable, bool] = {}
     for trace, text, by_prompt in zip(traces, texts, opened):
@@ -228,11 +239,13 @@ class _Planner:
 
     def __init__(self, settings: RRedCoTSettings, tokenizer, task: TaskAdapter):
         self.settings, self.task = settings, task
-        self.profile = settings.probe.profile_values
+        self.profile = settings.probe.profile_for(tokenizer, getattr(task, "answer_style", "boxed"))
         self.probe_tokenizer = ProbeTokenizer(tokenizer)
         self.eos = [] if not self.profile.answer_eos else [tokenizer.eos_token_id]
-        self.think_start_id = self._single_token(self.profile.think_start, "think_start")
-        self.think_end_id = self._single_token(self.profile.think_end, "think_end")
+        # Without thinking markers there is no marker token: thinking is open from the first response token.
+        thinks = self.profile.thinks
+        self.think_start_id = self._single_token(self.profile.think_start, "think_start") if thinks else None
+        self.think_end_id = self._single_token(self.profile.think_end, "think_end") if thinks else None
         self.exit_ids = self.probe_tokenizer.encode(self.profile.exit_text)
         self._answers: dict[str, list[tuple[int, ...]]] = {}
 
@@ -243,7 +256,10 @@ class _Planner:
         return ids[0]
 
     def opened_by_prompt(self, prompt: list[int]) -> bool:
-        """The prompt ends with ``think_start`` and whitespace (R1-distill's template): thinking is already open."""
+        """The prompt ends with ``think_start`` and whitespace (R1-distill's template): thinking is already open.
+        Always true without thinking markers (the response is the reasoning from its first token)."""
+        if self.think_start_id is None:
+            return True
         if self.think_start_id not in prompt:
             return False
         last = len(prompt) - 1 - prompt[::-1].index(self.think_start_id)
@@ -263,15 +279,39 @@ class _Planner:
             self._answers[answer] = self.closed_sequences(self.exit_ids, self.profile.answer_prefix + answer)
         return self._answers[answer]
 
+    def answer_start(self, response: list[int], text: str) -> int:
+        """Response tokens before the answer region of a trace without thinking markers (``len(response)`` when it
+        writes none): the most tokens whose text ends at or before the region's first character."""
+        offset = answer_region_start(text, self.profile)
+        if offset >= len(text):
+            return len(response)
+        low, high = 0, len(response)  # decoded prefix lengths grow with the token count
+        while low < high:
+            middle = (low + high + 1) // 2
+            if len(self.probe_tokenizer.decode(response[:middle])) <= offset:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def at_response_start(self, start: int) -> bool:
+        """A state of a model without thinking markers before any response text: the exit text (or a continuation)
+        is the first text of the response, which starts on the line the chat template opened, so its leading
+        whitespace goes (joined to ``assistant\\n`` it would merge into a newline token the model never writes)."""
+        return start == 0 and not self.profile.thinks
+
     def exit_probes(self, trace, starts, bank, opened) -> list[Probe]:
         response = trace.response_ids.tolist()
         prompt = trace.prompt_ids.tolist()
-        thinking_length = response.index(self.think_end_id) if self.think_end_id in response else len(response)
+        has_end = self.think_end_id is not None and self.think_end_id in response
+        thinking_length = response.index(self.think_end_id) if has_end else len(response)
         correct = [s for a in bank.correct_answers for s in self.answer_sequences(a)]
         every = [s for a in bank.all_answers for s in self.answer_sequences(a)]
         probes = []
         for k, start in enumerate(starts):
             text = self.profile.exit_text if opened[k] else self.profile.think_opener + self.profile.exit_text
+            if self.at_response_start(start):
+                text = text.lstrip()
             forced = self.probe_tokenizer.continuation(prompt + response[:start], text, exit_line=opened[k])
             probes += [dataclasses.replace(p, value_index=k) for p in build_exit_probes(
                 [start], forced, correct, thinking_length=thinking_length, all_answers=every)]
@@ -289,6 +329,8 @@ class _Planner:
             for steps, answer in bank.correct_steps:
                 steps_text = opening + continuation_text(body, steps, self.task)
                 stem = steps_text + self.profile.exit_text + self.profile.answer_prefix + answer
+                if self.at_response_start(start):
+                    stem = stem.lstrip()
                 entries += self.closed_sequences(context, stem, exit_line=not steps_text)
             banks.append(entries)
         return build_reference_probes(starts, banks)
@@ -298,7 +340,8 @@ def _opened_and_bodies(planner: _Planner, trace, starts, by_prompt: bool, need_b
     """Per state: whether thinking is open at its boundary, and (reference continuation) the thinking text so far."""
     response = trace.response_ids.tolist()
     start_id = planner.think_start_id
-    open_at = 0 if by_prompt else (response.index(start_id) + 1 if start_id in response else None)
+    opened_in_response = start_id is not None and start_id in response
+    open_at = 0 if by_prompt else (response.index(start_id) + 1 if opened_in_response else None)
     opened = [open_at is not None and start >= open_at for start in starts]
     bodies = []
     if need_bodies:
@@ -357,11 +400,11 @@ def plan_traces(
     by_prompt = [planner.opened_by_prompt(t.prompt_ids.tolist()) for t in traces]
     repair_texts = {group: [planner.probe_tokenizer.decode(list(ids)) for ids in ids_of_group]
                     for group, ids_of_group in (repairs or {}).items()}
-    banks = _group_banks(traces, texts, by_prompt, settings, task, repair_texts)
+    banks = _group_banks(traces, texts, by_prompt, settings, task, repair_texts, planner.profile)
     rule = _value_rule(settings)
     source = settings.probe.value_source
     plans = []
-    for trace, prompt_opened in zip(traces, by_prompt):
+    for trace, text, prompt_opened in zip(traces, texts, by_prompt):
         bank = banks[trace.group]
         plan = TracePlan(trace.prompt_ids, trace.response_ids, float(trace.outcome), [], value_rule=rule,
                          success=settings.success_probability(trace.outcome), temperature=float(temperature),
@@ -371,11 +414,15 @@ def plan_traces(
             if rule != "own_continuation":
                 if bank.correct_answers:
                     reference = source == "reference_continuation"
-                    opened, bodies = _opened_and_bodies(planner, trace, plan.starts, prompt_opened, reference)
+                    starts = plan.starts
+                    if not planner.profile.thinks:  # states inside the answer region: probed from its start
+                        answer_start = planner.answer_start(trace.response_ids.tolist(), text)
+                        starts = [min(start, answer_start) for start in starts]
+                    opened, bodies = _opened_and_bodies(planner, trace, starts, prompt_opened, reference)
                     if reference:
-                        plan.probes = planner.reference_probes(trace, plan.starts, bank, opened, bodies)
+                        plan.probes = planner.reference_probes(trace, starts, bank, opened, bodies)
                     else:
-                        plan.probes = planner.exit_probes(trace, plan.starts, bank, opened)
+                        plan.probes = planner.exit_probes(trace, starts, bank, opened)
                 else:
                     plan.no_candidates = True
         plans.append(plan)

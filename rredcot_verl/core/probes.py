@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rredcot_verl.core.profiles import PROFILE_KEYS, ProbeProfile, resolve_profile
+from rredcot_verl.core.profiles import AUTO, AUTO_FAMILIES, PROFILE_KEYS, ProbeProfile, resolve_profile
 
 VALUE_SOURCES = ("exit_probe", "reference_continuation", "own_continuation")
 NORMALIZATIONS = ("raw", "self_normalized")
@@ -43,8 +43,11 @@ class ProbeSettings:
             (docs/choices.md, "Value source"); the task's recipe picks it.
         normalization: ``"self_normalized"`` (default; probability of the correct answers divided by the mass of all
             answers the group produced, a calibrated value in [0, 1]) or ``"raw"`` (the plain sum, a lower bound).
-        profile: the model family's probe text, a preset of ``profiles.PROFILE_PRESETS``: ``"qwen3"`` (default),
-            ``"r1_distill"``, ``"embedded"`` (the tiny task).
+        profile: the model family's probe text: ``"auto"`` (default: read from the tokenizer's vocabulary and chat
+            template where the tokenizer is loaded, ``profiles.detect_family``: ``qwen3``, ``r1_distill`` or
+            ``plain``) or a preset of ``profiles.PROFILE_PRESETS``: ``"qwen3"``, ``"r1_distill"``, ``"plain"`` (a
+            model without thinking markers: Qwen2.5-Instruct, Llama, Mistral), ``"embedded"`` (the tiny task). The
+            answer text (exit text, prefix, closings) follows the task's answer style (``boxed`` or ``gsm8k``).
         think_start, think_end, think_opener, exit_text, answer_prefix, answer_closings, answer_eos: null (default)
             takes the preset's value, anything else overrides it (meanings in ``core/profiles.py``). ``think_end``
             is also the marker the segmentation cuts the answer segment at.
@@ -52,7 +55,7 @@ class ProbeSettings:
 
     value_source: str = "exit_probe"
     normalization: str = "self_normalized"
-    profile: str = "qwen3"
+    profile: str = AUTO
     think_start: str | None = None
     think_end: str | None = None
     think_opener: str | None = None
@@ -68,13 +71,31 @@ class ProbeSettings:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if isinstance(self.answer_closings, list):
             object.__setattr__(self, "answer_closings", tuple(self.answer_closings))
-        self.profile_values  # validates the preset name and the overrides now, not at the first training step
+        # Validates the preset name and the overrides now, not at the first training step; ``auto`` is resolved
+        # from the tokenizer later, so here the overrides must suit at least one of the families it may pick.
+        names = AUTO_FAMILIES if self.profile == AUTO else (self.profile,)
+        errors = []
+        for name in names:
+            try:
+                resolve_profile(name, self._overrides())
+                break
+            except ValueError as error:
+                errors.append(error)
+        else:
+            raise errors[0]
+
+    def _overrides(self) -> dict:
+        return {name: getattr(self, name) for name in PROFILE_KEYS}
 
     @property
     def profile_values(self) -> ProbeProfile:
-        """The preset with this section's explicit keys applied."""
-        overrides = {name: getattr(self, name) for name in PROFILE_KEYS}
-        return resolve_profile(self.profile, overrides)
+        """The named preset (``boxed`` answers) with this section's explicit keys applied; ``auto`` needs
+        ``profile_for(tokenizer)``."""
+        return self.profile_for()
+
+    def profile_for(self, tokenizer=None, answer_style: str = "boxed") -> ProbeProfile:
+        """The profile for this tokenizer (``auto``) and the task's answer style, with the explicit keys applied."""
+        return resolve_profile(self.profile, self._overrides(), answer_style, tokenizer)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,10 @@
 A profile (``algorithm.rredcot.probe.profile``) fixes the text a probe forces and scores:
 
 - ``think_start`` / ``think_end``: the thinking markers (single tokens of the tokenizer); ``think_end`` also fixes the
-  segmentation's answer segment.
+  segmentation's answer segment. Both empty (with ``think_opener``): a model that reasons without a thinking block
+  (Qwen2.5-Instruct, Llama, Mistral): the whole response is the reasoning, every state is probed as if thinking were
+  open, and the answer region starts where the response writes the exit text (or the final answer marker, the exit
+  text's last line such as ``\\boxed`` or ``####``); states inside it are probed from its start (``planning``).
 - ``think_opener``: what a probe writes first when thinking is not open yet at its boundary. Qwen3's chat template
   ends the prompt with ``<|im_start|>assistant\\n`` and the model writes ``<think>\\n`` itself, so S_0 (and any
   boundary before ``<think>``) is probed with ``<think>\\n`` + exit text, i.e. Qwen3's own empty thinking block
@@ -38,6 +41,18 @@ a merge still crosses the boundary (a mid-line boundary after ``.`` followed by 
 ``.\\n``, a token the trace does not hold), the text is tokenized on its own: the trace's tokens are fixed, so the probe
 uses a split the tokenizer would not produce; such joins are counted (``ProbeTokenizer.split_joins``) and
 ``plan_traces`` logs a warning.
+Answer styles and presets. The exit text ends with the answer's lead, which belongs to the task's answer format
+(``Task.answer_style``): ``boxed`` (``**Final Answer**\\n\\boxed`` then ``{answer}`` and a closing) or ``gsm8k``
+(verl's GSM8K convention, a last line ``#### 42`` then EOS: ``####`` then `` 42``, closed by EOS alone or by a newline
+before it, since a bare ``42`` also starts ``420``). A preset name is a model family; ``preset(name,
+answer_style)`` gives its profile for the style (``PROFILE_PRESETS`` holds the ``boxed`` ones). ``plain`` is the family
+without thinking markers.
+
+``auto`` (``detect_family``): the family read from the tokenizer, where one exists (the planner, the workers):
+``r1_distill`` when the generation prompt ends by opening thinking (``<think>\\n``: DeepSeek-R1-Distill, QwQ,
+Qwen3-*-Thinking-2507); ``qwen3`` when the vocabulary has ``<think>``/``</think>`` as single tokens and the template
+has Qwen3's thinking switch (``enable_thinking=false`` closes an empty thinking block in the prompt, the default
+leaves the model to open it); ``plain`` otherwise (no markers, no template, or a template that never opens thinking).
 Imports nothing from verl, ray or the tasks.
 """
 
@@ -46,12 +61,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Sequence
 
-__all__ = ["PROFILE_PRESETS", "ProbeProfile", "ProbeTokenizer", "resolve_profile"]
+__all__ = ["ANSWER_STYLES", "AUTO", "PROFILE_PRESETS", "ProbeProfile", "ProbeTokenizer", "answer_region_start",
+           "detect_family", "preset", "resolve_profile"]
 
 # Closing texts chat models write right after a boxed answer, as the Qwen2 pre-tokenizer cuts them (inline math
 # ``}$``, end of sentence ``}.``/``}$.``, display math or a line end ``}\n``/``}\n\n``, a bare ``}``).
 _CHAT_CLOSINGS = ("}", "}$", "}$.", "}.", "}\n", "}\n\n")
-_FINAL_ANSWER_EXIT = "\n</think>\n\n**Final Answer**\n\\boxed"
 
 
 @dataclass(frozen=True)
@@ -67,46 +82,156 @@ class ProbeProfile:
     answer_eos: bool
 
     def __post_init__(self) -> None:
-        for name in ("think_start", "think_end", "exit_text"):
-            if not getattr(self, name):
-                raise ValueError(f"probe.{name} must be a non-empty string")
+        if not self.exit_text or not self.exit_text.strip():
+            raise ValueError(f"probe.exit_text must be a non-blank string, got {self.exit_text!r}")
+        markers = (self.think_start, self.think_end, self.think_opener)
+        if any(markers) and not all(markers):
+            # Half a thinking block cannot be probed: either the family thinks (all three) or it does not (none).
+            raise ValueError(f"probe.think_start, think_end and think_opener must all be set or all be empty "
+                             f"(a model without thinking), got {markers}")
         if not self.think_opener.startswith(self.think_start):
             raise ValueError(
                 f"probe.think_opener must start with think_start {self.think_start!r}, got {self.think_opener!r}"
             )
-        closings = self.answer_closings
-        if isinstance(closings, str) or not closings or not all(isinstance(c, str) and c for c in closings):
-            raise ValueError(f"probe.answer_closings must be a non-empty list of non-empty strings, got {closings!r}")
-        object.__setattr__(self, "answer_closings", tuple(closings))
         if not isinstance(self.answer_eos, bool):
             raise ValueError(f"probe.answer_eos must be true or false, got {self.answer_eos!r}")
+        closings = self.answer_closings
+        # An empty closing is the answer followed directly by EOS: only meaningful when EOS is appended.
+        if isinstance(closings, str) or not closings or not all(
+            isinstance(c, str) and (c or self.answer_eos) for c in closings
+        ):
+            raise ValueError(f"probe.answer_closings must be a non-empty list of non-empty strings (an empty one only "
+                             f"with answer_eos), got {closings!r}")
+        object.__setattr__(self, "answer_closings", tuple(closings))
+
+    @property
+    def thinks(self) -> bool:
+        """The family writes a thinking block (False: the whole response is the reasoning)."""
+        return bool(self.think_start)
+
+    @property
+    def answer_markers(self) -> tuple[str, ...]:
+        """Texts whose last occurrence starts a response's answer region: the exit text without its leading
+        whitespace and thinking marker, then its last line (``\\boxed``, ``####``)."""
+        lead = self.exit_text
+        if self.think_end and self.think_end in lead:
+            lead = lead.split(self.think_end, 1)[1]
+        lead = lead.strip()
+        last_line = lead.split("\n")[-1].strip()
+        return tuple(dict.fromkeys(m for m in (lead, last_line) if m))
 
 
-PROFILE_PRESETS: dict[str, ProbeProfile] = {
-    # Qwen3 thinking mode: the response opens with "<think>\n"; the answer follows "</think>\n\n".
-    "qwen3": ProbeProfile("<think>", "</think>", "<think>\n", _FINAL_ANSWER_EXIT, "{", _CHAT_CLOSINGS, False),
-    # DeepSeek-R1-Distill-Qwen: the prompt ends with "<think>\n" (opener only for older templates that do not);
-    # display answers "\[\boxed{..}\]" close with "}\".
-    "r1_distill": ProbeProfile(
-        "<think>", "</think>", "<think>\n", _FINAL_ANSWER_EXIT, "{", (*_CHAT_CLOSINGS, "}\\"), False
-    ),
-    # The embedded arithmetic task (tasks/arithmetic.py): "<think>\n<steps>\n</think>\n\boxed{59}" then EOS.
-    "embedded": ProbeProfile("<think>", "</think>", "<think>", "\n</think>\n\\boxed", "{", ("}",), True),
-}
 PROFILE_KEYS = tuple(f.name for f in fields(ProbeProfile))
+ANSWER_STYLES = ("boxed", "gsm8k")
+AUTO = "auto"
+AUTO_FAMILIES = ("qwen3", "r1_distill", "plain")  # what detect_family may pick
+# verl's GSM8K convention (examples/data_preprocess/gsm8k.py, utils/reward_score/gsm8k.py): "#### 42" ends the
+# response. The space is the answer's prefix so that the exit text ends with its own pre-token ("####"). No "."
+# closing: verl's reward reads "#### 42." as "42." and scores it 0.
+_GSM8K_CLOSINGS = ("", "\n")
+_FAMILIES = {
+    # family: (think_start, think_end, think_opener, text before the answer lead, extra boxed closings)
+    "qwen3": ("<think>", "</think>", "<think>\n", "\n</think>\n\n", ()),
+    "r1_distill": ("<think>", "</think>", "<think>\n", "\n</think>\n\n", ("}\\",)),
+    # No thinking block: the answer follows the reasoning after a blank line (boxed) or on its own line (gsm8k).
+    "plain": ("", "", "", "\n\n", ()),
+}
 
 
-def resolve_profile(preset: str, overrides: dict) -> ProbeProfile:
-    """The preset's values with every non-None entry of ``overrides`` (keys of ``ProbeProfile``) replacing its own."""
-    if preset not in PROFILE_PRESETS:
-        raise ValueError(f"probe.profile must be one of {sorted(PROFILE_PRESETS)}, got {preset!r}")
+def _family_profile(family: str, style: str) -> ProbeProfile:
+    start, end, opener, before, closings = _FAMILIES[family]
+    if style == "gsm8k":
+        before = before.replace("\n\n", "\n") if family == "plain" else before
+        return ProbeProfile(start, end, opener, before + "####", " ", _GSM8K_CLOSINGS, True)
+    return ProbeProfile(start, end, opener, before + "**Final Answer**\n\\boxed", "{", (*_CHAT_CLOSINGS, *closings),
+                        False)
+
+
+_STYLED: dict[tuple[str, str], ProbeProfile] = {
+    (family, style): _family_profile(family, style) for family in _FAMILIES for style in ANSWER_STYLES
+}
+# The embedded arithmetic task (tasks/arithmetic.py): "<think>\n<steps>\n</think>\n\boxed{59}" then EOS.
+_STYLED["embedded", "boxed"] = ProbeProfile("<think>", "</think>", "<think>", "\n</think>\n\\boxed", "{", ("}",), True)
+# Qwen3 thinking mode: the response opens with "<think>\n"; the answer follows "</think>\n\n". DeepSeek-R1-Distill-Qwen:
+# the prompt ends with "<think>\n" (opener only for older templates that do not); display answers "\[\boxed{..}\]"
+# close with "}\". plain: no thinking block (Qwen2.5-Instruct, Llama, Mistral).
+PROFILE_PRESETS: dict[str, ProbeProfile] = {family: _STYLED[family, "boxed"] for family in (*_FAMILIES, "embedded")}
+
+
+def preset(name: str, answer_style: str = "boxed") -> ProbeProfile:
+    """The family ``name``'s profile for the task's answer style (``ANSWER_STYLES``)."""
+    if answer_style not in ANSWER_STYLES:
+        raise ValueError(f"answer style must be one of {ANSWER_STYLES}, got {answer_style!r}")
+    if name not in PROFILE_PRESETS:
+        raise ValueError(f"probe.profile must be one of {sorted([AUTO, *PROFILE_PRESETS])}, got {name!r}")
+    if (name, answer_style) not in _STYLED:
+        raise ValueError(f"probe.profile {name!r} has no {answer_style!r} answer text: set probe.exit_text, "
+                         "answer_prefix, answer_closings and answer_eos, or use another profile")
+    return _STYLED[name, answer_style]
+
+
+def resolve_profile(name: str, overrides: dict, answer_style: str = "boxed", tokenizer=None) -> ProbeProfile:
+    """The preset's values for ``answer_style`` with every non-None entry of ``overrides`` (keys of ``ProbeProfile``)
+    replacing its own. ``name`` ``auto`` needs ``tokenizer`` (``detect_family``)."""
     unknown = sorted(set(overrides) - set(PROFILE_KEYS))
     if unknown:
         raise ValueError(f"unknown profile key(s) {unknown}; accepted: {list(PROFILE_KEYS)}")
-    base = PROFILE_PRESETS[preset]
-    values = {name: getattr(base, name) for name in PROFILE_KEYS}
-    values.update({name: value for name, value in overrides.items() if value is not None})
+    if name == AUTO:
+        if tokenizer is None:
+            raise ValueError("probe.profile=auto is resolved from the tokenizer; none was given")
+        name = detect_family(tokenizer)
+    base = preset(name, answer_style)
+    values = {key: getattr(base, key) for key in PROFILE_KEYS}
+    values.update({key: value for key, value in overrides.items() if value is not None})
     return ProbeProfile(**values)
+
+
+def _single_token_id(tokenizer, text: str) -> int | None:
+    try:
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    except Exception:  # noqa: BLE001 - a tokenizer without this text is simply without the marker
+        return None
+    return ids[0] if len(ids) == 1 else None
+
+
+def _generation_prompt(tokenizer, **kwargs) -> str | None:
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        return tokenizer.apply_chat_template([{"role": "user", "content": "1 + 1 = ?"}], tokenize=False,
+                                             add_generation_prompt=True, **kwargs)
+    except Exception:  # noqa: BLE001 - a template that cannot render a plain user turn opens no thinking either
+        return None
+
+
+def detect_family(tokenizer) -> str:
+    """``qwen3``, ``r1_distill`` or ``plain`` from a Hugging Face tokenizer's vocabulary and chat template (rule in
+    the module docstring, "auto"; why this rule: docs/choices.md)."""
+    start, end = _FAMILIES["qwen3"][:2]
+    if _single_token_id(tokenizer, start) is None or _single_token_id(tokenizer, end) is None:
+        return "plain"
+    prompt = _generation_prompt(tokenizer)
+    if prompt is None:
+        return "plain"
+    tail = prompt.rstrip()
+    if tail.endswith(start):
+        return "r1_distill"
+    if tail.endswith(end):  # the template closes thinking itself: the model answers without it
+        return "plain"
+    switched_off = _generation_prompt(tokenizer, enable_thinking=False)
+    if switched_off is not None and switched_off != prompt and switched_off.rstrip().endswith(end):
+        return "qwen3"
+    return "plain"
+
+
+def answer_region_start(text: str, profile: ProbeProfile) -> int:
+    """Character offset where a response of a model without thinking starts its final answer: the last occurrence
+    of the first of ``profile.answer_markers`` it holds, else ``len(text)`` (no answer written)."""
+    for marker in profile.answer_markers:
+        found = text.rfind(marker)
+        if found >= 0:
+            return found
+    return len(text)
 
 
 class ProbeTokenizer:

@@ -116,11 +116,12 @@ class BoundaryVocab:
         Args:
             tokenizer: any Hugging Face tokenizer (``decode``/``batch_decode``/``encode``, ``len()``).
             cfg: the segmentation settings (``keywords`` are baked in).
-            think_end: the end-of-thinking marker (``settings.probe.profile_values.think_end``); honoured when the
-                tokenizer has it as a single token.
+            think_end: the end-of-thinking marker (``settings.probe.profile_for(tokenizer).think_end``); honoured
+                when the tokenizer has it as a single token. Empty: the model writes no thinking block (the whole
+                response is cut as reasoning).
         """
-        if not think_end:
-            raise ValueError("think_end must be a non-empty string")
+        if not isinstance(think_end, str):
+            raise ValueError(f"think_end must be a string, got {think_end!r}")
         vocab_size = len(tokenizer)
         decode_kwargs = dict(skip_special_tokens=False, clean_up_tokenization_spaces=False)
         lone = tokenizer.batch_decode([[i] for i in range(vocab_size)], **decode_kwargs)
@@ -133,7 +134,7 @@ class BoundaryVocab:
             in_context = tokenizer.batch_decode([[newline_id, i] for i in range(vocab_size)], **decode_kwargs)
             pieces = [ctx[1:] if ctx.startswith("\n") else alone for ctx, alone in zip(in_context, lone)]
 
-        think_ids = tokenizer.encode(think_end, add_special_tokens=False)
+        think_ids = tokenizer.encode(think_end, add_special_tokens=False) if think_end else []
         think_end_id = think_ids[0] if len(think_ids) == 1 and lone[think_ids[0]] == think_end else None
         return cls(
             has_newline=has_newline,

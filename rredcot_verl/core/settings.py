@@ -108,8 +108,10 @@ class RRedCoTSettings:
         return outcomes.is_correct(outcome, self.reward_range)
 
     def boundary_vocab(self, tokenizer) -> BoundaryVocab:
-        """The segmentation's token tables, with the profile's end-of-thinking marker (its one source)."""
-        return BoundaryVocab.from_tokenizer(tokenizer, self.segmentation, think_end=self.probe.profile_values.think_end)
+        """The segmentation's token tables, with the profile's end-of-thinking marker (its one source; ``auto`` is
+        resolved from this tokenizer, and a model without thinking has none)."""
+        think_end = self.probe.profile_for(tokenizer).think_end
+        return BoundaryVocab.from_tokenizer(tokenizer, self.segmentation, think_end=think_end)
 
 def _build(cls, values: Any, where: str):
     if values is None:

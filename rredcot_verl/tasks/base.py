@@ -13,11 +13,18 @@ gives:
   continuation resumes a bank entry at that step (``planning.continuation_text``).
 - ``first_wrong_step(extra_info, response_text)`` (optional, for the credit report and benchmarks): the 1-based first
   wrong step and the character span of its text, or None.
+- ``answer_style``: how the answer is written, ``boxed`` (``\\boxed{42}``) or ``gsm8k`` (a last line ``#### 42``);
+  the probe profile's exit text and answer closings follow it (``core/profiles.py``).
 
 Registered names (``TASKS``): ``arithmetic`` (the embedded task, one step per line, integer answers), ``boxed_math``
 (competition maths: math-verify equivalence, blank-line separated paragraphs), ``paragraphs`` (exact answers,
-paragraphs), ``code`` (Python programs judged by tests: ``tasks/code.py``, which also says which value sources it
+paragraphs), ``gsm8k`` (verl's GSM8K format: the answer after ``####`` read as verl's rule reward reads it, one step
+per line), ``code`` (Python programs judged by tests: ``tasks/code.py``, which also says which value sources it
 refuses). ``resolve_task`` also accepts ``module:attr``.
+
+``check_task_reads_answers`` / ``check_dataset_rows``: whether a task can read the answers of a dataset at all (its
+ground truths, its reference solutions, the answer format its prompts ask for), for the launcher to refuse a task
+that would read nothing (``boxed_math`` on verl's GSM8K rows finds no ``\\boxed`` in any response).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import importlib
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from rredcot_verl.tasks.arithmetic import THINK_CLOSE, THINK_OPEN, ArithmeticProblem
 from rredcot_verl.tasks.arithmetic import first_wrong_step as arithmetic_first_wrong_step
@@ -47,10 +54,14 @@ class Task:
     split_steps: Callable[[str], list[str]]
     step_separator: str
     first_wrong_step: Callable[[Any, str], StepSpan | None] | None = None
+    answer_style: str = "boxed"
 
     def __post_init__(self) -> None:
         if not self.step_separator or self.step_separator.strip():
             raise ValueError(f"task {self.name!r}: step_separator must be non-empty whitespace, got {self.step_separator!r}")
+        if self.answer_style not in ANSWER_FORMATS:
+            raise ValueError(f"task {self.name!r}: answer_style must be one of {sorted(ANSWER_FORMATS)}, "
+                             f"got {self.answer_style!r}")
 
 
 # ----------------------------------------------------------------------------------------------------- splitters
@@ -102,6 +113,45 @@ def math_equivalent(a: str, b: str) -> bool:
     return bool(gold and answer and verify(gold, answer, timeout_seconds=limit))
 
 
+# ------------------------------------------------------------------------------------------------------- gsm8k
+
+# verl's utils/reward_score/gsm8k.py (strict method), restated because the tasks import without verl: the last
+# "#### <number>" of the response's last 300 characters; the reward compares it, commas and "$" removed, with the
+# ground truth as strings. tests/test_nonthinking_on_cpu.py checks the two agree.
+_GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+_GSM8K_CLIP_CHARS = 300
+_CALCULATOR = re.compile(r"<<[^>]*>>")
+
+
+def extract_gsm8k_answer(text: str) -> str | None:
+    """The number after the last ``#### `` as the response wrote it (commas kept: the probe scores the written
+    text), or None; read from the last 300 characters, as verl's reward reads it."""
+    found = _GSM8K_ANSWER.findall(str(text)[-_GSM8K_CLIP_CHARS:])
+    return found[-1] if found else None
+
+
+def _gsm8k_normal(answer: str) -> str:
+    return str(answer).strip().replace(",", "").replace("$", "")
+
+
+def gsm8k_equivalent(a: str, b: str) -> bool:
+    """Equal as verl's GSM8K reward compares them (strings, commas and ``$`` removed): ``42.0`` and ``42`` are not,
+    because that reward scores one of them 0 (an answer is a correct candidate only if it is rewarded as one)."""
+    return _gsm8k_normal(a) == _gsm8k_normal(b)
+
+
+def _gsm8k_truth(ground_truth: str) -> str:
+    text = str(ground_truth).strip()
+    return extract_gsm8k_answer(text) or text
+
+
+def gsm8k_solution_steps(answer: str) -> list[str]:
+    """The steps of a GSM8K reference answer (``extra_info.answer`` in verl's rows): its rationale lines, calculator
+    annotations ``<<48/2=24>>`` and the ``#### 72`` line removed."""
+    rationale = str(answer).rpartition("####")[0] if "####" in str(answer) else str(answer)
+    return split_lines(_CALCULATOR.sub("", rationale))
+
+
 # ---------------------------------------------------------------------------------------------- arithmetic report
 
 
@@ -140,6 +190,12 @@ def arithmetic_wrong_step(extra_info: Any, response_text: str) -> StepSpan | Non
     return None if step is None else (step, _step_line_span(response_text, step))
 
 
+# ------------------------------------------------------------------------------------------------ answer formats
+
+# How each answer style writes an answer, and the text a prompt names when it asks for that style.
+ANSWER_FORMATS = {"boxed": "\\boxed{{{}}}", "gsm8k": "#### {}"}
+_PROMPT_MARKERS = {"boxed": "boxed", "gsm8k": "####"}
+
 # -------------------------------------------------------------------------------------------------------- registry
 
 ARITHMETIC = Task(
@@ -167,6 +223,15 @@ PARAGRAPHS = Task(
     split_steps=split_paragraphs,
     step_separator="\n\n",
 )
+GSM8K = Task(
+    name="gsm8k",
+    extract_answer=extract_gsm8k_answer,
+    answer_text=_gsm8k_truth,
+    equivalent=gsm8k_equivalent,
+    split_steps=split_lines,
+    step_separator="\n",
+    answer_style="gsm8k",
+)
 CODE = Task(
     name="code",
     extract_answer=extract_program,
@@ -175,7 +240,7 @@ CODE = Task(
     split_steps=split_paragraphs,
     step_separator="\n\n",
 )
-TASKS: dict[str, Task] = {task.name: task for task in (ARITHMETIC, BOXED_MATH, PARAGRAPHS, CODE)}
+TASKS: dict[str, Task] = {task.name: task for task in (ARITHMETIC, BOXED_MATH, PARAGRAPHS, GSM8K, CODE)}
 
 
 def resolve_task(spec: str) -> Task:
@@ -194,3 +259,99 @@ def resolve_task(spec: str) -> Task:
     if missing:
         raise ValueError(f"task {spec!r} lacks {missing}")
     return task
+
+
+# ------------------------------------------------------------------------------------------------- dataset check
+
+
+def _reads_any(task, solutions: Sequence[str]) -> bool:
+    return any(_safe(task.extract_answer, solution) is not None for solution in solutions)
+
+
+def _safe(function, *args):
+    try:
+        return function(*args)
+    except Exception:  # noqa: BLE001 - a parser that fails on a row reads nothing from it
+        return None
+
+
+def _short(text: str, width: int = 80) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else "..." + text[-width:]
+
+
+def check_task_reads_answers(
+    task: Task | str,
+    ground_truths: Sequence[Any],
+    solutions: Sequence[str | None] = (),
+    prompts: Sequence[str | None] = (),
+    key: str = "algorithm.rredcot.task",
+) -> str | None:
+    """A one-line problem when ``task`` can read no answer of a dataset sample, else None.
+
+    Refused when, over the sampled rows: (1) among the reference solutions that hold an answer in some known format
+    (a solution stripped of its answer, as ``math_data.convert`` writes GSM8K's, is not counted), the task reads none;
+    (2) every prompt that names an answer format (``####``, ``boxed``) names another style than the task's, so the
+    model is asked to answer in a form the task does not read; (3) no ground truth, written in the task's own answer
+    format, reads back as an equivalent answer. Each check is skipped where its inputs are missing or the task (a
+    ``module:attr`` object) declares no ``answer_style``.
+
+    Args:
+        task: a ``Task``, a registered name or ``module:attr``.
+        ground_truths: ``reward_model.ground_truth`` of the sampled rows.
+        solutions: reference solutions carrying the final answer: ``extra_info.answer`` (verl's GSM8K rows) or
+            ``extra_info.reference_solution`` (``tasks/math_data.convert``); None or empty where a row has none.
+        prompts: the text of each row's last user message (``prompt[-1]["content"]``).
+        key: the setting named in the message.
+    """
+    task = resolve_task(task) if isinstance(task, str) else task
+    name = getattr(task, "name", None) or "the task"
+    style = getattr(task, "answer_style", None)
+    others = {n: t for n, t in TASKS.items() if t is not task}
+    with_answer = [s for s in solutions if s and any(_reads_any(t, [s]) for t in TASKS.values())]
+    if with_answer and not _reads_any(task, with_answer):
+        readers = sorted(n for n, t in others.items() if _reads_any(t, with_answer))
+        return (f"{key}={name} reads no answer from any of the {len(with_answer)} sampled reference solutions "
+                f"(e.g. {_short(with_answer[0])!r}); "
+                + (f"task {' or '.join(readers)} reads them" if readers else "choose a task that reads them"))
+    if style in _PROMPT_MARKERS:
+        named = [{s for s, marker in _PROMPT_MARKERS.items() if marker in p} for p in prompts if p]
+        named = [styles for styles in named if styles]
+        if named and all(style not in styles for styles in named):
+            wanted = sorted(set().union(*named))
+            readers = sorted(n for n, t in TASKS.items() if getattr(t, "answer_style", None) in wanted)
+            return (f"{key}={name} reads {style} answers but the sampled prompts ask for {' / '.join(wanted)} "
+                    f"answers (e.g. {_short(next(p for p in prompts if p))!r}); use task {' or '.join(readers)}")
+    truths = [t for t in ground_truths if t is not None and str(t).strip()]
+    if style in ANSWER_FORMATS and truths:
+        def reads_back(truth) -> bool:
+            answer = _safe(task.answer_text, str(truth))
+            read = _safe(task.extract_answer, ANSWER_FORMATS[style].format(answer)) if answer else None
+            return read is not None and bool(_safe(task.equivalent, read, answer))
+
+        if not any(reads_back(t) for t in truths):
+            return (f"{key}={name} cannot read any of the {len(truths)} sampled ground truths written as its "
+                    f"{style} answers (e.g. {_short(truths[0])!r})")
+    return None
+
+
+def _get(mapping: Any, name: str) -> Any:
+    try:
+        return mapping.get(name) if mapping is not None else None
+    except AttributeError:
+        return None
+
+
+def check_dataset_rows(task: Task | str, rows: Iterable[Mapping], key: str = "algorithm.rredcot.task") -> str | None:
+    """``check_task_reads_answers`` on verl dataset rows (dicts with ``prompt``, ``reward_model.ground_truth`` and
+    ``extra_info.answer`` or ``extra_info.reference_solution``, as a parquet row reads back)."""
+    truths, solutions, prompts = [], [], []
+    for row in rows:
+        truths.append(_get(_get(row, "reward_model"), "ground_truth"))
+        extra = _get(row, "extra_info")
+        solutions.append(_get(extra, "answer") or _get(extra, "reference_solution"))
+        messages = _get(row, "prompt")
+        contents = [_get(m, "content") for m in (list(messages) if messages is not None else [])
+                    if _get(m, "role") == "user"]
+        prompts.append(contents[-1] if contents else None)
+    return check_task_reads_answers(task, truths, solutions, prompts, key)

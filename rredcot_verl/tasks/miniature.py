@@ -1,6 +1,7 @@
-"""Miniature stand-ins for the paper recipes (Qwen3-4B thinking, DeepSeek-R1-Distill-Qwen), built from code on CPU.
+"""Miniature stand-ins for the paper recipes (Qwen3-4B thinking, DeepSeek-R1-Distill-Qwen) and for verl's quickstart
+(a Qwen2.5-Instruct model on GSM8K, no thinking), built from code on CPU.
 
-    python -m rredcot_verl.tasks.miniature --family {qwen3,r1_distill} --out DIR [--problems N] [--threads T]
+    python -m rredcot_verl.tasks.miniature --family {qwen3,r1_distill,qwen2_5} --out DIR [--problems N] [--threads T]
 
 writes what a paper recipe reads, at toy scale, so it can be launched in CI without the hub:
 
@@ -12,6 +13,12 @@ writes what a paper recipe reads, at toy scale, so it can be launched in CI with
   problems written as the family responds: ``<think>\\n{solution}\\n</think>\\n\\n**Final Answer**\\n\\boxed{a}``
   then eos (R1's prompt already ends with ``<think>\\n``). The SFT memorises rather than solves: it makes sampled
   responses carry a boxed answer (for the reward and the exit probe) that is sometimes right.
+- ``qwen2_5`` (``GSM8K_FAMILIES``): verl's GSM8K row format instead (``examples/data_preprocess/gsm8k.py``:
+  data_source ``openai/gsm8k``, the question then ``Let's think step by step and output the final answer after
+  "####".``, ``reward_model.ground_truth`` the number, ``extra_info.answer`` the rationale ending ``#### 27``, plus
+  ``extra_info.reference_steps``, its lines, for the reference continuation), from the shipped problems whose answer
+  is a number (LaTeX written out as plain text); the model answers without a thinking block: the rationale lines,
+  then ``#### 27``, then eos; the Qwen2.5 chat template (default system prompt, no ``<think>`` token).
 - ``DIR/miniature.json``: the build record (fingerprint, boxed rate and accuracy on training prompts, token lengths
   for ``max_prompt_length`` / ``max_response_length``). A run whose fingerprint matches returns it without building.
 """
@@ -24,11 +31,13 @@ import json
 import math
 import os
 import random
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from rredcot_verl.tasks import math_data
+from rredcot_verl.tasks import base, math_data
+from rredcot_verl.tasks.base import GSM8K, gsm8k_solution_steps
 from rredcot_verl.tasks.math_data import convert
 from rredcot_verl.tasks.model import (
     chat_prompt_ids,
@@ -61,6 +70,9 @@ class Family:
         added_tokens: single tokens that decoding keeps (thinking markers, R1's role markers), as the real ones do.
         thinks_in_prompt: the generation prompt ends with ``<think>\\n``, so the response starts inside thinking.
         tie_word_embeddings: as the full-size checkpoint.
+        answer_style: ``boxed`` (thinking, then ``**Final Answer**\\n\\boxed{a}``; the converter's rows) or ``gsm8k``
+            (no thinking block: rationale lines, then ``#### a``; verl's GSM8K rows).
+        system_prompt: the template's default system prompt, whose words join the BPE corpus.
     """
 
     model_type: str
@@ -74,6 +86,8 @@ class Family:
     added_tokens: tuple[str, ...]
     thinks_in_prompt: bool
     tie_word_embeddings: bool
+    answer_style: str = "boxed"
+    system_prompt: str = ""
 
 
 _R1_BOS, _R1_EOS, _R1_PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
@@ -92,6 +106,20 @@ FAMILIES: dict[str, Family] = {
         tie_word_embeddings=False,
     ),
 }
+# Families whose data is verl's GSM8K format, kept apart from the paper families above (whose tests read the
+# converter's rows and boxed answers).
+GSM8K_FAMILIES: dict[str, Family] = {
+    "qwen2_5": Family(
+        model_type="qwen2", template="qwen2_5.jinja", bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        config_bos_token="<|endoftext|>", stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), added_tokens=(), thinks_in_prompt=False,
+        tie_word_embeddings=True, answer_style="gsm8k",
+        system_prompt="\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+    ),
+}
+ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **GSM8K_FAMILIES}
+GSM8K_DATA_SOURCE = "openai/gsm8k"  # verl's default reward dispatches its GSM8K rule on this name
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
 @dataclass(frozen=True)
@@ -145,8 +173,47 @@ def load_problems(n: int | None = None, path: str = PROBLEMS_PATH) -> list[dict]
     return problems[:n]
 
 
-def write_data(problems: list[dict], data_dir: str, seed: int) -> tuple[list[MathRow], list[MathRow]]:
-    """Shuffle, split 4:1 and write ``train.parquet`` / ``val.parquet``; returns the (train, val) rows."""
+_FRACTION = re.compile(r"\\(d?frac|binom)\{([^{}]*)\}\{([^{}]*)\}")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_PLAIN_WORDS = {"\\times": "*", "\\div": "/", "\\dots": "...", "$": ""}
+_NUMBER = re.compile(r"-?[0-9][0-9.,]*")
+
+
+def _plain_math(text: str) -> str:
+    """A shipped solution's LaTeX as GSM8K writes rationales: ``a/b``, ``C(n, k)``, ``*``, no ``$``."""
+    text = _FRACTION.sub(lambda m: f"C({m[2]}, {m[3]})" if m[1] == "binom" else f"{m[2]}/{m[3]}", text)
+    text = _BOXED.sub(r"\1", text)
+    for latex, plain in _PLAIN_WORDS.items():
+        text = text.replace(latex, plain)
+    return text
+
+
+def gsm8k_rows(problems: list[dict], split: str) -> "pd.DataFrame":
+    """verl's GSM8K rows (module docstring) for the shipped problems whose answer is a number."""
+    import pandas as pd
+
+    records = []
+    for index, problem in enumerate(problems):
+        answer = extract_boxed_answer(problem["solution"])
+        if answer is None or not _NUMBER.fullmatch(answer):
+            continue
+        rationale = "\n".join(line for line in _plain_math(problem["solution"]).split("\n") if line.strip())
+        raw = f"{rationale}\n#### {answer}"
+        records.append({
+            "data_source": GSM8K_DATA_SOURCE,
+            "prompt": [{"role": "user", "content": f"{problem['problem']} {GSM8K_INSTRUCTION}"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": answer},
+            "extra_info": {"split": split, "index": index, "answer": raw, "question": problem["problem"],
+                           "reference_steps": gsm8k_solution_steps(raw)},
+        })
+    return pd.DataFrame(records)
+
+
+def write_data(problems: list[dict], data_dir: str, seed: int,
+               answer_style: str = "boxed") -> tuple[list[MathRow], list[MathRow]]:
+    """Shuffle, split 4:1 and write ``train.parquet`` / ``val.parquet`` (the converter's rows, or verl's GSM8K rows
+    for the ``gsm8k`` answer style); returns the (train, val) rows."""
     if len(problems) < 2:
         raise ValueError(f"need at least 2 problems (one is held out for validation), got {len(problems)}")
     order = list(problems)
@@ -155,6 +222,12 @@ def write_data(problems: list[dict], data_dir: str, seed: int) -> tuple[list[Mat
     os.makedirs(data_dir, exist_ok=True)
     splits = []
     for split, rows in (("train", order[n_val:]), ("val", order[:n_val])):
+        if answer_style == "gsm8k":
+            frame = gsm8k_rows(rows, split)
+            frame.to_parquet(os.path.join(data_dir, f"{split}.parquet"))
+            splits.append([MathRow(p[0]["content"], r["ground_truth"], e["answer"])
+                           for p, r, e in zip(frame["prompt"], frame["reward_model"], frame["extra_info"])])
+            continue
         frame = convert(rows, DATA_SOURCE, split)
         frame.to_parquet(os.path.join(data_dir, f"{split}.parquet"))
         splits.append([MathRow(p[0]["content"], r["ground_truth"], e["reference_solution"])
@@ -163,7 +236,10 @@ def write_data(problems: list[dict], data_dir: str, seed: int) -> tuple[list[Mat
 
 
 def response_text(family: Family, row: MathRow) -> str:
-    """The SFT target: thinking (the solution's paragraphs), then the final answer, as the family writes it."""
+    """The SFT target: thinking (the solution's paragraphs), then the final answer, as the family writes it; a
+    ``gsm8k`` family writes the GSM8K answer (rationale lines, then ``#### a``) with no thinking block."""
+    if family.answer_style == "gsm8k":
+        return row.solution
     thinking = f"{row.solution}\n{THINK_CLOSE}\n\n**Final Answer**\n\\boxed{{{row.answer}}}"
     return thinking if family.thinks_in_prompt else f"{THINK_OPEN}\n{thinking}"
 
@@ -174,7 +250,7 @@ def build_tokenizer(family: Family, rows: list[MathRow], config: MiniatureConfig
     from transformers import PreTrainedTokenizerFast
 
     # Special and added tokens are split off before the BPE sees text, so the chat scaffolding needs only its words.
-    corpus = ["system\nuser\nassistant\nYou are a helpful assistant."]
+    corpus = ["system\nuser\nassistant\nYou are a helpful assistant." + family.system_prompt]
     corpus += [f"{row.prompt}\n{response_text(family, row)}" for row in rows]
     tokenizer = train_qwen2_style_bpe(corpus, config.vocab_size, family.special_tokens, family.added_tokens)
     named = {family.bos_token, family.eos_token, family.pad_token}
@@ -253,28 +329,38 @@ def warm_start(model, tokenizer, family: Family, rows: list[MathRow], config: Mi
     return {"steps": config.sft_steps, "final_loss": round(loss.item(), 4)}
 
 
-def evaluate(model, tokenizer, rows: list[MathRow], max_new_tokens: int, seed: int) -> dict:
-    """Share of responses with a boxed answer and share scored correct by the paper reward (math-verify), for
-    temperature-1 samples and greedy decoding of ``rows``' prompts."""
+def evaluate(model, tokenizer, rows: list[MathRow], max_new_tokens: int, seed: int,
+             answer_style: str = "boxed") -> dict:
+    """Share of responses with an answer (``boxed_rate``: a boxed one, or a ``####`` one for the gsm8k style) and
+    share scored correct by the family's reward (math-verify; verl's GSM8K comparison), for temperature-1 samples
+    and greedy decoding of ``rows``' prompts."""
     from rredcot_verl.tasks.math_reward import compute_score
     from rredcot_verl.tasks.sft import generate_responses
 
+    def score(response: str, truth: str) -> float:
+        if answer_style == "gsm8k":
+            answer = GSM8K.extract_answer(response)
+            return float(answer is not None and GSM8K.equivalent(answer, truth))
+        return compute_score(DATA_SOURCE, response, truth)
+
+    read = GSM8K.extract_answer if answer_style == "gsm8k" else extract_boxed_answer
     report = {}
     for mode, do_sample in (("sampled", True), ("greedy", False)):
         responses = generate_responses(model, tokenizer, rows, do_sample, max_new_tokens, seed=seed)
-        boxed = [extract_boxed_answer(response) is not None for response in responses]
-        scores = [compute_score(DATA_SOURCE, response, row.answer) for row, response in zip(rows, responses)]
+        boxed = [read(response) is not None for response in responses]
+        scores = [score(response, row.answer) for row, response in zip(rows, responses)]
         report[mode] = {"boxed_rate": sum(boxed) / len(rows), "accuracy": sum(scores) / len(rows),
                         "example": responses[0]}
     return report
 
 
 def fingerprint(family_name: str, n_problems: int | None, config: MiniatureConfig) -> dict:
-    """What a build depends on: family, sizes, and the bytes of the problems, the template, this module and the
-    converter (a rebuild takes seconds, so any edit to them invalidates a cached build rather than a version number)."""
+    """What a build depends on: family, sizes, and the bytes of the problems, the template, this module, the
+    converter and the tasks module (GSM8K steps); a rebuild takes seconds, so any edit to them invalidates a cached
+    build rather than a version number."""
     digest = hashlib.sha256()
-    template = os.path.join(ASSETS, "chat_templates", FAMILIES[family_name].template)
-    for path in (PROBLEMS_PATH, template, os.path.abspath(__file__), math_data.__file__):
+    template = os.path.join(ASSETS, "chat_templates", ALL_FAMILIES[family_name].template)
+    for path in (PROBLEMS_PATH, template, os.path.abspath(__file__), math_data.__file__, base.__file__):
         with open(path, "rb") as f:
             digest.update(f.read())
     return {"family": family_name, "problems": n_problems, "config": asdict(config),
@@ -286,7 +372,7 @@ def build(family_name: str, out_dir: str, n_problems: int | None = None,
     """Build (or reuse) ``out_dir/data`` and ``out_dir/model`` for one family; returns the record in ``RECORD``."""
     import torch
 
-    family = FAMILIES[family_name]
+    family = ALL_FAMILIES[family_name]
     out_dir = os.path.abspath(out_dir)
     record_path, model_dir, data_dir = (os.path.join(out_dir, name) for name in (RECORD, "model", "data"))
     parquets = [os.path.join(data_dir, f"{split}.parquet") for split in ("train", "val")]
@@ -304,7 +390,7 @@ def build(family_name: str, out_dir: str, n_problems: int | None = None,
         except (FileNotFoundError, ValueError):
             pass  # an incomplete folder is rebuilt
     start = time.monotonic()
-    train, val = write_data(load_problems(n_problems), data_dir, config.seed)
+    train, val = write_data(load_problems(n_problems), data_dir, config.seed, family.answer_style)
     tokenizer = build_tokenizer(family, train + val, config)
     model = build_model(family, tokenizer, config)
     sft = warm_start(model, tokenizer, family, train, config)
@@ -314,7 +400,8 @@ def build(family_name: str, out_dir: str, n_problems: int | None = None,
         raise ValueError(f"{model_dir}: the tokenizer loads back with a different vocabulary")
     prompt_tokens = [len(chat_prompt_ids(tokenizer, row.prompt)) for row in train + val]
     reference_tokens = [len(response_ids(tokenizer, response_text(family, row))) for row in train + val]
-    evaluation = evaluate(model, tokenizer, train[: config.n_eval], max(reference_tokens) + 32, config.seed)
+    evaluation = evaluate(model, tokenizer, train[: config.n_eval], max(reference_tokens) + 32, config.seed,
+                          family.answer_style)
     record = {
         "fingerprint": expected, "family": family_name, "n_train": len(train), "n_val": len(val),
         "model_dir": model_dir, "train_parquet": parquets[0], "val_parquet": parquets[1],
@@ -325,8 +412,9 @@ def build(family_name: str, out_dir: str, n_problems: int | None = None,
     with open(record_path, "w") as f:
         json.dump(record, f, indent=2)
     sampled, greedy = evaluation["sampled"], evaluation["greedy"]
+    wrote = "boxed" if family.answer_style == "boxed" else "answered"
     log(f"miniature {family_name}: built in {record['seconds']:.0f} s; on {min(config.n_eval, len(train))} training "
-        f"prompts sampled boxed {sampled['boxed_rate']:.0%} / correct {sampled['accuracy']:.0%}, greedy boxed "
+        f"prompts sampled {wrote} {sampled['boxed_rate']:.0%} / correct {sampled['accuracy']:.0%}, greedy {wrote} "
         f"{greedy['boxed_rate']:.0%} / correct {greedy['accuracy']:.0%}")
     return record
 
@@ -335,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     parser = argparse.ArgumentParser(description="Build a miniature paper model family: parquet data + tiny model.")
-    parser.add_argument("--family", required=True, choices=sorted(FAMILIES))
+    parser.add_argument("--family", required=True, choices=sorted(ALL_FAMILIES))
     parser.add_argument("--out", required=True, help="output folder (data/, model/, miniature.json)")
     parser.add_argument("--problems", type=int, default=None, help="use the first N shipped problems (default all)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the warm start")

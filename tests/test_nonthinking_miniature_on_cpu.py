@@ -1,0 +1,126 @@
+"""verl's quickstart setting in miniature: a non-thinking Qwen2.5-style model on verl's GSM8K rows with verl's own
+GSM8K reward, trained by ``rredcot`` with the reference-continuation value source and no probe profile named.
+
+The launch is a user's (``python -m rredcot_verl.main`` on a recipe written here: this package's defaults plus the
+run's keys), on the ``qwen2_5`` miniature (tasks/miniature.py: the Qwen2.5 chat template, no ``<think>`` token, data
+in verl's GSM8K format with data_source ``openai/gsm8k``), so ``probe.profile: auto`` must resolve to ``plain`` in the
+planner and the workers, the ``gsm8k`` task must read the ``#### 27`` answers, and the probes must be valued. Read
+from the step metrics: no failed group, every trace has candidates and finite values (no fallback for NaN values or
+missing segments, which is where a profile that does not fit the model shows), the value gate opened, finite
+advantages; and from the log: no error verl caught and carried on from.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rredcot_verl.runs import load_metrics
+
+STEPS = 2
+RUN_TIMEOUT_S = 900
+# verl's GSM8K reward through verl's own dispatcher (data_source openai/gsm8k -> utils/reward_score/gsm8k.py).
+RECIPE = """
+hydra:
+  searchpath: [pkg://verl.trainer.config, pkg://rredcot_verl.conf]
+defaults: [rredcot_defaults, _self_]
+data:
+  train_files: {build}/data/train.parquet
+  val_files: {build}/data/val.parquet
+  train_batch_size: 4
+  max_prompt_length: 128
+  max_response_length: 80
+  dataloader_num_workers: 0
+  seed: 1
+actor_rollout_ref:
+  model: {{path: {build}/model}}
+  actor:
+    optim: {{lr: 1e-5}}
+    ppo_mini_batch_size: 4
+    ppo_micro_batch_size_per_gpu: 16
+    use_kl_loss: false
+  rollout:
+    name: vllm
+    n: 4
+    temperature: 1.0
+    tensor_model_parallel_size: 1
+    gpu_memory_utilization: 0.1
+    log_prob_micro_batch_size_per_gpu: 16
+    agent: {{num_workers: 1}}
+reward:
+  num_workers: 1
+  custom_reward_function: {{path: pkg://verl.utils.reward_score, name: default_compute_score}}
+algorithm:
+  adv_estimator: rredcot
+  rredcot:
+    task: gsm8k
+    probe: {{value_source: reference_continuation}}
+    segmentation: {{strategy: hybrid, max_segments: 8, min_segment_len: 2}}
+trainer:
+  n_gpus_per_node: 1
+  nnodes: 1
+  total_training_steps: {steps}
+  val_before_train: false
+  test_freq: -1
+  save_freq: -1
+  project_name: nonthinking_miniature
+  logger: [console, file]
+  rollout_data_dir: {out}/rollouts
+"""
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_build(tmp_path_factory) -> Path:
+    # 24 problems (19 to train on): the warm start memorises them well enough that groups mix right and wrong traces.
+    out = tmp_path_factory.mktemp("miniature_qwen2_5")
+    subprocess.run([sys.executable, "-m", "rredcot_verl.tasks.miniature", "--family", "qwen2_5", "--out", str(out),
+                    "--problems", "24"], check=True, capture_output=True, timeout=900)
+    return out
+
+
+@pytest.mark.e2e
+def test_rredcot_trains_a_nonthinking_model_on_verls_gsm8k(qwen2_5_build, tmp_path):
+    from verl.utils.reward_score import default_compute_score
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "gsm8k_plain.yaml").write_text(RECIPE.format(build=qwen2_5_build, out=out, steps=STEPS))
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")}
+    command = ["timeout", "-k", "30", str(RUN_TIMEOUT_S), "setsid", sys.executable, "-m", "rredcot_verl.main",
+               "--config-dir", str(tmp_path / "recipe"), "--config-name", "gsm8k_plain"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 60)
+    log = result.stdout + result.stderr
+    (out / "stdout.log").write_text(log)
+    assert result.returncode == 0, log[-6000:]
+    for marker in ("Error in _run_prompt", "Traceback (most recent call last)"):
+        assert marker not in log, log[log.index(marker) - 2000 : log.index(marker) + 4000]
+
+    rows = load_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    for row in rows:
+        assert row["rollout/failed_groups"] == 0 and row["rollout/missing_traces"] == 0
+        for key in ("actor/grad_norm", "actor/pg_loss", "critic/advantages/mean", "critic/advantages/max",
+                    "critic/advantages/min"):
+            assert math.isfinite(float(row[key])), (key, row[key])
+        # A profile that does not fit the model shows as traces without values: NaN values, no segments, no bank.
+        assert row["rredcot/fallback/nonfinite"] == 0 and row["rredcot/fallback/missing_segments"] == 0, row
+        assert row["rredcot/traces_without_candidates"] == 0 and row["rredcot/bank_groups_empty"] == 0, row
+        assert row["rredcot/probes_per_trace"] > 0
+    gate = [row["rredcot/value_gate_open"] for row in rows]
+    print("value gate open per step:", gate, "concordance:", [row.get("rredcot/value_concordance") for row in rows],
+          "redistributed:", [row["rredcot/redistributed_frac"] for row in rows])
+    assert any(open_ == 1.0 for open_ in gate), gate
+    assert any(row["rredcot/redistributed_frac"] > 0 for row in rows)
+
+    # verl's GSM8K reward judged the responses, and some wrote a "#### " answer it read.
+    dumped = [json.loads(line) for path in sorted((out / "rollouts").glob("*.jsonl"))
+              for line in path.read_text().splitlines()]
+    assert len(dumped) == STEPS * 4 * 4
+    for row in dumped:
+        assert row["score"] == default_compute_score("openai/gsm8k", row["output"], row["gts"]), row["output"]
+    assert sum("#### " in row["output"] for row in dumped) >= len(dumped) // 4
