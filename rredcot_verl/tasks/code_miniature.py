@@ -1,0 +1,290 @@
+"""The ``code`` task in miniature: generated function-writing problems judged by ``assert`` tests in the sandbox, and
+a tiny Qwen3-family model warm-started to pass them some of the time, built from code on CPU.
+
+    python -m rredcot_verl.tasks.code_miniature --out DIR [--problems N] [--threads T]
+
+writes what ``recipes/tiny_cpu/code.yaml`` reads (``RREDCOT_BUILD=DIR``):
+
+- ``DIR/data/{train,val}.parquet``: problems such as "Write a Python function g(x) that multiplies x by 3, then adds
+  2, and returns the result." (one to three operations, operands 2-9, a few function names), shuffled and split 4:1;
+  ``reward_model.ground_truth`` is ``{"assert_case": ["assert g(4) == 14", ...]}`` as a JSON string (the form of
+  verl's prime_code rows), data_source ``miniature/code``, ``extra_info.reference_solution`` the SFT target.
+- ``DIR/model/``: the ``qwen3`` miniature family (``tasks/miniature.py``: byte-level BPE, Qwen3 chat template,
+  two-layer ``Qwen3ForCausalLM``), warm-started by SFT on the training problems answered as a thinking model does:
+  ``<think>`` one line per operation ``</think>`` then the program in a ```` ```python ```` block, then eos. The SFT
+  memorises: it is stopped at the first checkpoint whose sampled (T=1) pass rate on training prompts, judged by
+  ``tasks/code_reward.py``, lies in ``TARGET_BAND``, so RL sees groups with both outcomes.
+- ``DIR/code_miniature.json``: the build record (fingerprint, pass rates, token lengths). A build whose fingerprint
+  matches is reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from rredcot_verl.tasks import code_reward, miniature, model as model_module
+from rredcot_verl.tasks.miniature import ASSETS, FAMILIES, THINK_CLOSE, THINK_OPEN, MathRow, MiniatureConfig
+from rredcot_verl.tasks.model import chat_prompt_ids, load_model_dir, response_ids, save_model_dir
+
+RECORD = "code_miniature.json"
+DATA_SOURCE = "miniature/code"
+FAMILY = "qwen3"
+NAMES = ("f", "g", "h", "calc", "step", "apply")
+# operation -> (prompt clause, thinking line, statement), formatted with the operand ``a`` and what it acts on ``v``
+OPERATIONS = {
+    "add": ("adds {a} to {v}", "Add {a}.", "y = y + {a}"),
+    "subtract": ("subtracts {a} from {v}", "Subtract {a}.", "y = y - {a}"),
+    "multiply": ("multiplies {v} by {a}", "Multiply by {a}.", "y = y * {a}"),
+}
+TEST_INPUTS = tuple(range(-3, 10))
+N_TESTS = 3
+TARGET_BAND = (0.35, 0.65)
+
+
+@dataclass(frozen=True)
+class CodeProblem:
+    """``name(x)`` applies ``operations`` ((operation, operand) pairs, keys of ``OPERATIONS``) to x in order."""
+
+    name: str
+    operations: tuple[tuple[str, int], ...]
+
+    @property
+    def prompt(self) -> str:
+        clauses = [OPERATIONS[op][0].format(a=a, v="it" if i else "x") for i, (op, a) in enumerate(self.operations)]
+        return f"Write a Python function {self.name}(x) that {', then '.join(clauses)}, and returns the result."
+
+    def value(self, x: int) -> int:
+        for op, a in self.operations:
+            x = x + a if op == "add" else x - a if op == "subtract" else x * a
+        return x
+
+    def program(self) -> str:
+        lines = [f"def {self.name}(x):", "    y = x"]
+        lines += ["    " + OPERATIONS[op][2].format(a=a) for op, a in self.operations]
+        return "\n".join(lines + ["    return y"])
+
+    def thinking(self) -> str:
+        return "\n".join(OPERATIONS[op][1].format(a=a) for op, a in self.operations)
+
+    def response(self) -> str:
+        """The SFT target: thinking (one line per operation), then the program; the model opens ``<think>``."""
+        return f"{THINK_OPEN}\n{self.thinking()}\n{THINK_CLOSE}\n\n```python\n{self.program()}\n```"
+
+    def tests(self, rng: random.Random) -> list[str]:
+        return [f"assert {self.name}({x}) == {self.value(x)}" for x in sorted(rng.sample(TEST_INPUTS, N_TESTS))]
+
+
+@dataclass(frozen=True)
+class CodeSFTConfig:
+    """Warm start: AdamW on random batches of training sequences, linear warmup then cosine decay to 0.1x over
+    ``max_steps``; from ``first_eval`` on, every ``eval_every`` steps the sampled pass rate on ``n_eval`` training
+    prompts is measured and training stops inside ``TARGET_BAND`` (else the checkpoint nearest it is kept)."""
+
+    max_steps: int = 400
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    first_eval: int = 100
+    eval_every: int = 20
+    n_eval: int = 32
+    seed: int = 0
+
+
+def make_problems(n: int, seed: int) -> list[tuple[CodeProblem, list[str]]]:
+    """``n`` distinct problems with their assert tests, deterministic in ``seed``."""
+    rng = random.Random(f"code-miniature:{seed}")
+    seen, problems = set(), []
+    while len(problems) < n:
+        operations = tuple((rng.choice(sorted(OPERATIONS)), rng.randint(2, 9)) for _ in range(rng.randint(1, 3)))
+        problem = CodeProblem(rng.choice(NAMES), operations)
+        if problem.prompt not in seen:
+            seen.add(problem.prompt)
+            problems.append((problem, problem.tests(rng)))
+    return problems
+
+
+def write_data(problems: list[tuple[CodeProblem, list[str]]], data_dir: str,
+               seed: int) -> tuple[list[tuple[CodeProblem, str]], list[tuple[CodeProblem, str]]]:
+    """Shuffle, split 4:1, write ``train.parquet`` / ``val.parquet``; returns (problem, ground truth) per split."""
+    import pandas as pd
+
+    order = list(problems)
+    random.Random(seed).shuffle(order)
+    n_val = max(1, len(order) // 5)
+    os.makedirs(data_dir, exist_ok=True)
+    splits = []
+    for split, rows in (("train", order[n_val:]), ("val", order[:n_val])):
+        records = [{
+            "data_source": DATA_SOURCE,
+            "prompt": [{"role": "user", "content": problem.prompt}],
+            "ability": "code",
+            "reward_model": {"style": "rule", "ground_truth": json.dumps({"assert_case": tests})},
+            "extra_info": {"split": split, "index": index, "reference_solution": problem.response()},
+        } for index, (problem, tests) in enumerate(rows)]
+        pd.DataFrame(records).to_parquet(os.path.join(data_dir, f"{split}.parquet"))
+        splits.append([(record_problem, record["reward_model"]["ground_truth"])
+                       for (record_problem, _), record in zip(rows, records)])
+    return splits[0], splits[1]
+
+
+def build_tokenizer(problems: list[CodeProblem], config: MiniatureConfig):
+    """The qwen3 family's tokenizer trained on these problems. ``miniature.build_tokenizer`` writes each row as a
+    thinking response with a boxed answer; given the thinking lines and the fenced program as that answer, its
+    corpus holds every word the responses use (plus the unused ``**Final Answer**`` scaffolding)."""
+    rows = [MathRow(p.prompt, f"```python\n{p.program()}\n```", p.thinking()) for p in problems]
+    return miniature.build_tokenizer(FAMILIES[FAMILY], rows, config)
+
+
+def pass_rate(model, tokenizer, rows: list[tuple[CodeProblem, str]], do_sample: bool, max_new_tokens: int,
+              seed: int) -> tuple[float, str]:
+    """Share of ``rows`` whose generated response passes its tests (``code_reward.compute_score``, i.e. the
+    sandbox), and the first response."""
+    from rredcot_verl.tasks.sft import generate_responses
+
+    responses = generate_responses(model, tokenizer, [problem for problem, _ in rows], do_sample, max_new_tokens,
+                                   seed=seed)
+    with ThreadPoolExecutor(max_workers=4) as pool:  # each score waits on its own sandbox process
+        scores = list(pool.map(lambda r: code_reward.compute_score(DATA_SOURCE, r[1], r[0][1]), zip(rows, responses)))
+    return sum(scores) / len(scores), responses[0]
+
+
+def warm_start(model, tokenizer, train: list[tuple[CodeProblem, str]], config: CodeSFTConfig, max_new_tokens: int,
+               log: Callable[[str], None]) -> dict:
+    """SFT in place, loss on response tokens (and eos) only, stopped in ``TARGET_BAND`` (``CodeSFTConfig``); the
+    model ends with the kept checkpoint's weights. Returns the record: checkpoints and the kept one."""
+    import copy
+
+    import torch
+
+    sequences = [(chat_prompt_ids(tokenizer, p.prompt), response_ids(tokenizer, p.response())) for p, _ in train]
+    eval_rows = train[: config.n_eval]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    rng = random.Random(config.seed)
+    checkpoints, states = [], []
+    distance = lambda rate: max(TARGET_BAND[0] - rate, rate - TARGET_BAND[1], 0.0)  # noqa: E731
+    model.train()
+    for step in range(config.max_steps):
+        progress = max(0, step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
+        scale = min(1.0, (step + 1) / config.warmup_steps) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * scale
+        batch = rng.sample(sequences, min(config.batch_size, len(sequences)))
+        width = max(len(p) + len(r) for p, r in batch)
+        # (batch, width), right-padded; labels -100 on the prompt and the padding
+        input_ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        labels = torch.full_like(input_ids, -100)
+        for i, (prompt, response) in enumerate(batch):
+            n = len(prompt) + len(response)
+            input_ids[i, :n] = torch.tensor(prompt + response)
+            attention_mask[i, :n] = 1
+            labels[i, len(prompt):n] = torch.tensor(response)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        done = step + 1
+        if done < config.first_eval or ((done - config.first_eval) % config.eval_every and done != config.max_steps):
+            continue
+        rate, _ = pass_rate(model, tokenizer, eval_rows, True, max_new_tokens, config.seed)
+        model.train()
+        checkpoints.append({"step": done, "loss": round(loss.item(), 4), "sampled_pass_rate": rate})
+        states.append(copy.deepcopy(model.state_dict()))
+        log(f"code miniature: SFT step {done}, loss {loss.item():.3f}, sampled pass rate {rate:.0%}")
+        if distance(rate) == 0.0:
+            break
+    kept = min(range(len(checkpoints)), key=lambda i: (distance(checkpoints[i]["sampled_pass_rate"]), -i))
+    model.load_state_dict(states[kept])
+    model.eval()
+    return {"kept": checkpoints[kept], "checkpoints": checkpoints, "config": asdict(config)}
+
+
+def fingerprint(n_problems: int, config: MiniatureConfig, sft: CodeSFTConfig) -> dict:
+    """What a build depends on: sizes, settings, and the bytes of this module, the miniature family code, the
+    tokenizer code, the template and the reward (the pass rates that choose the checkpoint)."""
+    digest = hashlib.sha256()
+    template = os.path.join(ASSETS, "chat_templates", FAMILIES[FAMILY].template)
+    for path in (os.path.abspath(__file__), miniature.__file__, model_module.__file__, template,
+                 code_reward.__file__):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return json.loads(json.dumps({"family": FAMILY, "problems": n_problems, "config": asdict(config),
+                                  "sft": asdict(sft), "band": TARGET_BAND, "sources_sha256": digest.hexdigest()}))
+
+
+def build(out_dir: str, n_problems: int = 400, config: MiniatureConfig = MiniatureConfig(),
+          sft: CodeSFTConfig = CodeSFTConfig(), log: Callable[[str], None] = print) -> dict:
+    """Build (or reuse) ``out_dir/data`` and ``out_dir/model``; returns the record written to ``RECORD``."""
+    import torch
+
+    out_dir = os.path.abspath(out_dir)
+    record_path, model_dir, data_dir = (os.path.join(out_dir, name) for name in (RECORD, "model", "data"))
+    parquets = [os.path.join(data_dir, f"{split}.parquet") for split in ("train", "val")]
+    expected = fingerprint(n_problems, config, sft)
+    try:
+        with open(record_path) as f:
+            previous = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        previous = None
+    if previous and previous.get("fingerprint") == expected and all(map(os.path.isfile, parquets)):
+        try:
+            load_model_dir(model_dir, with_model=False)
+            log(f"code miniature: reusing {out_dir} (settings unchanged)")
+            return previous
+        except (FileNotFoundError, ValueError):
+            pass  # an incomplete folder is rebuilt
+    start = time.monotonic()
+    train, val = write_data(make_problems(n_problems, config.seed), data_dir, config.seed)
+    tokenizer = build_tokenizer([p for p, _ in train + val], config)
+    model = miniature.build_model(FAMILIES[FAMILY], tokenizer, config)
+    lengths = {
+        "max_prompt_tokens": max(len(chat_prompt_ids(tokenizer, p.prompt)) for p, _ in train + val),
+        "max_reference_response_tokens": max(len(response_ids(tokenizer, p.response())) for p, _ in train + val),
+    }
+    max_new_tokens = lengths["max_reference_response_tokens"] + 32
+    warm = warm_start(model, tokenizer, train, sft, max_new_tokens, log)
+    save_model_dir(model, tokenizer, model_dir)
+    _, loaded = load_model_dir(model_dir, with_model=False)
+    if loaded.get_vocab() != tokenizer.get_vocab():  # what verl and vLLM will load must be what was trained
+        raise ValueError(f"{model_dir}: the tokenizer loads back with a different vocabulary")
+    greedy, example = pass_rate(model, tokenizer, train[: sft.n_eval], False, max_new_tokens, sft.seed)
+    record = {
+        "fingerprint": expected, "family": FAMILY, "n_train": len(train), "n_val": len(val), "model_dir": model_dir,
+        "train_parquet": parquets[0], "val_parquet": parquets[1], **lengths, "vocab_size": len(tokenizer),
+        "sft": warm, "sampled_pass_rate": warm["kept"]["sampled_pass_rate"], "greedy_pass_rate": greedy,
+        "greedy_example": example, "seconds": round(time.monotonic() - start, 1),
+        "torch_threads": torch.get_num_threads(),
+    }
+    with open(record_path, "w") as f:
+        json.dump(record, f, indent=2)
+    log(f"code miniature: built in {record['seconds']:.0f} s; on {min(sft.n_eval, len(train))} training prompts "
+        f"sampled pass rate {record['sampled_pass_rate']:.0%} (step {warm['kept']['step']}), greedy {greedy:.0%}")
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(description="Build the miniature code task: parquet data + tiny model.")
+    parser.add_argument("--out", required=True, help="output folder (data/, model/, code_miniature.json)")
+    parser.add_argument("--problems", type=int, default=400, help="generated problems (4:1 train/val)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for the warm start: 1 on a shared machine, 2 on an idle 2-core one")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    record = build(args.out, args.problems)
+    print(json.dumps({k: v for k, v in record.items() if k not in ("fingerprint", "sft")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The code task launched as a user launches it (``python -m rredcot_verl.main --config-dir recipes/tiny_cpu
+--config-name code``), in miniature on CPU: generated function-writing problems with assert tests, a tiny Qwen3-family
+model warm-started to pass some of them (``tasks/code_miniature.py``), every response and every Monte-Carlo
+continuation judged by ``tasks/code_reward.py`` in the sandbox inside verl's Ray workers.
+
+One launch (``segment_mc``: the estimator that judges the most programs, its continuations included) serves every
+assertion; the launch checks are answered by ``--check-only`` without Ray.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rredcot_verl.runs import load_metrics
+from rredcot_verl.tasks import code_miniature
+from rredcot_verl.tasks.code_reward import compute_score
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes" / "tiny_cpu"
+ARTEFACT = ROOT / "rredcot_verl" / "tasks" / "assets" / "warmstart"
+STEPS, PROMPTS, SAMPLES = 2, 4, 4
+RUN_TIMEOUT_S = 900
+
+
+def _check_only(build: Path, *overrides):
+    env = {**os.environ, "RREDCOT_CPU": "1", "RREDCOT_BUILD": str(build)}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "rredcot_verl.main", "--check-only", "--config-dir", str(RECIPES),
+         "--config-name", "code", *overrides],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+
+
+def test_check_only_refuses_the_exit_probe_for_code_and_accepts_segment_mc(tmp_path):
+    """The recipe on code data; the launch checks read only the tokenizer and config of the model, so the committed
+    warm start stands in for the code model (no SFT here)."""
+    code_miniature.write_data(code_miniature.make_problems(20, 0), str(tmp_path / "data"), 0)
+    shutil.copytree(ARTEFACT, tmp_path / "model")
+    refused = _check_only(tmp_path, "algorithm.adv_estimator=rredcot")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        "rredcot_verl: algorithm.rredcot.probe.value_source=exit_probe has no meaning for algorithm.rredcot.task=code"
+    ), refused.stderr[-2000:]
+    ok = _check_only(tmp_path, "algorithm.adv_estimator=segment_mc")
+    assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1] == "rredcot_verl: ok", ok.stderr[-2000:]
+    for result in (refused, ok):
+        assert "Started a local Ray instance" not in result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("code_miniature")
+    subprocess.run(
+        [sys.executable, "-m", "rredcot_verl.tasks.code_miniature", "--out", str(out), "--threads", "1"],
+        check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.e2e
+def test_segment_mc_trains_on_code_judged_in_the_sandbox(build, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    env = {**os.environ, "RREDCOT_BUILD": str(build), "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")}
+    env.pop("RAY_ADDRESS", None)
+    overrides = [
+        f"data.train_batch_size={PROMPTS}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
+        f"actor_rollout_ref.rollout.n={SAMPLES}", f"trainer.total_training_steps={STEPS}",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", f"trainer.rollout_data_dir={out / 'rollouts'}",
+        f"algorithm.rredcot.snapshot_dir={out / 'snapshots'}", f"trainer.default_local_dir={out / 'checkpoints'}",
+    ]  # fmt: skip
+    # timeout + setsid as recipes/tiny_cpu/run.sh: on expiry the whole process group (Ray, vLLM) ends with the driver.
+    command = [
+        "timeout", "-k", "30", str(RUN_TIMEOUT_S), "setsid", sys.executable, "-m", "rredcot_verl.main",
+        "--config-dir", str(RECIPES), "--config-name", "code", *overrides,
+    ]  # fmt: skip
+    start = time.monotonic()
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 60)
+    log = result.stdout + result.stderr
+    (out / "stdout.log").write_text(log)
+    assert result.returncode == 0, log[-6000:]
+    # Errors verl catches and carries on from (a reward that raises, a failed agent loop) must not have happened.
+    for marker in ("Error in _run_prompt", "Traceback (most recent call last)"):
+        assert marker not in log, log[log.index(marker) - 2000 : log.index(marker) + 4000]
+
+    rows = load_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    for row in rows:
+        assert row["rollout/failed_groups"] == 0 and row["rollout/missing_traces"] == 0
+        for key in ("actor/grad_norm", "actor/pg_loss", "critic/advantages/mean", "critic/advantages/max",
+                    "critic/advantages/min"):
+            assert math.isfinite(float(row[key])), (key, row[key])
+        assert row["segment_mc/continuations"] > 0 and row["segment_mc/extra_generated_tokens"] > 0, row
+
+    # The reward workers judged every trace through the sandbox: their scores equal the reward recomputed here, and
+    # the run saw both outcomes.
+    dumped = [json.loads(line) for path in sorted((out / "rollouts").glob("*.jsonl"))
+              for line in path.read_text().splitlines()]
+    assert len(dumped) == STEPS * PROMPTS * SAMPLES
+    scores = [row["score"] for row in dumped]
+    for row in dumped:
+        assert row["score"] == compute_score(code_miniature.DATA_SOURCE, row["output"], row["gts"]), row["output"]
+    assert 0.0 in scores and 1.0 in scores, scores
+
+    # The continuations were judged too: Monte-Carlo values of the states before the last segment (2 continuations
+    # each) include passing and failing programs.
+    mc_values = []
+    for snapshot in sorted((out / "snapshots").glob("step_*.json")):
+        for trace in json.loads(snapshot.read_text())["traces"]:
+            ends = [e for e in trace["seg_ends"] if e >= 0]
+            assert math.isfinite(trace["seg_raw_values"][len(ends)])
+            mc_values += [v for v in trace["seg_raw_values"][: len(ends)] if v is not None and not math.isnan(v)]
+            assert all(math.isfinite(a) for a in trace["token_advantages"])
+    assert mc_values and min(mc_values) < 1.0 and max(mc_values) > 0.0, mc_values
+    print(f"code miniature run: {time.monotonic() - start:.0f} s, pass rate {sum(scores) / len(scores):.0%}, "
+          f"continuations per step {[row['segment_mc/continuations'] for row in rows]}, "
+          f"states with a value {len(mc_values)}")
