@@ -39,16 +39,19 @@ def _config(estimator: str, overrides=()):
         return compose(config_name="rredcot", overrides=[f"algorithm.adv_estimator={estimator}", *overrides])
 
 
+# verl asks for it whenever a reference policy runs (KL loss or KL in reward).
+REF_MICRO_BATCH = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16"
 # shape -> (overrides, the key the refusal must name)
 REFUSED_SHAPES = {
     "legacy_trainer": (["trainer.use_v1=false"], "trainer.use_v1=false"),
     "bypass_mode": (["algorithm.rollout_correction.bypass_mode=true"], "algorithm.rollout_correction.bypass_mode=true"),
-    "critic": (["critic.enable=true"], "critic.enable=true"),
+    "critic": (["critic.enable=true", "critic.model.path=${actor_rollout_ref.model.path}",
+                "critic.ppo_micro_batch_size_per_gpu=16"], "critic.enable=true"),
     "n_1": (["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n=1"),
     "multi_turn": (["actor_rollout_ref.rollout.multi_turn.enable=true"], "multi_turn.enable=true"),
     "tool_agent_loop": (["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"],
                         "default_agent_loop=tool_agent"),
-    "kl_in_reward": (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward=true"),
+    "kl_in_reward": (["algorithm.use_kl_in_reward=true", REF_MICRO_BATCH], "algorithm.use_kl_in_reward=true"),
     "reward_model": (["reward.reward_model.enable=true"], "reward.reward_model.enable=true"),
     "async_trainer_mode": (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode=colocate_async"),
 }  # fmt: skip
@@ -80,8 +83,9 @@ def test_megatron_is_refused_for_the_value_pass_only(build):
     for estimator in ("rredcot", "rredcot_ibpo"):
         with pytest.raises(LaunchError, match="actor_rollout_ref.actor.strategy=megatron is not supported"):
             check(_config(estimator, ["actor_rollout_ref.actor.strategy=megatron"]))
-    for estimator in ("grpo", "ibpo", "segment_mc"):
-        check(_config(estimator, ["actor_rollout_ref.actor.strategy=megatron"]))
+    for estimator in ("grpo", "ibpo", "segment_mc"):  # passed on to verl, which wants its Megatron config for it
+        with pytest.raises(LaunchError, match="^verl's config check refuses it: Missing key megatron"):
+            check(_config(estimator, ["actor_rollout_ref.actor.strategy=megatron"]))
 
 
 @pytest.mark.parametrize(
@@ -211,3 +215,24 @@ def test_the_engine_context_of_a_hub_model_is_read_once_per_run(monkeypatch):
     trainer = object.__new__(SegmentCreditTrainer)
     trainer.config = OmegaConf.create({"actor_rollout_ref": {"model": {"path": "Qwen/Qwen3-4B"}}})
     assert [trainer.engine_max_model_length for _ in range(3)] == [40960] * 3 and len(reads) == 1
+
+
+def test_verls_own_config_check_is_a_launch_refusal(build):
+    """A reference policy without a log-prob micro-batch size fails verl's validate_config: one line, before Ray."""
+    with pytest.raises(LaunchError, match=r"^verl's config check refuses it: \[actor_rollout_ref.ref\] Please set"):
+        check(_config("grpo", ["actor_rollout_ref.actor.use_kl_loss=true"]))
+
+
+def test_a_task_that_reads_no_answer_in_the_data_is_refused_at_launch(build):
+    """verl's own GSM8K rows (answers after ``####``) with ``task: boxed_math``: every probe would score nothing."""
+    from rredcot_verl.tasks.miniature import GSM8K_INSTRUCTION
+
+    question = "Natalia sold clips to 48 of her friends in April, and half as many in May. How many in total?"
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}],
+             "reward_model": {"style": "rule", "ground_truth": "72"},
+             "extra_info": {"answer": "48/2 = 24 clips in May.\n48+24 = 72.\n#### 72", "question": question}}] * 8
+    pd.DataFrame(rows).to_parquet(build / "data" / "train.parquet")
+    with pytest.raises(LaunchError, match=r"^algorithm.rredcot.task=boxed_math reads no answer"):
+        check(_config("rredcot", ["algorithm.rredcot.task=boxed_math"]))
+    check(_config("rredcot", ["algorithm.rredcot.task=gsm8k", "algorithm.rredcot.probe.profile=auto"]))
+    check(_config("grpo", ["algorithm.rredcot.task=boxed_math"]))  # verl's estimators read no answers

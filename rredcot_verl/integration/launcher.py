@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rredcot_verl.compat.cpu import CPU_ENV, CPU_PROCESS_ENV, accelerator_present, enable_cpu_mode
 from rredcot_verl.core.settings import settings_from_config
@@ -139,6 +139,29 @@ def check_dataset(path, key: str, need_ground_truth: bool, skipped: list[str]) -
         bad = sum(1 for row in rows if not isinstance(row, dict) or row.get("ground_truth") is None)
         if bad:
             raise LaunchError(f"{key} file {file!r}: {bad} of {len(rows)} rows lack reward_model.ground_truth")
+
+
+def check_task_answers(config: DictConfig, settings, skipped: list[str], sample: int = 64) -> None:
+    """Refuse a task that reads no answer from a sample of the training rows (``tasks.check_dataset_rows``: e.g.
+    ``boxed_math`` on verl's GSM8K rows, whose answers follow ``####``): every probe would score nothing."""
+    import pyarrow.parquet as pq
+
+    from rredcot_verl.tasks.base import check_dataset_rows
+
+    if settings.task == "code":  # its ground truths are tests, which the sandbox reads, not an answer text
+        return
+    files = config.data.train_files
+    first = files if isinstance(files, str) else list(files)[0]
+    if is_remote_uri(first):
+        skipped.append(f"algorithm.rredcot.task={settings.task} against {first!r} (remote)")
+        return
+    prompt_key = config.data.get("prompt_key", "prompt")
+    columns = [c for c in (prompt_key, "reward_model", "extra_info") if c in pq.read_schema(first).names]
+    batch = next(pq.ParquetFile(first).iter_batches(batch_size=sample, columns=columns), None)
+    rows = [] if batch is None else batch.to_pylist()
+    problem = check_dataset_rows(settings.task, [{**row, "prompt": row.get(prompt_key)} for row in rows])
+    if problem:
+        raise LaunchError(problem)
 
 
 def _local_pretrained(loader, path: str):
@@ -314,9 +337,30 @@ def check(config: DictConfig) -> list[str]:
     refusal = shape_refusal(config, spec, hf_config) or (spec and code_task_refusal(settings, estimator))
     if refusal:
         raise LaunchError(refusal)
+    if spec is not None:
+        check_task_answers(config, settings, skipped)
     check_rule_reward(config, settings)
     check_ibpo_context(config, settings, hf_config)
+    check_with_verl(config, skipped, model_is_local=hf_config is not None)
     return skipped
+
+
+def check_with_verl(config: DictConfig, skipped: list[str], model_is_local: bool) -> None:
+    """verl's own ``validate_config`` (batch sizes, micro-batch keys, the critic's model), which ``main_ppo`` runs
+    before Ray: here its refusal is one line, and ``--check-only`` runs it too. On a copy: it may fill in derived
+    values. Where the model is not on this machine a failure may only be the missing files: named as skipped."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    copy = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
+    try:
+        validate_config(config=copy, use_reference_policy=need_reference_policy(copy), use_critic=need_critic(copy))
+    except Exception as error:  # verl raises ValueError, AssertionError, hydra and omegaconf errors alike
+        message = " ".join(str(error).split())
+        if not model_is_local:
+            skipped.append(f"verl's validate_config (the model is not on this machine: {message[:200]})")
+            return
+        raise LaunchError(f"verl's config check refuses it: {message}") from error
 
 
 def prepare(config: DictConfig) -> DictConfig:
