@@ -11,7 +11,6 @@ advantages; and from the log: no error verl caught and carried on from.
 """
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -19,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from rredcot_verl.runs import load_metrics
+from miniature_launch import launch_and_read
 
 STEPS = 2
-RUN_TIMEOUT_S = 900
+
 # verl's GSM8K reward through verl's own dispatcher (data_source openai/gsm8k -> utils/reward_score/gsm8k.py).
 RECIPE = """
 hydra:
@@ -91,22 +90,10 @@ def test_rredcot_trains_a_nonthinking_model_on_verls_gsm8k(qwen2_5_build, tmp_pa
     (tmp_path / "recipe").mkdir()
     (tmp_path / "recipe" / "gsm8k_plain.yaml").write_text(RECIPE.format(build=qwen2_5_build, out=out, steps=STEPS))
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")}
-    command = ["timeout", "-k", "30", str(RUN_TIMEOUT_S), "setsid", sys.executable, "-m", "rredcot_verl.main",
-               "--config-dir", str(tmp_path / "recipe"), "--config-name", "gsm8k_plain"]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 60)
-    log = result.stdout + result.stderr
-    (out / "stdout.log").write_text(log)
-    assert result.returncode == 0, log[-6000:]
-    for marker in ("Error in _run_prompt", "Traceback (most recent call last)"):
-        assert marker not in log, log[log.index(marker) - 2000 : log.index(marker) + 4000]
-
-    rows = load_metrics(out / "metrics.jsonl")
-    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    _, rows = launch_and_read(tmp_path / "recipe", "gsm8k_plain", [], env, tmp_path, out, STEPS,
+                              ("actor/grad_norm", "actor/pg_loss", "critic/advantages/mean", "critic/advantages/max",
+                               "critic/advantages/min"))  # fmt: skip
     for row in rows:
-        assert row["rollout/failed_groups"] == 0 and row["rollout/missing_traces"] == 0
-        for key in ("actor/grad_norm", "actor/pg_loss", "critic/advantages/mean", "critic/advantages/max",
-                    "critic/advantages/min"):
-            assert math.isfinite(float(row[key])), (key, row[key])
         # A profile that does not fit the model shows as traces without values: NaN values, no segments, no bank.
         assert row["rredcot/fallback/nonfinite"] == 0 and row["rredcot/fallback/missing_segments"] == 0, row
         assert row["rredcot/traces_without_candidates"] == 0 and row["rredcot/bank_groups_empty"] == 0, row

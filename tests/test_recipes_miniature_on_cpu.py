@@ -12,7 +12,6 @@ recomputed here, and some responses were parsed) and the log (no error that verl
 """
 
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from rredcot_verl.runs import load_metrics
+from miniature_launch import launch_and_read
 from rredcot_verl.tasks.math_reward import compute_score
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +65,6 @@ PERMITTED_OVERRIDES = frozenset(
     }
 )
 STEPS = 2
-RUN_TIMEOUT_S = 900
 
 
 def miniature_overrides(recipe: str, build: Path, out: Path) -> dict[str, object]:
@@ -159,25 +157,9 @@ def test_recipe_trains_in_miniature(recipe, miniatures, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     env = {**os.environ, "DATA_DIR": str(data_dir), "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")}
-    command = [
-        "timeout", "-k", "30", str(RUN_TIMEOUT_S), "setsid", sys.executable, "-m", "rredcot_verl.main",
-        "--config-dir", str(_recipe_dir(recipe)), "--config-name", recipe,
-        *_as_cli(miniature_overrides(recipe, build, out)),
-    ]  # fmt: skip
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 60)
-    log = result.stdout + result.stderr
-    (out / "stdout.log").write_text(log)
-    assert result.returncode == 0, log[-6000:]
-    # Errors verl catches and carries on from (a reward that raises, a failed agent loop) must not have happened.
-    for marker in ("Error in _run_prompt", "Traceback (most recent call last)"):
-        assert marker not in log, log[log.index(marker) - 2000 : log.index(marker) + 4000]
-
-    rows = load_metrics(out / "metrics.jsonl")
-    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
-    for row in rows:
-        assert row["rollout/failed_groups"] == 0 and row["rollout/missing_traces"] == 0
-        for key in ("actor/grad_norm", "actor/pg_loss", "critic/advantages/mean", "critic/score/mean"):
-            assert math.isfinite(float(row[key])), (key, row[key])
+    log, rows = launch_and_read(_recipe_dir(recipe), recipe, _as_cli(miniature_overrides(recipe, build, out)), env,
+                                tmp_path, out, STEPS,
+                                ("actor/grad_norm", "actor/pg_loss", "critic/advantages/mean", "critic/score/mean"))
     estimator = RECIPES[recipe][3].get("algorithm.adv_estimator") or ("grpo" if recipe.endswith("_grpo") else "rredcot")
     if estimator in ("rredcot", "rredcot_ibpo"):
         assert all(row[f"{estimator}/fallback/nonfinite"] == 0 for row in rows)
