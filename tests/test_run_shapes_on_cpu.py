@@ -236,3 +236,16 @@ def test_a_task_that_reads_no_answer_in_the_data_is_refused_at_launch(build):
         check(_config("rredcot", ["algorithm.rredcot.task=boxed_math"]))
     check(_config("rredcot", ["algorithm.rredcot.task=gsm8k", "algorithm.rredcot.probe.profile=auto"]))
     check(_config("grpo", ["algorithm.rredcot.task=boxed_math"]))  # verl's estimators read no answers
+
+
+def test_thinking_switched_off_in_the_template_kwargs_makes_auto_the_plain_profile(build):
+    """Qwen3 with enable_thinking=false: the chat template closes an empty thinking block in the prompt, and the
+    responses are plain reasoning; `auto` alone would read the template's thinking markers."""
+    off = ["+data.apply_chat_template_kwargs.enable_thinking=false"]
+
+    def profile(*overrides):
+        return prepare(_config("rredcot", list(overrides))).algorithm.rredcot.probe.profile
+
+    assert profile(*off, "algorithm.rredcot.probe.profile=auto") == "plain"
+    assert profile(*off, "algorithm.rredcot.probe.profile=qwen3") == "qwen3"  # named: kept
+    assert profile("algorithm.rredcot.probe.profile=auto") == "auto"

@@ -363,6 +363,18 @@ def check_with_verl(config: DictConfig, skipped: list[str], model_is_local: bool
         raise LaunchError(f"verl's config check refuses it: {message}") from error
 
 
+def profile_for_template_kwargs(config: DictConfig) -> None:
+    """``probe.profile: auto`` reads the tokenizer's chat template, not the kwargs verl renders prompts with: with
+    ``data.apply_chat_template_kwargs.enable_thinking: false`` the responses hold no thinking block (Qwen3's template
+    closes an empty one in the prompt), which is the ``plain`` profile."""
+    kwargs = config.data.get("apply_chat_template_kwargs", None) or {}
+    probe = config.algorithm.get("rredcot", {}).get("probe", {})
+    if kwargs.get("enable_thinking", True) is False and probe.get("profile", "auto") == "auto":
+        _set(config, "algorithm.rredcot.probe.profile", "plain")
+        print("rredcot_verl: data.apply_chat_template_kwargs.enable_thinking=false: algorithm.rredcot.probe.profile "
+              "auto resolves to plain (responses without a thinking block)")
+
+
 def prepare(config: DictConfig) -> DictConfig:
     """Check the config (``check``) and adapt it (trainer, CPU accommodations, Ray, plugin loading). Returns it."""
     cpu = use_cpu_mode()
@@ -372,6 +384,7 @@ def prepare(config: DictConfig) -> DictConfig:
         os.environ.update(CPU_PROCESS_ENV)
         enable_cpu_mode()
     check(config)
+    profile_for_template_kwargs(config)
     from rredcot_verl.integration.trainer import TRAINER_NAME
 
     if uses_rredcot_trainer(config):
