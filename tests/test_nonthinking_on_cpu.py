@@ -337,3 +337,19 @@ def test_dataset_check_refuses_a_task_that_reads_no_answer(tmp_path):
     # The miniature qwen2_5 data is verl's GSM8K format.
     miniature = gsm8k_rows(load_problems(10), "train").to_dict("records")
     assert check_dataset_rows("gsm8k", miniature) is None and check_dataset_rows("boxed_math", miniature)
+
+
+def test_verls_gsm8k_rows_give_the_bank_their_rationale_as_reference_steps(qwen25):
+    """verl's own rows carry no extra_info.reference_steps: a group without a correct trace continues from the
+    rationale in extra_info.answer instead of falling back for want of values."""
+    tok = qwen25
+    bad = "\n".join(STEPS_BAD) + "\n#### 25"
+    traces = [_record(tok, bad, 0.0, group="h"), _record(tok, bad + ".", 0.0, group="h")]
+    for trace in traces:
+        trace.extra_info = {"answer": "\n".join(STEPS_OK) + "\n#### 27"}
+    plans = plan_traces(traces, _settings("reference_continuation"), tok, GSM8K)
+    assert plans[0].bank_sources == frozenset({"dataset"})
+    texts = {_text(tok, p.scored_ids) for p in plans[0].probes if p.value_index == 0}
+    assert "\n".join(STEPS_OK) + "\n#### 27<|im_end|>" in texts
+    assert GSM8K.dataset_steps({"answer": "a = <<1+1=2>>2.\n#### 2"}) == ["a = 2."]
+    assert GSM8K.dataset_steps({}) is None and GSM8K.dataset_steps(None) is None

@@ -45,7 +45,9 @@ class TaskAdapter(Protocol):
     ``answer_text(ground_truth)``: the dataset answer as the text to score; ``equivalent(a, b)``: same answer;
     ``split_steps(thinking_text)``: the stripped, non-empty steps; ``step_separator``: the whitespace ending a step.
     ``answer_style`` (optional, default ``"boxed"``): the answer format, one of ``profiles.ANSWER_STYLES``; it picks
-    the profile's exit text and answer closings.
+    the profile's exit text and answer closings. ``dataset_steps(extra_info)`` (optional): reference steps read from
+    a row's own fields where it has no ``extra_info.reference_steps`` (verl's GSM8K rows keep the rationale in
+    ``extra_info.answer``), or None.
     """
 
     step_separator: str
@@ -193,8 +195,11 @@ def _group_banks(traces, texts, opened, settings: RRedCoTSettings, task: TaskAda
         bank = banks[trace.group]
         if cand.uses_dataset and trace.ground_truth is not None:
             truth = task.answer_text(str(trace.ground_truth))
-            if trace.reference_steps is not None:
-                bank.add_correct(list(trace.reference_steps), truth, BANK_FROM_DATASET)
+            steps = trace.reference_steps
+            if steps is None and getattr(task, "dataset_steps", None) is not None:
+                steps = task.dataset_steps(trace.extra_info)
+            if steps is not None:
+                bank.add_correct(list(steps), truth, BANK_FROM_DATASET)
             else:  # an answer to score (exit probes), no continuation
                 bank.add_answer(truth, BANK_FROM_DATASET)
     for bank in banks.values():

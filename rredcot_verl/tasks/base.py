@@ -15,6 +15,8 @@ gives:
   wrong step and the character span of its text, or None.
 - ``answer_style``: how the answer is written, ``boxed`` (``\\boxed{42}``) or ``gsm8k`` (a last line ``#### 42``);
   the probe profile's exit text and answer closings follow it (``core/profiles.py``).
+- ``dataset_steps(extra_info)`` (optional): reference steps from a row's own fields where it has no
+  ``extra_info.reference_steps`` (``gsm8k``: the rationale verl's rows keep in ``extra_info.answer``).
 
 Registered names (``TASKS``): ``arithmetic`` (the embedded task, one step per line, integer answers), ``boxed_math``
 (competition maths: math-verify equivalence, blank-line separated paragraphs), ``paragraphs`` (exact answers,
@@ -55,6 +57,7 @@ class Task:
     step_separator: str
     first_wrong_step: Callable[[Any, str], StepSpan | None] | None = None
     answer_style: str = "boxed"
+    dataset_steps: Callable[[Any], list[str] | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.step_separator or self.step_separator.strip():
@@ -223,6 +226,12 @@ PARAGRAPHS = Task(
     split_steps=split_paragraphs,
     step_separator="\n\n",
 )
+def _gsm8k_rationale_steps(extra_info: Any) -> list[str] | None:
+    """verl's GSM8K rows keep the worked rationale (``... #### 72``) in ``extra_info.answer``."""
+    answer = extra_info.get("answer") if isinstance(extra_info, dict) else None
+    return gsm8k_solution_steps(answer) or None if isinstance(answer, str) else None
+
+
 GSM8K = Task(
     name="gsm8k",
     extract_answer=extract_gsm8k_answer,
@@ -231,6 +240,7 @@ GSM8K = Task(
     split_steps=split_lines,
     step_separator="\n",
     answer_style="gsm8k",
+    dataset_steps=_gsm8k_rationale_steps,
 )
 CODE = Task(
     name="code",
