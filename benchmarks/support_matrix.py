@@ -70,6 +70,8 @@ class Shape:
         reward: source of a reward file written for the run (None: the task's own).
         gpu_only: why this machine cannot run it (empty: it can).
         entry_point: a verl entry point other than this package's launcher (checked by starting it).
+        launched_in_ci: estimator -> the end-to-end test that trains it in miniature on this shape's own model and
+            data (which the embedded recipe cannot stand in for) and reads its metrics, in every CI run.
     """
 
     name: str
@@ -78,6 +80,7 @@ class Shape:
     reward: str | None = None
     gpu_only: str = ""
     entry_point: str = ""
+    launched_in_ci: tuple[tuple[str, str], ...] = ()
 
 
 SHAPES = (
@@ -89,7 +92,16 @@ SHAPES = (
     Shape("val_only", "validation only", ("trainer.val_only=true", "trainer.val_before_train=true")),
     Shape("dict_reward", "reward function returning a dict (verl's DAPO convention)", reward=DICT_REWARD),
     Shape("async_reward", "async reward function", reward=ASYNC_REWARD),
-    Shape("group_of_one", "rollout.n=1", ("actor_rollout_ref.rollout.n=1",)),
+    Shape("non_thinking", "non-thinking model (Qwen2.5 chat template), verl's GSM8K rows and reward, profile auto",
+          ("algorithm.rredcot.probe.profile=auto",),
+          launched_in_ci=(("rredcot", "tests/test_nonthinking_miniature_on_cpu.py::"
+                                      "test_rredcot_trains_a_nonthinking_model_on_verls_gsm8k"),)),
+    Shape("code_task", "code answers judged by tests in the sandbox (task: code)", ("algorithm.rredcot.task=code",),
+          launched_in_ci=(("segment_mc", "tests/test_code_miniature_on_cpu.py::"
+                                         "test_segment_mc_trains_on_code_judged_in_the_sandbox"),)),
+    Shape("group_of_one", "rollout.n=1", ("actor_rollout_ref.rollout.n=1",  # 4 traces: micro-batches that divide them
+                                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                                           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4")),
     Shape("kl_in_reward", "KL penalty in the reward", ("algorithm.use_kl_in_reward=true",
                                                         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16")),
     Shape("bypass_mode", "rollout correction in bypass mode", ("algorithm.rollout_correction.bypass_mode=true",)),
@@ -215,7 +227,10 @@ def cell(estimator: str, shape: Shape, build: Path, work: Path, do_launch: bool)
         return {**result, "outcome": "crashed", "evidence": {"check_exit_code": code, "stderr": line}}
     if shape.gpu_only:
         return {**result, "outcome": "gpu_only", "evidence": {"accepted_at_launch": True, "why": shape.gpu_only}}
-    if not do_launch:
+    ci_test = dict(shape.launched_in_ci).get(estimator)
+    if ci_test:
+        return {**result, "outcome": "runs", "evidence": {"accepted_at_launch": True, "launched_in_ci": ci_test}}
+    if not do_launch or shape.launched_in_ci:
         return {**result, "outcome": "not_launched", "evidence": {"accepted_at_launch": True}}
     outcome, evidence = launch(estimator, shape, build, out)
     row = {**result, "outcome": outcome, "evidence": evidence}
