@@ -250,3 +250,18 @@ def test_thinking_switched_off_in_the_template_kwargs_makes_auto_the_plain_profi
     assert profile(*off, "algorithm.rredcot.probe.profile=auto") == "plain"
     assert profile(*off, "algorithm.rredcot.probe.profile=qwen3") == "qwen3"  # named: kept
     assert profile("algorithm.rredcot.probe.profile=auto") == "auto"
+
+
+def test_the_package_defaults_leave_verls_own_keys_alone():
+    """Composed without a recipe, the launcher's config is verl's ppo_trainer plus algorithm.rredcot only: a recipe
+    relying on verl's defaults (its logger, e.g.) keeps them."""
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(ROOT / "rredcot_verl" / "conf"), version_base=None):
+        ours = OmegaConf.to_container(compose(config_name="rredcot_trainer"), resolve=False)
+    with initialize_config_dir(config_dir=str(Path(pytest.importorskip("verl").__file__).parent / "trainer" / "config"),
+                               version_base=None):  # fmt: skip
+        verls = OmegaConf.to_container(compose(config_name="ppo_trainer"), resolve=False)
+    assert ours["trainer"]["logger"] == verls["trainer"]["logger"]
+    ours["algorithm"].pop("rredcot")
+    assert ours == verls

@@ -178,7 +178,8 @@ def defaults_yaml() -> str:
     return (
         "# GENERATED from the dataclasses in rredcot_verl/core (python -m rredcot_verl.core.settings); do not edit.\n"
         "# verl's PPO trainer config plus the algorithm.rredcot section; keys not listed here are rejected at start-up.\n"
-        "defaults:\n  - ppo_trainer\n  - _self_\n\n" + body + "\ntrainer:\n  logger: [console, file]\n"
+        "# Nothing else of verl's is changed (a recipe relying on verl's trainer.logger default keeps its tracker).\n"
+        "defaults:\n  - ppo_trainer\n  - _self_\n\n" + body
     )
 
 
