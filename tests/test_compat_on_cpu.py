@@ -134,3 +134,17 @@ def test_verls_sync_replay_buffer_polls_every_two_seconds_and_the_cpu_trainer_po
 
     assert inspect.signature(ReplayBuffer.__init__).parameters["poll_interval"].default == 2.0
     assert REPLAY_POLL_INTERVAL_S < 2.0
+
+
+def test_verls_fsdp2_reference_offload_pins_memory_upstream_and_not_on_cpu():
+    """Upstream builds forward-only (reference) models with CPUOffloadPolicy(pin_memory=True), which needs an
+    accelerator; in CPU mode the engine's policy is unpinned."""
+    import inspect
+
+    from verl.workers.engine.fsdp import transformer_impl
+
+    from rredcot_verl.compat import enable_cpu_mode
+
+    assert "CPUOffloadPolicy(pin_memory=True)" in inspect.getsource(transformer_impl)
+    enable_cpu_mode()
+    assert transformer_impl.CPUOffloadPolicy().pin_memory is False

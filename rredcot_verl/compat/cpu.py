@@ -18,6 +18,9 @@ changes so that a patch no longer applies (or is no longer needed). Nothing here
    generation and validation take whole multiples of 2 s; a tiny-model step on CPU lasts about 10 s, of which that
    rounding is up to a third. The rredcot trainer polls every ``REPLAY_POLL_INTERVAL_S`` in CPU mode (scheduling only:
    the prompts and batches are the same).
+6. ``CPUOffloadPolicy(pin_memory=True)`` in verl's FSDP2 engine (``workers/engine/fsdp/transformer_impl.py``) for
+   forward-only models (the reference policy of a KL loss or KL in reward): pinning host memory needs an accelerator,
+   so on CPU the reference policy fails to build; the engine's policy is built with ``pin_memory=False``.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ def enable_cpu_mode() -> None:
     _patch_init_process_group()
     _patch_vllm_distribution_version()
     _patch_vllm_cpu_gemm_dispatch()
+    _patch_fsdp2_offload_pinning()
     _applied = True
 
 
@@ -301,3 +305,20 @@ def _patch_vllm_cpu_gemm_dispatch() -> None:
 
     dispatch_cpu_unquantized_gemm._rredcot_cpu = True
     vllm_layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+
+
+# --------------------------------------------------------------------------------------------------------------- 6
+def _patch_fsdp2_offload_pinning() -> None:
+    try:
+        from verl.workers.engine.fsdp import transformer_impl
+    except ImportError:  # processes that never build an FSDP engine
+        return
+    policy = transformer_impl.CPUOffloadPolicy
+    if policy is None or getattr(policy, "_rredcot_cpu", False):
+        return
+
+    def unpinned_offload_policy(pin_memory: bool = True):
+        return policy(pin_memory=False)
+
+    unpinned_offload_policy._rredcot_cpu = True
+    transformer_impl.CPUOffloadPolicy = unpinned_offload_policy
