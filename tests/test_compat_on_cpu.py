@@ -143,8 +143,8 @@ def test_verls_fsdp2_reference_offload_pins_memory_upstream_and_not_on_cpu():
 
     from verl.workers.engine.fsdp import transformer_impl
 
-    from rredcot_verl.compat import enable_cpu_mode
+    from rredcot_verl.compat.cpu import patch_fsdp2_offload_pinning
 
     assert "CPUOffloadPolicy(pin_memory=True)" in inspect.getsource(transformer_impl)
-    enable_cpu_mode()
+    patch_fsdp2_offload_pinning()  # the plugin's call in CPU mode
     assert transformer_impl.CPUOffloadPolicy().pin_memory is False

@@ -20,7 +20,9 @@ changes so that a patch no longer applies (or is no longer needed). Nothing here
    the prompts and batches are the same).
 6. ``CPUOffloadPolicy(pin_memory=True)`` in verl's FSDP2 engine (``workers/engine/fsdp/transformer_impl.py``) for
    forward-only models (the reference policy of a KL loss or KL in reward): pinning host memory needs an accelerator,
-   so on CPU the reference policy fails to build; the engine's policy is built with ``pin_memory=False``.
+   so on CPU the reference policy fails to build; the engine's policy is built with ``pin_memory=False``. Applied by
+   the plugin (``patch_fsdp2_offload_pinning``) once verl is imported: ``enable_cpu_mode`` runs before verl's first
+   import, and importing verl's engines resolves verl's platform.
 """
 
 from __future__ import annotations
@@ -72,7 +74,6 @@ def enable_cpu_mode() -> None:
     _patch_init_process_group()
     _patch_vllm_distribution_version()
     _patch_vllm_cpu_gemm_dispatch()
-    _patch_fsdp2_offload_pinning()
     _applied = True
 
 
@@ -308,7 +309,7 @@ def _patch_vllm_cpu_gemm_dispatch() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------- 6
-def _patch_fsdp2_offload_pinning() -> None:
+def patch_fsdp2_offload_pinning() -> None:
     try:
         from verl.workers.engine.fsdp import transformer_impl
     except ImportError:  # processes that never build an FSDP engine

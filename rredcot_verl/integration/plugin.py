@@ -9,6 +9,7 @@ Ray starts (``run_shapes.guard_async_entry_points``). Importing it twice is harm
 """
 
 from rredcot_verl.compat import cpu_mode_requested, enable_cpu_mode
+from rredcot_verl.compat.cpu import patch_fsdp2_offload_pinning
 
 if cpu_mode_requested():
     enable_cpu_mode()
@@ -20,3 +21,5 @@ from rredcot_verl.integration import trainer as _trainer  # noqa: E402,F401  (re
 
 install_error_recorder()
 guard_async_entry_points()
+if cpu_mode_requested():
+    patch_fsdp2_offload_pinning()
