@@ -102,7 +102,7 @@ def config(tmp_path, monkeypatch):
     monkeypatch.setenv("RREDCOT_CPU", "1")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     # gen_batch_size=2 of train_batch_size=4: verl's async paths would override it to 1.
-    overrides = ["data.train_batch_size=4", "+data.gen_batch_size=2"]
+    overrides = ["data.train_batch_size=4", "+data.gen_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
     with initialize_config_dir(config_dir=str(ROOT / "recipes" / "tiny_cpu"), version_base=None):
         return prepare(compose(config_name="rredcot", overrides=overrides))
 
