@@ -1,6 +1,7 @@
 """Per-trace credit report: where did each trace's advantage land? (JSONL + one self-contained HTML heat map)
 
-The trainer writes one snapshot per step when ``algorithm.rredcot.snapshot_dir`` is set (``write_snapshot``)::
+The trainer writes a snapshot (``write_snapshot``) every ``algorithm.rredcot.snapshot_freq`` steps when
+``algorithm.rredcot.snapshot_dir`` is set, holding at most ``snapshot_max_traces`` traces (whole prompt groups)::
 
     python -m rredcot_verl.report --snapshot SNAPSHOT_DIR_OR_FILE --out OUT_DIR [--max-traces N]
 

@@ -13,7 +13,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Hashable, Sequence
 
 from rredcot_verl.core import outcomes
 from rredcot_verl.core.fused import FusedSettings
@@ -62,10 +62,17 @@ class RRedCoTSettings:
     """``algorithm.rredcot``.
 
     Attributes:
-        snapshot_dir: when set, every step's traces with their segment data and token advantages are written there
-            as ``step_XXXXX.json`` (input of ``python -m rredcot_verl.report``); for ``rredcot`` also the step's
+        snapshot_dir: when set, a step's traces with their segment data and token advantages are written there as
+            ``step_XXXXX.json`` (input of ``python -m rredcot_verl.report``); for ``rredcot`` also the step's
             probe plans, ``step_XXXXX_plans.pt`` (``torch.load(..., weights_only=False)``: a list of
-            ``core.planning.TracePlan`` in batch order, which ``core.values.score_plans`` re-scores offline).
+            ``core.planning.TracePlan`` in the order of the snapshot's traces, which ``core.values.score_plans``
+            re-scores offline). How often and how much: ``snapshot_freq``, ``snapshot_max_traces``.
+        snapshot_freq: write a snapshot at the training steps divisible by this (1, default: every step; 10: steps
+            10, 20, ...), as verl's ``trainer.test_freq`` counts. At least 1.
+        snapshot_max_traces: the most traces one snapshot holds: whole prompt groups in batch order, as many as fit
+            (the first group's first traces alone if one group is larger), so the report's group baselines stay
+            those of the step. Default 64 (a tiny-recipe step of 32 traces is kept whole; a paper-scale step of 512
+            traces of 25k tokens would write several hundred MB a step). None keeps every trace. At least 1.
         task: how answers are read and solutions cut into steps: a name of ``rredcot_verl.tasks.TASKS``
             (``boxed_math``, default: last ``\\boxed{}`` compared with math-verify, blank-line paragraphs;
             ``arithmetic``: the embedded task, one step per line; ``paragraphs``: exact boxed answers, paragraphs)
@@ -80,6 +87,8 @@ class RRedCoTSettings:
     """
 
     snapshot_dir: str | None = None
+    snapshot_freq: int = 1
+    snapshot_max_traces: int | None = 64
     task: str = "boxed_math"
     max_failed_group_share: float = 0.1
     reward_range: tuple[float, float] = (0.0, 1.0)
@@ -95,9 +104,35 @@ class RRedCoTSettings:
     def __post_init__(self):
         if not isinstance(self.task, str) or not self.task.strip():
             raise ValueError(f"task must be a task name or 'module:attr', got {self.task!r}")
+        if isinstance(self.snapshot_freq, bool) or not isinstance(self.snapshot_freq, int) or self.snapshot_freq < 1:
+            raise ValueError(f"snapshot_freq must be an integer >= 1, got {self.snapshot_freq!r}")
+        bound = self.snapshot_max_traces
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+            raise ValueError(f"snapshot_max_traces must be an integer >= 1 or null, got {bound!r}")
         if not 0.0 <= float(self.max_failed_group_share) <= 1.0:
             raise ValueError(f"max_failed_group_share must lie in [0, 1], got {self.max_failed_group_share}")
         object.__setattr__(self, "reward_range", outcomes.check_reward_range(self.reward_range))
+
+    def snapshot_due(self, step: int) -> bool:
+        """Whether training step ``step`` writes a snapshot (``snapshot_dir`` set and the step a multiple of
+        ``snapshot_freq``)."""
+        return bool(self.snapshot_dir) and int(step) % self.snapshot_freq == 0
+
+    def snapshot_rows(self, groups: Sequence[Hashable]) -> list[int]:
+        """Batch indices of the traces a snapshot keeps, given each trace's prompt group (verl's ``uid``) in batch
+        order: whole groups in the order they first appear while they fit ``snapshot_max_traces``."""
+        bound = self.snapshot_max_traces
+        if bound is None or len(groups) <= bound:
+            return list(range(len(groups)))
+        members: dict[Hashable, list[int]] = {}
+        for index, group in enumerate(groups):
+            members.setdefault(group, []).append(index)
+        kept: list[int] = []
+        for indices in members.values():
+            if len(kept) + len(indices) > bound:
+                break
+            kept += indices
+        return sorted(kept) if kept else next(iter(members.values()))[:bound]
 
     def success_probability(self, outcome: float) -> float:
         """An outcome on the probability scale of the value sources: 0 at the bottom of ``reward_range``, 1 at the top."""

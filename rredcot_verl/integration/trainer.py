@@ -281,7 +281,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
         if "concordance" in record["details"]:
             self.value_window.push(record["details"]["concordance"])
             self._report_value_gate(record["metrics"])
-        if self.settings.snapshot_dir:
+        if self.settings.snapshot_due(self.global_steps):
             self._write_snapshot(batch, tensors, record["details"])
         return batch
 
@@ -324,17 +324,19 @@ class SegmentCreditTrainer(PPOTrainerSync):
             logger.warning("no %s in %s: the value gate's window starts empty", VALUE_GATE_FILE, folder)
 
     def _write_snapshot(self, batch, tensors: dict, details: dict) -> None:
-        """The step's traces with segment data and token advantages, for the credit report."""
+        """The step's traces with segment data and token advantages, for the credit report (at most
+        ``snapshot_max_traces``: whole prompt groups, the same rows as the step's ``_plans.pt``)."""
         data = self._fetch(batch, ["prompts", "responses", "advantages", "rm_scores", "uid", "extra_info"])
         decode = self.tokenizer.decode
         prompts, responses = list(data["prompts"].unbind(0)), list(data["responses"].unbind(0))
         advantages, scores = list(data["advantages"].unbind(0)), list(data["rm_scores"].unbind(0))
         extra = _non_tensor(data, "extra_info") or [None] * len(batch)
+        uids = _non_tensor(data, "uid")
         rows = []
-        for i in range(len(batch)):
+        for i in self.settings.snapshot_rows(uids):
             response = responses[i].tolist()
             row = {
-                "uid": str(_non_tensor(data, "uid")[i]),
+                "uid": str(uids[i]),
                 "prompt": decode(prompts[i].tolist(), skip_special_tokens=True),
                 "response": decode(response, skip_special_tokens=False),
                 "response_tokens": [decode([t], skip_special_tokens=False) for t in response],

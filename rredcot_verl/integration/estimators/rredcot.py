@@ -43,10 +43,12 @@ def segment_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torc
         traces.records, ctx.settings, ctx.tokenizer, ctx.task, vocab=ctx.boundary_vocab, temperature=ctx.temperature,
         repairs=ctx.carry.get(VERIFIED_REPAIRS),
     )  # fmt: skip
-    if ctx.settings.snapshot_dir:
-        # The exact inputs of this step's value pass, to re-score offline (any model, any number of processes).
+    if ctx.settings.snapshot_due(ctx.step):
+        # The exact inputs of this step's value pass, to re-score offline (any model, any number of processes): the
+        # plans of the traces the step's snapshot keeps, in its order.
+        kept = ctx.settings.snapshot_rows([record.group for record in traces.records])
         os.makedirs(ctx.settings.snapshot_dir, exist_ok=True)
-        torch.save(plans, os.path.join(ctx.settings.snapshot_dir, f"step_{ctx.step:05d}_plans.pt"))
+        torch.save([plans[i] for i in kept], os.path.join(ctx.settings.snapshot_dir, f"step_{ctx.step:05d}_plans.pt"))
     request = DataProto.from_dict(
         tensors={"outcome": traces.outcomes},
         non_tensors={"plan": object_array(plans)},
