@@ -9,7 +9,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rredcot_verl"
-CORE_MODULES = sorted(f"rredcot_verl.core.{p.stem}" for p in (PACKAGE / "core").glob("*.py") if p.stem != "__init__")
+# rglob: the core has sub-packages (core.ibpo), whose modules are checked too; a sub-package's __init__.py stands
+# for the package itself.
+CORE_FILES = sorted((PACKAGE / "core").rglob("*.py"))
+CORE_MODULES = sorted(
+    ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for p in CORE_FILES
+    if p != PACKAGE / "core" / "__init__.py"
+)
 # Modules a user runs where only torch and transformers are installed (a GPU box, a notebook on a saved batch).
 STANDALONE = ["rredcot_verl", *CORE_MODULES, "rredcot_verl.tasks", "rredcot_verl.report"]
 
@@ -51,7 +58,7 @@ def test_blocker_does_block_verl():
     assert result.returncode != 0 and "is blocked in this test" in result.stderr
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "core").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CORE_FILES, ids=lambda p: p.relative_to(PACKAGE / "core").as_posix())
 def test_core_imports_only_the_core(path):
     # The core receives task functions and settings; it never reaches into tasks/, integration/ or compat/.
     imported = []
