@@ -1,179 +1,52 @@
-"""Helpers shared by the benchmarks: offline Monte-Carlo values, trace sampling on the embedded task, statistics.
+"""The benchmarks' library: what every benchmark script shares, so that each script is one question.
 
-Monte-Carlo value of a prefix (prompt + response[:b]): the mean task reward of N sampled continuations (temperature
-sampling, no top-k/top-p) under the same response-length budget as training; a continuation that does not end with
-EOS inside the budget is truncated and counts as a failure, as in ``segment_mc``.
+* Records and CLI: paths, the task build, ``write_result`` (the one JSON writer), ``parser`` / ``out_path``.
+* Statistics (scipy): t intervals, paired differences, Pearson / Spearman, binomial intervals, curve areas.
+* Training runs: the task settings and their data, ``launch_run`` (``recipes/tiny_cpu/run.sh``), verl's metrics.
+* Sampling: problems and traces of the embedded task, the one left-padded ``generate`` loop, and Monte-Carlo values
+  through the package's own ``core.montecarlo`` (planning and tallying of continuations).
+* Methods: ``METHODS``, the one table of estimator variants (a recipe and hydra overrides), by name.
+
+Results and their history live in ``benchmarks/RESULTS.md``; ``benchmarks/results/*.json`` are the scripts' output.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
+import os
 import platform
-from dataclasses import dataclass
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
+from scipy import stats
 
-from rredcot_verl.tasks.build import build
+from rredcot_verl.core import montecarlo
+from rredcot_verl.core.profiles import PROFILE_PRESETS
+from rredcot_verl.core.segmentation import SegmentationSettings
+from rredcot_verl.tasks import ArithmeticTaskConfig, first_wrong_step, parse_prompt, write_parquet
+from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, build
+from rredcot_verl.tasks.model import chat_prompt_ids
 from rredcot_verl.tasks.reward import compute_score
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+BUILD_DIR = ROOT / "outputs" / "tiny_cpu" / "build"
+RECIPES = ROOT / "recipes" / "tiny_cpu"
 
 
+# ------------------------------------------------------------------------------------------------ records and CLI
 def build_task(out: Path) -> Path:
     """The task build under ``out`` (data + the committed warm start; reused when cached); returns ``out``."""
     build(str(out), log=lambda *args, **kwargs: None)
     return out
-
-
-@dataclass
-class MonteCarloResult:
-    """values: (n,) fp32 in [0, 1]; generated_tokens: continuation tokens sampled in all (EOS included)."""
-
-    values: torch.Tensor
-    generated_tokens: int
-
-
-@torch.no_grad()
-def monte_carlo_values(
-    model,
-    tokenizer,
-    prompts: list[list[int]],
-    prefixes: list[list[int]],
-    ground_truths: list[str],
-    *,
-    num_samples: int,
-    max_response_tokens: int,
-    temperature: float = 1.0,
-    seed: int = 0,
-    batch_size: int = 512,
-) -> MonteCarloResult:
-    """Mean reward of ``num_samples`` sampled continuations of each prefix.
-
-    Args:
-        model, tokenizer: a causal LM and its tokenizer (``eos_token_id`` and ``pad_token_id`` set).
-        prompts: n prompt token lists.
-        prefixes: n response-prefix token lists (the response tokens before the boundary).
-        ground_truths: n answers for ``compute_score``.
-        num_samples: N continuations per prefix.
-        max_response_tokens: response budget; a continuation may add ``max_response_tokens − len(prefix)`` tokens
-            including its EOS, and fails if it has not ended by then.
-        temperature: sampling temperature.
-        seed: torch seed for the sampling (the global RNG state is restored afterwards).
-
-    Returns:
-        ``MonteCarloResult``.
-    """
-    if not len(prompts) == len(prefixes) == len(ground_truths):
-        raise ValueError(f"got {len(prompts)} prompts, {len(prefixes)} prefixes, {len(ground_truths)} ground truths")
-    if num_samples < 1 or temperature <= 0:
-        raise ValueError(f"need num_samples >= 1 and temperature > 0, got {num_samples} and {temperature}")
-    too_long = [i for i, prefix in enumerate(prefixes) if len(prefix) >= max_response_tokens]
-    if too_long:
-        raise ValueError(f"prefixes {too_long[:5]} leave no room under max_response_tokens={max_response_tokens}")
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    device = model.get_input_embeddings().weight.device
-    jobs = [(i, list(prompts[i]) + list(prefixes[i])) for i in range(len(prompts)) for _ in range(num_samples)]
-    successes = torch.zeros(len(prompts))
-    generated = 0
-    rng_state, was_training = torch.random.get_rng_state(), model.training
-    torch.manual_seed(seed)
-    model.eval()
-    try:
-        # Similar lengths together: less left padding, and one generate length per batch.
-        jobs.sort(key=lambda job: len(prefixes[job[0]]))
-        for start in range(0, len(jobs), batch_size):
-            chunk = jobs[start:start + batch_size]
-            width = max(len(ids) for _, ids in chunk)
-            input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, (_, ids) in enumerate(chunk):
-                input_ids[row, width - len(ids):] = torch.tensor(ids)
-                attention_mask[row, width - len(ids):] = 1
-            budget = max(max_response_tokens - len(prefixes[i]) for i, _ in chunk)
-            output = model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=budget,
-                do_sample=True, temperature=temperature, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=pad,
-            )[:, width:].cpu()
-            for row, (i, _) in enumerate(chunk):
-                room = max_response_tokens - len(prefixes[i])
-                continuation = output[row, :room].tolist()
-                if eos not in continuation:
-                    generated += len(continuation)
-                    continue  # truncated: a failure
-                generated += continuation.index(eos) + 1
-                continuation = continuation[: continuation.index(eos)]
-                text = tokenizer.decode(list(prefixes[i]) + continuation, skip_special_tokens=True)
-                successes[i] += compute_score(None, text, ground_truths[i])
-    finally:
-        torch.random.set_rng_state(rng_state)
-        model.train(was_training)
-    return MonteCarloResult(successes / num_samples, generated)
-
-
-@torch.no_grad()
-def exact_success_probability_two_tokens(model, tokenizer, prompt: list[int], prefix: list[int], ground_truth: str,
-                                         temperature: float = 1.0) -> float:
-    """Exact P(success) of ``monte_carlo_values`` with a budget of two continuation tokens (``len(prefix) + 2``).
-
-    With two tokens, success needs EOS as the second token after a first token t whose text makes the reward 1
-    (EOS as the first token ends the response at the prefix itself). So p = Σ_t p(t) · p(EOS | t) · [reward(t) = 1]
-    + p(EOS) · [reward(prefix) = 1], from exact softmaxes at ``temperature``.
-    """
-    eos = tokenizer.eos_token_id
-    context = torch.tensor([list(prompt) + list(prefix)])
-    first = (model(input_ids=context).logits[0, -1].float() / temperature).softmax(-1)
-    probability = float(first[eos]) * compute_score(None, tokenizer.decode(prefix, skip_special_tokens=True),
-                                                    ground_truth)
-    for token in range(first.numel()):
-        if token == eos:
-            continue
-        text = tokenizer.decode(list(prefix) + [token], skip_special_tokens=True)
-        if compute_score(None, text, ground_truth) == 0.0:
-            continue
-        extended = torch.cat([context, torch.tensor([[token]])], dim=1)
-        second = (model(input_ids=extended).logits[0, -1].float() / temperature).softmax(-1)
-        probability += float(first[token]) * float(second[eos])
-    return probability
-
-
-def average_ranks(values: np.ndarray) -> np.ndarray:
-    """Ranks 1..n with ties given their average rank."""
-    order = np.argsort(values, kind="mergesort")
-    ranks = np.empty(len(values))
-    sorted_values = values[order]
-    start = 0
-    while start < len(values):
-        end = start
-        while end + 1 < len(values) and sorted_values[end + 1] == sorted_values[start]:
-            end += 1
-        ranks[order[start:end + 1]] = (start + end) / 2 + 1
-        start = end + 1
-    return ranks
-
-
-def pearson(x, y) -> float | None:
-    """Pearson correlation; None when fewer than 3 points or either series is constant."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return None
-    return float(np.corrcoef(x, y)[0, 1])
-
-
-def spearman(x, y) -> float | None:
-    """Spearman correlation (Pearson of average ranks); None as for ``pearson``."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return None
-    return pearson(average_ranks(x), average_ranks(y))
-
-
-def binomial_tolerance(p: float, n: int, sigmas: float = 4.0) -> float:
-    return sigmas * math.sqrt(max(p * (1 - p), 0.0) / n)
 
 
 def machine_meta() -> dict:
@@ -195,10 +68,12 @@ def relative_to_repository(value):
 
 
 def write_result(result: dict, out: Path) -> dict:
-    """Write a benchmark's JSON to ``out`` (folders made; paths inside the repository made relative to it), say
-    where, and return the result with its path."""
+    """Write a benchmark's JSON to ``out`` (folders made, written whole or not at all; paths inside the repository
+    made relative to it), say where, and return the result with its path."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(relative_to_repository(result), indent=2) + "\n")
+    partial = out.with_name(out.name + ".tmp")
+    partial.write_text(json.dumps(relative_to_repository(result), indent=2, default=float) + "\n")
+    partial.replace(out)
     print(f"wrote {out}")
     return {**result, "out": str(out)}
 
@@ -206,3 +81,346 @@ def write_result(result: dict, out: Path) -> dict:
 def fmt(value, width: int = 8, digits: int = 2) -> str:
     """A number right-aligned, or '-' for None."""
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
+def parser(doc: str, results_path: Path, smoke: str, build: bool = True) -> argparse.ArgumentParser:
+    """A script's parser: its docstring's first paragraph, ``--smoke`` (what it does: ``smoke``), ``--out`` (default
+    ``results_path``; a temp file with --smoke) and, with ``build``, ``--build`` (the task build folder)."""
+    cli = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    cli.add_argument("--smoke", action="store_true", help=smoke)
+    cli.add_argument("--out", type=Path, default=None,
+                     help=f"JSON path (default {results_path.relative_to(ROOT)}; a temp file with --smoke)")
+    if build:
+        cli.add_argument("--build", type=Path, default=BUILD_DIR,
+                         help="task build folder (created with rredcot_verl.tasks.build if missing)")
+    return cli
+
+
+def out_path(args: argparse.Namespace, results_path: Path) -> Path:
+    """``--out``, else a temp file named as ``results_path`` with --smoke, else ``results_path``."""
+    if args.out is not None:
+        return args.out
+    return Path(tempfile.mkdtemp()) / results_path.name if args.smoke else results_path
+
+
+# ----------------------------------------------------------------------------------------------------- statistics
+def t_interval(values, confidence: float = 0.95) -> list[float] | None:
+    """The t interval of the mean, mean ± t_{(1+c)/2, n−1} · sd/√n; None for fewer than two values. Identical values
+    give a zero-width interval at their value."""
+    values = np.asarray(values, dtype=float)
+    if len(values) < 2:
+        return None
+    mean = float(values.mean())
+    half = float(stats.t.ppf((1 + confidence) / 2, len(values) - 1) * stats.sem(values))
+    return [mean - half, mean + half]
+
+
+def mean_interval(values) -> dict:
+    """{"mean", "ci95" (t interval), "sd", "n"} of the values that are not None."""
+    values = [value for value in values if value is not None]
+    if not values:
+        return {"mean": None, "ci95": None, "sd": None, "n": 0}
+    return {"mean": float(np.mean(values)), "ci95": t_interval(values),
+            "sd": float(np.std(values, ddof=1)) if len(values) > 1 else None, "n": len(values)}
+
+
+def paired_differences(mine: dict, theirs: dict) -> list[float]:
+    """``mine[k] − theirs[k]`` for every key both have, in key order (the pairs of a paired comparison)."""
+    return [mine[key] - theirs[key] for key in sorted(set(mine) & set(theirs))]
+
+
+def _varying(x, y) -> tuple[np.ndarray, np.ndarray] | None:
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    return None if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0 else (x, y)
+
+
+def pearson(x, y) -> float | None:
+    """Pearson correlation; None when fewer than 3 points or either series is constant."""
+    pair = _varying(x, y)
+    return None if pair is None else float(stats.pearsonr(*pair).statistic)
+
+
+def spearman(x, y) -> float | None:
+    """Spearman correlation (ties at their average rank); None as for ``pearson``."""
+    pair = _varying(x, y)
+    return None if pair is None else float(stats.spearmanr(*pair).statistic)
+
+
+def binomial_interval(accuracies: list[float], n: int) -> list[float]:
+    """95% interval of the mean of k accuracies measured on n items each, from the items' sampling error alone
+    (normal approximation): mean ± 1.96 · √(Σ p(1−p)/n) / k."""
+    mean = float(np.mean(accuracies))
+    half = 1.96 * math.sqrt(sum(p * (1 - p) for p in accuracies) / n) / len(accuracies)
+    return [mean - half, mean + half]
+
+
+def area_under_curve(points: list[dict]) -> float | None:
+    """Trapezoid area under accuracy vs step divided by the step span (a flat curve at a gives a); None for fewer
+    than two points."""
+    if len(points) < 2:
+        return None
+    steps = np.array([p["step"] for p in points], dtype=float)
+    accuracy = np.array([p["accuracy"] for p in points], dtype=float)
+    return float(np.trapezoid(accuracy, steps)) / float(steps[-1] - steps[0])
+
+
+# -------------------------------------------------------------------------------------------------- training runs
+@dataclass(frozen=True)
+class Setting:
+    """A setting of the embedded task, with verl's limits (prompts and references must fit, or they would be cut)."""
+
+    task: ArithmeticTaskConfig
+    max_prompt_length: int = 32
+    max_response_length: int = 96
+
+
+SETTINGS = {
+    "default": Setting(ArithmeticTaskConfig()),  # the warm start's own task: 2..5-step chains
+    "hard": Setting(ArithmeticTaskConfig(min_operands=5, max_operands=6)),  # its longest chains (RESULTS.md §3)
+}
+MAIN_DATA_SEED = 0  # the build's generator stream
+
+
+def setting_data(data_dir: Path, setting: Setting, val_size: int, data_seed: int) -> dict:
+    """The record of ``setting``'s train/val parquet in ``data_dir`` (what ``write_setting_data`` writes)."""
+    return {"task": asdict(setting.task), "n_train": DEFAULT_N_TRAIN, "val_size": val_size, "data_seed": data_seed,
+            "train_files": str(data_dir / "train.parquet"), "val_files": str(data_dir / "val.parquet")}
+
+
+def write_setting_data(data_dir: Path, setting: Setting, val_size: int, data_seed: int) -> dict:
+    """Train/val parquet of ``setting`` from the task's own generator (reused when already written with the same
+    parameters); returns the record kept in ``data.json``."""
+    record = setting_data(data_dir, setting, val_size, data_seed)
+    record_path = data_dir / "data.json"
+    if record_path.exists() and json.loads(record_path.read_text()) == record:
+        return record
+    write_parquet(str(data_dir), DEFAULT_N_TRAIN, val_size, data_seed, setting.task)
+    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def launch_run(recipe: str, out: Path, steps: int, seed: int, build: Path, overrides: tuple[str, ...] = (),
+               timeout_s: int = 1800) -> int:
+    """One ``recipes/tiny_cpu/run.sh`` training run into ``out`` (metrics.jsonl, train.log); returns its exit code."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "RREDCOT_SEED"}  # data.seed is passed as an int below
+    env.update(RREDCOT_BUILD=str(build), OUT=str(out), RREDCOT_STEPS=str(steps), RUN_TIMEOUT=str(timeout_s))
+    with open(out / "train.log", "w") as log:
+        return subprocess.run([str(RECIPES / "run.sh"), recipe, f"data.seed={seed}", *overrides], env=env,
+                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """verl FileLogger lines ``{"step": n, "data": {...}}`` → list of ``{"step": n, **data}``, in file order; a last
+    line cut short by a killed run is dropped (a broken line elsewhere raises)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) - 1:
+                break
+            raise
+        rows.append({"step": entry["step"], **entry["data"]})
+    return rows
+
+
+def localisation_hit(segment_rewards: list, holder: int | None) -> tuple[float, float] | None:
+    """For one incorrect trace: (1 if its most negative segment reward R_k falls on ``holder``, the segment holding
+    the first wrong step, else 0; the chance level 1/K). None when it cannot be scored: no holder, fewer than two
+    segment rewards (None and NaN entries are padding or fallback), or a holder beyond them."""
+    rewards = [r for r in segment_rewards if r is not None and math.isfinite(r)]
+    if holder is None or len(rewards) < 2 or holder >= len(rewards):
+        return None
+    return float(int(np.argmin(rewards)) == holder), 1.0 / len(rewards)
+
+
+# ------------------------------------------------------------------------------------------------------- sampling
+MAX_RESPONSE_TOKENS = 96  # recipes/tiny_cpu/base.yaml data.max_response_length
+EXIT_TEXT = PROFILE_PRESETS["embedded"].exit_text  # recipes/tiny_cpu/base.yaml: probe.profile=embedded
+RECIPE_SEGMENTATION = SegmentationSettings(strategy="hybrid", max_segments=8, min_segment_len=2)  # rredcot.yaml
+
+
+@dataclass
+class Trace:
+    """A sampled response of the embedded task; ``response_ids`` keep their EOS (a truncated one has none)."""
+
+    problem: object  # tasks.ArithmeticProblem
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    text: str
+    outcome: float
+    group: int
+    ground_truth: str
+    reference_steps: list[str]
+
+
+def load_problems(val_path: Path, num_prompts: int) -> list[tuple]:
+    """The first ``num_prompts`` rows of a task parquet: (problem, ground truth, reference steps)."""
+    import pandas as pd
+
+    return [(parse_prompt(row["prompt"][0]["content"]), str(row["reward_model"]["ground_truth"]),
+             [str(step) for step in row["extra_info"]["reference_steps"]])
+            for _, row in pd.read_parquet(val_path).head(num_prompts).iterrows()]
+
+
+@torch.no_grad()
+def generate(model, tokenizer, sequences: list[list[int]], max_new_tokens: list[int], *, seed: int,
+             temperature: float = 1.0, batch_size: int | None = None) -> list[list[int]]:
+    """Temperature sampling (no top-k/top-p: the rollouts' distribution) after each sequence, in batches of
+    ``batch_size`` (None: one batch), left-padded; each output cut to its own ``max_new_tokens`` (EOS and what
+    follows it included). Seeded with ``seed``; the global RNG state and the model's mode are restored."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    device = model.get_input_embeddings().weight.device
+    outputs = []
+    rng_state, was_training = torch.random.get_rng_state(), model.training
+    torch.manual_seed(seed)
+    model.eval()
+    try:
+        for start in range(0, len(sequences), batch_size or max(len(sequences), 1)):
+            chunk = range(start, min(start + (batch_size or len(sequences)), len(sequences)))
+            width = max(len(sequences[i]) for i in chunk)
+            input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            attention_mask = torch.zeros_like(input_ids)
+            for row, i in enumerate(chunk):
+                input_ids[row, width - len(sequences[i]):] = torch.tensor(sequences[i])
+                attention_mask[row, width - len(sequences[i]):] = 1
+            output = model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                max_new_tokens=max(max_new_tokens[i] for i in chunk), do_sample=True, temperature=temperature,
+                top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=pad,
+            )[:, width:].cpu()  # fmt: skip
+            outputs += [output[row, : max_new_tokens[i]].tolist() for row, i in enumerate(chunk)]
+    finally:
+        torch.random.set_rng_state(rng_state)
+        model.train(was_training)
+    return outputs
+
+
+def sample_traces(model, tokenizer, problems, samples_per_prompt: int, seed: int) -> list[Trace]:
+    """``samples_per_prompt`` temperature-1 responses (the rollout distribution) to each problem, one batch."""
+    eos = tokenizer.eos_token_id
+    jobs = [(group, item) for group, item in enumerate(problems) for _ in range(samples_per_prompt)]
+    prompts = [chat_prompt_ids(tokenizer, item[0].prompt) for _, item in jobs]
+    outputs = generate(model, tokenizer, prompts, [MAX_RESPONSE_TOKENS] * len(prompts), seed=seed)
+    traces = []
+    for prompt, tokens, (group, (problem, truth, steps)) in zip(prompts, outputs, jobs):
+        response = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+        text = tokenizer.decode(response, skip_special_tokens=True)
+        traces.append(Trace(problem, torch.tensor(prompt), torch.tensor(response), text,
+                            compute_score(None, text, truth) if eos in tokens else 0.0, group, truth, steps))
+    return traces
+
+
+def monte_carlo_values(model, tokenizer, traces: list[Trace], segment_ends: list[list[int]], *, num_samples: int,
+                       max_response_tokens: int = MAX_RESPONSE_TOKENS, temperature: float = 1.0, seed: int = 0,
+                       batch_size: int = 512) -> tuple[list[np.ndarray], int]:
+    """Values of the states S_0..S_{K-1} of each trace (S_k: the response up to segment k's start): the mean task
+    reward of ``num_samples`` continuations sampled by ``generate``, planned and tallied by ``core.montecarlo`` as
+    ``segment_mc`` does. A continuation may take the response to ``max_response_tokens`` (training's response
+    budget), its EOS included; one that has not ended by then counts as a failure.
+
+    Returns:
+        per trace, its K values (fp64, successes / num_samples); the continuation tokens sampled in all.
+    """
+    cfg = montecarlo.MonteCarloSettings(num_continuations=num_samples, temperature=temperature)
+    requests = [dataclasses.replace(request, trace=i) for i, (trace, ends) in enumerate(zip(traces, segment_ends))
+                for request in montecarlo.plan_continuations(
+                    [trace.prompt_ids.tolist()], [trace.response_ids.tolist()], [ends], cfg,
+                    trace.prompt_ids.numel() + max_response_tokens)]  # a room of max_response_tokens − start
+    requests.sort(key=lambda request: request.start)  # similar lengths together: less padding, one length a batch
+    eos = tokenizer.eos_token_id
+    outputs = generate(model, tokenizer, [list(r.prefix_ids) for r in requests], [r.max_tokens for r in requests],
+                       seed=seed, temperature=temperature, batch_size=batch_size)
+    continuations = [montecarlo.Continuation(tuple(ids[: ids.index(eos) + 1] if eos in ids else ids), eos not in ids)
+                     for ids in outputs]
+
+    def judge(i: int, response_ids: list[int]) -> float:
+        return compute_score(None, tokenizer.decode(response_ids, skip_special_tokens=True), traces[i].ground_truth)
+
+    _, raw, metrics = montecarlo.monte_carlo_values(
+        [t.response_ids.tolist() for t in traces], segment_ends, [t.outcome for t in traces], requests,
+        continuations, judge, max_segments=max([len(ends) for ends in segment_ends], default=0))
+    values = [raw[i, : len(ends)].double().numpy() for i, ends in enumerate(segment_ends)]
+    return values, int(metrics["segment_mc/extra_generated_tokens"])
+
+
+def thinking_length(tokenizer, response_ids: list[int]) -> int:
+    """Tokens before ``</think>`` (the whole response when it has none)."""
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    return response_ids.index(think_end) if think_end in response_ids else len(response_ids)
+
+
+def completed_lines(tokenizer, response_ids: list[int], end: int) -> int:
+    """Step lines of the think block completed (newline-terminated) within response[:end]."""
+    text = tokenizer.decode(response_ids[:end], skip_special_tokens=True)
+    if "<think>" not in text:
+        return 0
+    body = text.split("<think>", 1)[1].split("</think>", 1)[0]
+    return sum(1 for line in body.split("\n")[:-1] if line.strip())
+
+
+def holder_segment(tokenizer, trace: Trace, ends: list[int]) -> int | None:
+    """0-based segment completing the first wrong step line of an incorrect trace (for a missing step, the segment
+    that closes thinking); None for a correct trace or one whose first wrong step the task does not find."""
+    wrong = first_wrong_step(trace.problem, trace.text) if trace.outcome == 0.0 else None
+    if wrong is None:
+        return None
+    ids = trace.response_ids.tolist()
+    for j, end in enumerate(ends):
+        if completed_lines(tokenizer, ids, end) >= wrong:
+            return j
+    think_len = thinking_length(tokenizer, ids)
+    return next((j for j, end in enumerate(ends) if end > think_len), len(ends) - 1)
+
+
+# -------------------------------------------------------------------------------------------------------- methods
+@dataclass(frozen=True)
+class Method:
+    """An estimator variant: ``recipes/tiny_cpu/<recipe>.yaml`` with hydra ``overrides`` (how a user would run it)."""
+
+    recipe: str
+    overrides: tuple[str, ...] = ()
+
+
+_RREDCOT = "algorithm.rredcot"
+_EXIT_PROBE = (f"{_RREDCOT}.probe.value_source=exit_probe", f"{_RREDCOT}.redistribution.value_mapping=affine")
+_AS_RREDCOT = "algorithm.adv_estimator=rredcot"  # on rredcot_ibpo.yaml: rredcot on its repair-filled bank
+_VALUE_DIFFERENCES = f"{_RREDCOT}.redistribution.degenerate_groups=value_differences"
+# Every variant any benchmark trains or measures, by one name each (the names in results/*.json and RESULTS.md).
+METHODS = {
+    "grpo": Method("grpo"),
+    "rredcot": Method("rredcot"),  # reference continuations from the dataset reference + the group's correct traces
+    "rredcot_exit_probe": Method("rredcot", _EXIT_PROBE),  # the answer-forcing exit probe, affine value mapping
+    "rredcot_exit_probe_gated": Method("rredcot", (*_EXIT_PROBE, f"{_RREDCOT}.redistribution.min_value_concordance=0.6")),
+    "rredcot_exit_probe_log_affine": Method("rredcot", _EXIT_PROBE[:1]),  # the recipe's log-affine mapping kept
+    "rredcot_group": Method("rredcot", (f"{_RREDCOT}.candidates.source=group",)),
+    "rredcot_ground_truth": Method("rredcot", (f"{_RREDCOT}.candidates.source=ground_truth",)),
+    "rredcot_degenerate": Method("rredcot", (_VALUE_DIFFERENCES,)),
+    "rredcot_repairs": Method("rredcot_ibpo", (_AS_RREDCOT,)),
+    "rredcot_repairs_degenerate": Method("rredcot_ibpo", (_AS_RREDCOT, _VALUE_DIFFERENCES)),
+    "ibpo": Method("ibpo"),
+    "rredcot_ibpo": Method("rredcot_ibpo"),
+    "rredcot_ibpo_edit_mask": Method("rredcot_ibpo", (f"{_RREDCOT}.rredcot_ibpo.wrong_trace_credit=edit_mask",)),
+    "rredcot_ibpo_degenerate": Method("rredcot_ibpo", (_VALUE_DIFFERENCES,)),
+    "segment_mc": Method("segment_mc"),
+}
+
+
+def method_algorithm(name: str) -> dict:
+    """``algorithm`` of the method's run as plain data: base.yaml's and the recipe's, merged, with the overrides."""
+    from omegaconf import OmegaConf
+
+    method = METHODS[name]
+    sections = [OmegaConf.load(RECIPES / f"{recipe}.yaml").get("algorithm", {}) for recipe in ("base", method.recipe)]
+    overrides = OmegaConf.from_dotlist(list(method.overrides)).get("algorithm", {})
+    return OmegaConf.to_container(OmegaConf.merge(*sections, overrides), resolve=True)
+
+
+def method_settings(name: str):
+    """(estimator name, ``RRedCoTSettings``) of a method, read by the package's strict reader."""
+    from rredcot_verl.core.settings import settings_from_config
+
+    algorithm = method_algorithm(name)
+    return algorithm["adv_estimator"], settings_from_config(algorithm)

@@ -26,39 +26,26 @@ segment_mc and ibpo with the same data seed, median ``timing_s/step`` over steps
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta, monte_carlo_values
-from benchmarks.value_quality import (
-    EXIT_TEXT,
-    MAX_RESPONSE_TOKENS,
-    RECIPE_SEGMENTATION,
-    load_problems,
-    sample_traces,
-    thinking_length,
-)
-from rredcot_verl.core.settings import RRedCoTSettings
+from benchmarks import common
+from benchmarks.common import EXIT_TEXT, RECIPE_SEGMENTATION, fmt, launch_run, read_metrics
+from benchmarks.reference_scorers import score_probes_naive, trace_log_probs_and_entropy
+from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.probes import ProbeSettings, build_exit_probes
 from rredcot_verl.core.scoring import score_probes_packed
-from benchmarks.reference_scorers import score_probes_naive, trace_log_probs_and_entropy
 from rredcot_verl.core.segmentation import BoundaryVocab, segment_response
+from rredcot_verl.core.settings import RRedCoTSettings
+from rredcot_verl.core.values import compute_segment_values
 from rredcot_verl.tasks import extract_boxed_answer, load_model_dir
 from rredcot_verl.tasks.base import ARITHMETIC
-from rredcot_verl.core.planning import TraceRecord
-from rredcot_verl.core.values import compute_segment_values
 
-RESULTS_PATH = RESULTS_DIR / "cost.json"
+RESULTS_PATH = common.RESULTS_DIR / "cost.json"
 METHODS = ("grpo", "rredcot", "segment_mc", "ibpo")
 
 
@@ -80,7 +67,7 @@ def probe_batch(model, tokenizer, traces):
         ends = segment_response(trace.response_ids, entropy, vocab, RECIPE_SEGMENTATION)
         boundaries = [0, *ends[:-1]]
         probes = build_exit_probes(boundaries, exit_ids, [answer(trace.ground_truth)],
-                                   thinking_length=thinking_length(tokenizer, trace.response_ids.tolist()),
+                                   thinking_length=common.thinking_length(tokenizer, trace.response_ids.tolist()),
                                    all_answers=[answer(a) for a in sorted(group_answers[trace.group])])
         batch.append((boundaries, probes, entropy))
     return batch
@@ -119,16 +106,16 @@ def measure_values(model, tokenizer, traces, mc_samples: int, repeats: int) -> d
         value_source="reference_continuation", normalization="raw", profile="embedded"))
     recipe_seconds = statistics.median(
         timed(lambda: compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC))[0] for _ in range(repeats))
+    ends = [[*boundaries[1:], t.response_ids.numel()] for t, (boundaries, _, _) in zip(traces, batch)]
+    mc_seconds, (_, mc_generated) = timed(lambda: common.monte_carlo_values(model, tokenizer, traces, ends,
+                                                                            num_samples=mc_samples))
     flat = [(t, b) for t, (boundaries, _, _) in zip(traces, batch) for b in boundaries]
-    mc_seconds, mc = timed(lambda: monte_carlo_values(
-        model, tokenizer, [t.prompt_ids.tolist() for t, _ in flat], [t.response_ids[:b].tolist() for t, b in flat],
-        [t.ground_truth for t, _ in flat], num_samples=mc_samples, max_response_tokens=MAX_RESPONSE_TOKENS))
 
     packed_tokens = sum(t.prompt_ids.numel() + t.response_ids.numel() + sum(len(p.tokens) for p in probes)
                         for t, (_, probes, _) in zip(traces, batch))
     naive_tokens = sum(t.prompt_ids.numel() + p.boundary + len(p.tokens) for t, (_, probes, _) in zip(traces, batch)
                        for p in probes)
-    mc_tokens = sum(mc_samples * (t.prompt_ids.numel() + b) for t, b in flat) + mc.generated_tokens
+    mc_tokens = sum(mc_samples * (t.prompt_ids.numel() + b) for t, b in flat) + mc_generated
     rows = {
         "packed": {"seconds": statistics.median(packed_times), "tokens": packed_tokens},
         "naive": {"seconds": statistics.median(naive_times), "tokens": naive_tokens},
@@ -143,33 +130,6 @@ def measure_values(model, tokenizer, traces, mc_samples: int, repeats: int) -> d
         "traces": len(traces), "states": len(flat), "probes": sum(len(p) for _, p, _ in batch), "methods": rows,
         "max_abs_logp_diff_packed_vs_naive": max_error, "mc_samples": mc_samples, "repeats": repeats,
     }
-
-
-def launch_run(method: str, out: Path, steps: int, seed: int, build: Path, overrides: tuple[str, ...] = (),
-               timeout_s: int = 1800) -> int:
-    """One ``recipes/tiny_cpu/run.sh`` training run into ``out`` (metrics.jsonl, train.log); returns its exit code."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "RREDCOT_SEED"}  # data.seed is passed as an int below
-    env.update(RREDCOT_BUILD=str(build), OUT=str(out), RREDCOT_STEPS=str(steps), RUN_TIMEOUT=str(timeout_s))
-    with open(out / "train.log", "w") as log:
-        return subprocess.run([str(ROOT / "recipes" / "tiny_cpu" / "run.sh"), method, f"data.seed={seed}", *overrides],
-                              env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """verl FileLogger lines ``{"step": n, "data": {...}}`` → list of ``{"step": n, **data}``, in file order; a last
-    line cut short by a killed run is dropped (a broken line elsewhere raises)."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    rows = []
-    for number, line in enumerate(lines):
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines) - 1:
-                break
-            raise
-        rows.append({"step": entry["step"], **entry["data"]})
-    return rows
 
 
 def step_seconds(rows: list[dict], phase: str = "step") -> list[float]:
@@ -188,10 +148,11 @@ def measure_training(runs_dir: Path, steps: int, seed: int, build: Path, launch:
     result = {}
     for method in METHODS:
         out = runs_dir / f"{method}_seed{seed}"
+        recipe, overrides = common.METHODS[method].recipe, common.METHODS[method].overrides
         if launch:
-            code = launch_run(method, out, steps, seed, build)
+            code = launch_run(recipe, out, steps, seed, build, overrides)
             if code != 0:  # the machine is shared: one retry for a run killed by load or a timeout
-                code = launch_run(method, out, steps, seed, build)
+                code = launch_run(recipe, out, steps, seed, build, overrides)
             if code != 0:
                 result[method] = {"error": f"run.sh exited {code}; see {out / 'train.log'}"}
                 continue
@@ -224,10 +185,7 @@ def print_tables(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="2 traces, no training; writes to --out or a temp file")
-    parser.add_argument("--out", type=Path, default=None, help=f"JSON path (default {RESULTS_PATH}; temp with --smoke)")
-    parser.add_argument("--build", type=Path, default=ROOT / "outputs" / "tiny_cpu" / "build")
+    parser = common.parser(__doc__, RESULTS_PATH, "2 traces, no training; writes to --out or a temp file")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples-per-prompt", type=int, default=4)
     parser.add_argument("--mc-samples", type=int, default=9)
@@ -239,29 +197,25 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         args.prompts, args.samples_per_prompt, args.repeats, args.train_steps = 1, 2, 1, 0
-    out = args.out or (Path(tempfile.mkdtemp()) / "cost.json" if args.smoke else RESULTS_PATH)
-    build_task(args.build)
+    out = common.out_path(args, RESULTS_PATH)
+    common.build_task(args.build)
     torch.set_num_threads(1)
     model, tokenizer = load_model_dir(str(args.build / "model"))
     model.eval()
-    traces = sample_traces(model, tokenizer, load_problems(args.build / "data" / "val.parquet", args.prompts),
-                           args.samples_per_prompt, args.seed)
+    traces = common.sample_traces(model, tokenizer, common.load_problems(args.build / "data" / "val.parquet",
+                                                                         args.prompts), args.samples_per_prompt, args.seed)
     result = {"values": measure_values(model, tokenizer, traces, args.mc_samples, args.repeats)}
     if args.train_steps > 0 or args.runs_dir is not None:
-        runs_dir = args.runs_dir or ROOT / "outputs" / "benchmarks" / "cost"
+        runs_dir = args.runs_dir or common.ROOT / "outputs" / "benchmarks" / "cost"
         result["training"] = measure_training(runs_dir, args.train_steps, args.seed, args.build,
                                               launch=args.runs_dir is None)
     result["meta"] = {"prompts": args.prompts, "samples_per_prompt": args.samples_per_prompt,
                       "segmentation": dataclasses.asdict(RECIPE_SEGMENTATION), "exit_text": EXIT_TEXT,
                       "train_steps": args.train_steps, "runs_dir": str(args.runs_dir) if args.runs_dir else None,
                       "timer": "wall seconds (perf_counter), torch.set_num_threads(1); medians over repeats, MC once",
-                      **machine_meta()}
+                      **common.machine_meta()}
     print_tables(result)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=float) + "\n")
-    print(f"wrote {out}")
-    result["out"] = str(out)
-    return result
+    return common.write_result(result, out)
 
 
 if __name__ == "__main__":

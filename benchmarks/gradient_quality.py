@@ -68,8 +68,8 @@ import torch
 if __package__ in (None, ""):  # ``python benchmarks/gradient_quality.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta
-from benchmarks.sample_efficiency import MAIN_DATA_SEED, SETTINGS, write_setting_data
+from benchmarks.common import (MAIN_DATA_SEED, RESULTS_DIR, ROOT, SETTINGS, build_task, fmt, machine_meta,
+                               write_setting_data)
 from rredcot_verl.core import montecarlo
 from rredcot_verl.core.fused import fused_advantages
 from rredcot_verl.core.ibpo import shaped_advantages

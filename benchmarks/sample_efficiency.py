@@ -1,110 +1,30 @@
-"""Sample efficiency of GRPO, RREDCoT (and its value-source variants), IBPO and segment MC on the embedded task.
+"""Does a segment-level estimator reach GRPO's accuracy in fewer training steps on the embedded task?
 
-Real verl runs (``recipes/tiny_cpu/run.sh``), in two stages:
+Real verl runs (``recipes/tiny_cpu/run.sh``) of the methods of ``common.METHODS`` named in ``METHODS``, in two
+stages: a learning-rate sweep (``--sweep``: each method that has a sweep of its own, ``--sweep-steps`` steps at each
+rate of ``SWEEP_LRS``, seed 0, on problems of a generator stream the main runs do not validate on; the rate with the
+highest validation AUC wins, ties to the smaller rate), then main runs at the chosen rates, seeds ``--seeds`` ×
+``--steps`` steps (segment_mc ``--segment-mc-steps``), greedy validation on ``--val-size`` problems every
+``--test-freq`` steps, on the task setting ``--setting`` (``common.SETTINGS``: ``default`` or ``hard``).
 
-1. Learning-rate sweep (``--sweep``, or the first part of a main invocation), one for both task settings, on the
-   ``SWEEP_SETTING`` (default) task: every method but segment_mc (which takes rredcot's rate,
-   ``LEARNING_RATE_FROM``) trains ``--sweep-steps`` (30) steps, validated every ``--sweep-test-freq`` (10), at each
-   of ``SWEEP_LRS`` on training seed ``SWEEP_SEED`` (0, which no main run uses), validating on problems drawn from
-   another generator stream than the main runs' (data seed ``SWEEP_DATA_SEED``), so that picking the learning rate
-   does not select on the reported validation set. The rule, fixed here: the learning rate with the highest
-   validation AUC (below) wins; ties go to the smaller rate.
-2. Main runs: each method at its chosen learning rate, seeds ``--seeds`` (default 1 2 3) × ``--steps`` (default
-   100; segment_mc ``--segment-mc-steps``, default 50, because its steps cost about 6× GRPO's), validated on
-   ``--val-size`` (default 1000) problems every ``--test-freq`` (default 10) steps.
+Every finished run is summarised in a ledger committed with the results (``results/sample_efficiency_runs/<setting>/
+{sweep,main}/<run>.json``: launch settings and summary); a run the ledger holds is read, not launched, and an
+interrupted main run resumes from its last verl checkpoint, so a study goes on from any checkout. The JSON (seed-mean
+curves with seed t and binomial intervals, AUC, steps and seconds to GRPO's final accuracy, differences from GRPO
+paired by seed, diagnostics and localisation over the first and last 10 steps) is recomputed from the ledger alone
+with ``--from-runs``. Protocol, history and measured tables: RESULTS.md §3.
 
-Runs write verl's ``metrics.jsonl`` as they go, under ``<runs-root>/default/sweep/<method>_lr<rate>`` and
-``<runs-root>/<setting>/main/<method>_seed<seed>``; a run
-whose metrics reach its last step and whose ``run.json`` matches the requested launch (method, seed, steps, learning
-rate, overrides) is read, not relaunched, so an interrupted study resumes where it stopped. An unfinished main run
-resumes from its last verl checkpoint (every ``--test-freq`` steps, in ``<run>/checkpoints``); each launch's metrics
-are kept (``metrics.launch<n>.jsonl``) and merged step by step (``merge_launches``). An unfinished sweep run starts
-again. Each finished run is also recorded in a ledger committed with the results (``--ledger``, default
-``benchmarks/results/sample_efficiency_runs/<setting>/<sweep|main>/<run>.json``: the launch settings, paths relative
-to the runs root, and the run's summary below). A run the ledger holds under the same settings is read from it and not
-launched, so the study continues on another machine (or a fresh checkout) from what has been committed; the run
-folders themselves stay under ``outputs/``. Ledger entries whose ``source`` is not ``metrics`` were transcribed from
-the study's record after their folders were lost: validation accuracies only (exact, k/1000), no timings or
-diagnostics, which the analysis then averages over the seeds that have them.
-
-Methods (``METHODS``; variants are hydra overrides on a recipe):
-
-* ``grpo``, ``ibpo``, ``segment_mc``: the recipes as they are;
-* ``rredcot``: the tiny recipe (reference continuation from the dataset reference and the group's correct traces);
-* ``rredcot_exit_probe``: the answer-forcing exit probe as value source (affine value mapping, the default for
-  probability-scale values);
-* ``rredcot_group``: reference continuations from the group's own correct traces only (``candidates.source=group``);
-* ``rredcot_ground_truth``: from the dataset reference only (``candidates.source=ground_truth``);
-* added later, at GRPO's learning rate, after the gradient-quality comparison chose them, none needing reference
-  solutions: ``rredcot_ibpo`` (the fused estimator's recipe, ``recipes/tiny_cpu/rredcot_ibpo.yaml``),
-  ``rredcot_repairs_degenerate`` (``rredcot`` on the same repair-filled bank, with
-  ``degenerate_groups=value_differences``, without which the repairs, which fill only groups with no correct trace,
-  change nothing) and ``rredcot_exit_probe_gated`` (the exit probe with the value gate on, explicitly at its default
-  0.6).
-
-Task settings (``SETTINGS``; the parameters are written to the JSON):
-
-* ``default``: the task the warm start was trained on (2..5 steps, operands 1..99). Its training parquet is the
-  build's; its validation parquet extends the build's 256 problems to ``--val-size`` from the same stream.
-* ``hard``: only the longest chains the warm start was trained on (4..5 steps, i.e. 5..6 operands; operands
-  1..99), fixed before any run. Measured for the warm start (``tasks/assets/warmstart``) with
-  ``tasks.sft.generate_responses`` on 512 problems per row (``make_problem`` with ``random.Random("hard-probe-512")``),
-  temperature-1 sampling as in the rollouts and greedy as in validation:
-
-  ========================  =======  ======  ===================================================
-  chains                    sampled  greedy  first wrong step of the failed sampled traces
-  ========================  =======  ======  ===================================================
-  2..5 steps (``default``)  31.6%    55.1%   step 1: 34%, steps 2..last: 66%
-  3..5 steps                27.7%    51.8%   step 1: 35%, steps 2..last: 65%
-  4..5 steps (``hard``)     21.3%    44.9%   step 1: 31%, steps 2..last: 69%
-  ========================  =======  ======  ===================================================
-
-  4..5 steps is the only choice inside the 20–40% sampled-accuracy target with chains clearly longer than the
-  default's (4.5 steps on average against 3.5); its 95% interval (18–25%) reaches just below 20%. Chains of 6
-  steps or more were left out: the warm start never saw them and solves none of them (no correct sampled trace at
-  6 or 7 steps in 128-problem probes of 5..7 and 6..8 operands), which would measure length generalisation rather
-  than credit assignment. Prompts (at most 27 tokens) and
-  references (at most 65) fit the default limits.
-
-Reported per method (JSON ``methods.<method>``; runs that are not complete are left out):
-
-* ``curve``: per validation step, the seed-mean accuracy (``val-core/rredcot_arithmetic/acc/mean@1``, greedy), its
-  95% seed-level t interval (``ci95_seeds``: mean ± t₀.₉₇₅,ₖ₋₁ · sd/√k over k seeds) and its 95% within-run binomial
-  interval (``ci95_binomial``: the sampling error of the validation set alone, mean ± 1.96 · √(Σᵢ pᵢ(1−pᵢ)/n)/k with
-  n = ``val_size``), and the seed-mean training seconds (cumulative ``timing_s/step``, validation left out) over
-  the ``--timing-seeds`` (default all): seconds compare only between runs made back to back in one sitting, since
-  the shared machine's speed changes from day to day;
-* ``auc``: area under the seed-mean accuracy curve (trapezoid over the validated steps) divided by the step span,
-  so a flat curve at accuracy a has AUC a; ``auc_ci95_seeds``: the t interval of the per-seed AUCs;
-* ``steps_to_grpo_final`` / ``seconds_to_grpo_final``: first validated step (and its training seconds) at which the
-  seed-mean accuracy reaches GRPO's seed-mean final accuracy (None if never); ``steps_to_grpo_final_over_grpo``:
-  that step divided by GRPO's own;
-* ``seeds``, ``steps``, ``val_size``, ``lr`` (the chosen rate), ``sweep`` (AUC per swept rate), and the per-run
-  advantage spread and gradient-norm variance.
-
-Commands (each resumable: run it again after an interruption; runs it finds complete are read)::
-
-    # learning-rate sweep only (3 rates × 6 methods × 30 steps, seed 0; about 3.5 hours here)
-    python -m benchmarks.sample_efficiency --sweep
-    # main runs (the sweep first, where it is missing): 7 methods × seeds 1 2 3 × 100 steps (segment_mc 50);
-    # one setting at a time (two at once share the cores and distort the wall-clock numbers); several hours each
-    nohup nice -n 10 python -m benchmarks.sample_efficiency --setting default > outputs/se_default.log 2>&1 &
+    python -m benchmarks.sample_efficiency --sweep                # the sweep only
     nohup nice -n 10 python -m benchmarks.sample_efficiency --setting hard > outputs/se_hard.log 2>&1 &
-    # tables and JSON from whatever runs are complete, launching nothing
-    python -m benchmarks.sample_efficiency --setting hard --no-launch
-    # ... with training seconds from seed 3 only (its seven runs ran back to back in one sitting)
-    python -m benchmarks.sample_efficiency --setting default --no-launch --timing-seeds 3
-    python -m benchmarks.sample_efficiency --smoke      # seconds, no training: synthetic metrics (tests)
-
-JSON: ``benchmarks/results/sample_efficiency.json`` (``default``) and ``sample_efficiency_hard.json``; curves
-(accuracy vs step and vs training seconds) in ``curves.png`` / ``curves_hard.png`` next to them.
+    python -m benchmarks.sample_efficiency --setting hard --from-runs --timing-seeds 1    # results/*_hard.json
+    python -m benchmarks.sample_efficiency --setting default --from-runs --timing-seeds 3 \
+        --methods grpo rredcot rredcot_exit_probe rredcot_group rredcot_ground_truth ibpo segment_mc
+    python -m benchmarks.sample_efficiency --smoke                # seconds, no training: synthetic metrics (tests)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import shutil
 import statistics
 import tempfile
@@ -112,99 +32,41 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from scipy import stats
 
-from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta, write_result
-from benchmarks.cost import launch_run, read_metrics
-from rredcot_verl.tasks import TASKS, ArithmeticTaskConfig, load_model_dir, write_parquet
-from rredcot_verl.tasks.build import DEFAULT_N_TRAIN
+from benchmarks import common
+from benchmarks.common import (
+    MAIN_DATA_SEED,
+    SETTINGS,
+    Setting,
+    area_under_curve,
+    fmt,
+    localisation_hit,
+    read_metrics,
+    t_interval,
+)
+from rredcot_verl.tasks import TASKS, load_model_dir
 from rredcot_verl.tasks.model import PAD_TOKEN, chat_prompt_ids, response_ids
 
-
-@dataclass(frozen=True)
-class Method:
-    recipe: str  # recipes/tiny_cpu/<recipe>.yaml
-    overrides: tuple[str, ...] = ()
-
-
-_RREDCOT = "algorithm.rredcot"
-METHOD_SPECS = {
-    "grpo": Method("grpo"),
-    "rredcot": Method("rredcot"),
-    "rredcot_exit_probe": Method("rredcot", (f"{_RREDCOT}.probe.value_source=exit_probe",
-                                             f"{_RREDCOT}.redistribution.value_mapping=affine")),
-    "rredcot_group": Method("rredcot", (f"{_RREDCOT}.candidates.source=group",)),
-    "rredcot_ground_truth": Method("rredcot", (f"{_RREDCOT}.candidates.source=ground_truth",)),
-    "ibpo": Method("ibpo"),
-    "segment_mc": Method("segment_mc"),
-    # Added after the study above, chosen by benchmarks/gradient_quality.py (RESULTS.md §4): no reference
-    # solutions, GRPO's rate.
-    "rredcot_ibpo": Method("rredcot_ibpo"),
-    "rredcot_repairs_degenerate": Method("rredcot_ibpo", ("algorithm.adv_estimator=rredcot",
-                                                         f"{_RREDCOT}.redistribution.degenerate_groups=value_differences")),
-    "rredcot_exit_probe_gated": Method("rredcot", (f"{_RREDCOT}.probe.value_source=exit_probe",
-                                                   f"{_RREDCOT}.redistribution.value_mapping=affine",
-                                                   f"{_RREDCOT}.redistribution.min_value_concordance=0.6")),
-}
-METHODS = tuple(METHOD_SPECS)
-
-
-@dataclass(frozen=True)
-class Setting:
-    task: ArithmeticTaskConfig
-    # verl's limits; prompts and reference responses must fit them (check_lengths_fit), or they would be cut.
-    max_prompt_length: int = 32
-    max_response_length: int = 96
-
-
-SETTINGS = {
-    "default": Setting(ArithmeticTaskConfig()),
-    # The longest chains of the warm start's training distribution (measurements in the module docstring).
-    "hard": Setting(ArithmeticTaskConfig(min_operands=5, max_operands=6)),
-}
-
-# Half-decades around the recipe's 2e-5. 3e-4 was in the grid for the first two methods swept (grpo, rredcot) and
-# collapsed both (validation accuracy 0.05 and 0.03 at step 30, from 0.54); it was dropped before the other methods'
-# sweeps to save four 12-minute runs. Its runs stay on disk and are quoted in RESULTS.md.
-SWEEP_LRS = (1e-5, 3e-5, 1e-4)
-# One sweep, on the default task, sets the rates of both settings: the rate is a property of the warm start and the
-# method's update, which both settings share, and a sweep per setting would cost another four hours here.
-SWEEP_SETTING = "default"
+METHODS = ("grpo", "rredcot", "rredcot_exit_probe", "rredcot_group", "rredcot_ground_truth", "ibpo", "segment_mc",
+           "rredcot_ibpo", "rredcot_repairs_degenerate", "rredcot_exit_probe_gated")  # the study's, of common.METHODS
+SWEEP_LRS = (1e-5, 3e-5, 1e-4)  # half-decades around the recipe's 2e-5 (3e-4 was dropped: RESULTS.md §3)
+SWEEP_SETTING = "default"  # one sweep sets the rates of both settings
 SWEEP_SEED = 0  # training seed (data.seed) of the sweep; the main runs use others
-SWEEP_DATA_SEED = 1  # generator stream of the sweep's problems; the main runs' is 0 (the build's)
-# segment_mc is rredcot's redistribution on Monte-Carlo values, and its steps cost about 5x GRPO's: a sweep of its own
-# would take longer than all the others together, so it trains at the learning rate chosen for rredcot.
-LEARNING_RATE_FROM = {"segment_mc": "rredcot"}
-# The methods added later take GRPO's rate: a user swaps the estimator, not the learning rate.
-LEARNING_RATE_FROM.update({method: "grpo" for method in ("rredcot_ibpo", "rredcot_repairs_degenerate",
-                                                         "rredcot_exit_probe_gated")})
-MAIN_DATA_SEED = 0
+SWEEP_DATA_SEED = 1  # generator stream of the sweep's problems; the main runs' is MAIN_DATA_SEED
+# No sweep of their own: segment_mc (its steps cost ~6x GRPO's) takes rredcot's rate; the methods added after the
+# study take GRPO's (a user swaps the estimator, not the learning rate).
+LEARNING_RATE_FROM = {"segment_mc": "rredcot", **{method: "grpo" for method in (
+    "rredcot_ibpo", "rredcot_repairs_degenerate", "rredcot_exit_probe_gated")}}
 LR_KEY = "actor_rollout_ref.actor.optim.lr"
-RESULTS_PATH = RESULTS_DIR / "sample_efficiency.json"
+RESULTS_PATH = common.RESULTS_DIR / "sample_efficiency.json"
 # verl logs the reward function's score as acc (reward when it returns a dict without "acc"); both are 0/1 here.
 VAL_KEYS = ("val-core/rredcot_arithmetic/acc/mean@1", "val-core/rredcot_arithmetic/reward/mean@1")
 RUN_RECORD = "run.json"
-# One JSON per finished run (its launch settings and its summary), committed with the results: the run folders
-# (checkpoints, logs, snapshots) live under outputs/ on the machine that ran them, and a study that spans several
-# machines resumes from the ledger, launching only the runs it lacks.
-LEDGER_DIR = RESULTS_DIR / "sample_efficiency_runs"
+LEDGER_DIR = common.RESULTS_DIR / "sample_efficiency_runs"
 RUNS_ROOT_MARK = "<runs-root>"
 
 
 # ---------------------------------------------------------------- data
-
-
-def write_setting_data(data_dir: Path, setting: Setting, val_size: int, data_seed: int) -> dict:
-    """Train/val parquet of ``setting`` from the task's own generator (reused when already written with the same
-    parameters); returns the record kept in ``data.json``."""
-    record = {"task": asdict(setting.task), "n_train": DEFAULT_N_TRAIN, "val_size": val_size, "data_seed": data_seed,
-              "train_files": str(data_dir / "train.parquet"), "val_files": str(data_dir / "val.parquet")}
-    record_path = data_dir / "data.json"
-    if record_path.exists() and json.loads(record_path.read_text()) == record:
-        return record
-    write_parquet(str(data_dir), DEFAULT_N_TRAIN, val_size, data_seed, setting.task)
-    record_path.write_text(json.dumps(record, indent=2) + "\n")
-    return record
 
 
 def check_lengths_fit(record: dict, setting: Setting, build: Path) -> None:
@@ -315,11 +177,11 @@ def ensure_run(out: Path, spec: RunSpec, build: Path, ledger: Ledger) -> int:
     # A guard against hangs only: segment_mc steps take about 60 s here (benchmarks/results/cost.json), plus
     # validation (about 50 s per 1,000 problems); an expired launch is relaunched and resumes from its checkpoint.
     timeout_s = 900 + 90 * spec.steps
-    recipe = METHOD_SPECS[spec.method].recipe
+    recipe = common.METHODS[spec.method].recipe
     code = 1
     for _ in range(2):
         archive_launch(out)
-        code = launch_run(recipe, out, spec.steps, spec.seed, build, overrides, timeout_s=timeout_s)
+        code = common.launch_run(recipe, out, spec.steps, spec.seed, build, overrides, timeout_s=timeout_s)
         if code == 0:
             break
     ledger.summary(out, spec)
@@ -368,7 +230,7 @@ def schedule_overrides(steps: int, test_freq: int) -> tuple[str, ...]:
 
 
 def sweep_specs(method: str, steps: int, test_freq: int, data: tuple[str, ...]) -> dict[float, RunSpec]:
-    overrides = (*METHOD_SPECS[method].overrides, *data, *schedule_overrides(steps, test_freq))
+    overrides = (*common.METHODS[method].overrides, *data, *schedule_overrides(steps, test_freq))
     return {lr: RunSpec(method, SWEEP_SEED, steps, lr, overrides) for lr in SWEEP_LRS}
 
 
@@ -449,16 +311,6 @@ def blamed_segment(trace: dict) -> int | None:
     return None
 
 
-def localisation_hit(segment_rewards: list, holder: int | None) -> tuple[float, float] | None:
-    """For one incorrect trace: (1 if its most negative segment reward R_k falls on ``holder``, the segment holding
-    the first wrong step, else 0; the chance level 1/K). None when it cannot be scored: no holder, fewer than two
-    segment rewards (None and NaN entries are padding or fallback), or a holder beyond them."""
-    rewards = [r for r in segment_rewards if r is not None and math.isfinite(r)]
-    if holder is None or len(rewards) < 2 or holder >= len(rewards):
-        return None
-    return float(int(np.argmin(rewards)) == holder), 1.0 / len(rewards)
-
-
 def snapshot_localisation(snapshots: list[dict]) -> dict | None:
     """Value quality during training, from the estimator's per-step snapshots: on incorrect traces with a known first
     wrong step, how often the most negative segment reward falls on the segment holding that step ("first" and
@@ -512,32 +364,6 @@ def summarise_run(out: Path) -> dict:
     }
 
 
-def area_under_curve(points: list[dict]) -> float | None:
-    """Trapezoid area under accuracy vs step, divided by the step span (a flat curve at a gives a); None for
-    fewer than two points."""
-    if len(points) < 2:
-        return None
-    steps = np.array([p["step"] for p in points], dtype=float)
-    accuracy = np.array([p["accuracy"] for p in points], dtype=float)
-    area = float(np.sum((accuracy[1:] + accuracy[:-1]) / 2 * np.diff(steps)))
-    return area / float(steps[-1] - steps[0])
-
-
-def t_interval(values: list[float]) -> list[float] | None:
-    """95% seed-level t interval of the mean; None for fewer than two values."""
-    if len(values) < 2:
-        return None
-    mean, half = float(np.mean(values)), float(stats.t.ppf(0.975, len(values) - 1) * stats.sem(values))
-    return [mean - half, mean + half]
-
-
-def binomial_interval(accuracies: list[float], val_size: int) -> list[float]:
-    """95% interval of the seed mean from the validation set's sampling error alone (normal approximation)."""
-    mean = float(np.mean(accuracies))
-    half = 1.96 * math.sqrt(sum(p * (1 - p) for p in accuracies) / val_size) / len(accuracies)
-    return [mean - half, mean + half]
-
-
 def mean_or_none(values: list) -> float | None:
     """Mean of the values present (a run transcribed from a lost machine has no timings); None if none is."""
     present = [value for value in values if value is not None]
@@ -554,7 +380,7 @@ def mean_curve(runs: list[dict], val_size: int) -> list[dict]:
         curve.append({"step": step, "accuracy": float(np.mean(accuracies)),
                       "accuracy_sd": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else 0.0,
                       "ci95_seeds": t_interval(accuracies),
-                      "ci95_binomial": binomial_interval(accuracies, val_size),
+                      "ci95_binomial": common.binomial_interval(accuracies, val_size),
                       "seconds": mean_or_none([p["seconds"] for p in points])})
     return curve
 
@@ -775,18 +601,13 @@ def write_synthetic_runs(sweep_setting_dir: Path, setting_dir: Path, sweep: dict
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = common.parser(__doc__, RESULTS_PATH, "no training: synthetic metrics in a temp folder")
     parser.add_argument("--setting", choices=tuple(SETTINGS), default="default")
     parser.add_argument("--sweep", action="store_true", help="launch only the learning-rate sweep runs")
-    parser.add_argument("--smoke", action="store_true", help="no training: synthetic metrics in a temp folder")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="JSON path (default benchmarks/results/sample_efficiency[_<setting>].json; temp with "
-                             "--smoke)")
-    parser.add_argument("--runs-root", type=Path, default=ROOT / "outputs" / "bench" / "sample_efficiency",
+    parser.add_argument("--runs-root", type=Path, default=common.ROOT / "outputs" / "bench" / "sample_efficiency",
                         help="runs go to <runs-root>/<setting>/{sweep,main}/")
     parser.add_argument("--ledger", type=Path, default=LEDGER_DIR,
                         help="finished runs' summaries, read before launching (temp with --smoke)")
-    parser.add_argument("--build", type=Path, default=ROOT / "outputs" / "tiny_cpu" / "build")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=100)
@@ -797,6 +618,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sweep-steps", type=int, default=30)
     parser.add_argument("--sweep-test-freq", type=int, default=10)
     parser.add_argument("--no-launch", action="store_true", help="only analyse the runs already there")
+    parser.add_argument("--from-runs", action="store_true",
+                        help="recompute the JSON from the ledger (and run folders) alone: no build, data or launch")
     parser.add_argument("--timing-seeds", nargs="+", type=int, default=None,
                         help="seeds whose runs' training seconds enter the analysis (default all): those whose runs "
                              "of every method ran back to back in one sitting, so that their seconds compare")
@@ -815,13 +638,15 @@ def main(argv: list[str] | None = None) -> dict:
     default_out = RESULTS_PATH if args.setting == "default" else RESULTS_PATH.with_stem(
         f"{RESULTS_PATH.stem}_{args.setting}")
     out = args.out or (args.runs_root.parent / default_out.name if args.smoke else default_out)
+    args.no_launch = args.no_launch or args.from_runs
 
     main_data = sweep_data = {"train_files": "synthetic", "val_files": "synthetic", "val_size": args.val_size}
     if not args.smoke:
-        build_task(args.build)
-        main_data = write_setting_data(setting_dir / "data_main", setting, args.val_size, MAIN_DATA_SEED)
-        sweep_data = write_setting_data(sweep_setting_dir / "data_sweep", sweep_setting, args.val_size,
-                                        SWEEP_DATA_SEED)
+        data = common.setting_data if args.from_runs else common.write_setting_data
+        main_data = data(setting_dir / "data_main", setting, args.val_size, MAIN_DATA_SEED)
+        sweep_data = data(sweep_setting_dir / "data_sweep", sweep_setting, args.val_size, SWEEP_DATA_SEED)
+    if not args.smoke and not args.from_runs:
+        common.build_task(args.build)
         check_lengths_fit(main_data, setting, args.build)
     sweep_overrides = data_overrides(sweep_data, sweep_setting)
     sweep = {m: sweep_specs(m, args.sweep_steps, args.sweep_test_freq, sweep_overrides)
@@ -833,7 +658,7 @@ def main(argv: list[str] | None = None) -> dict:
             if lrs[method]["lr"] is None:
                 continue
             steps = args.segment_mc_steps if method == "segment_mc" else args.steps
-            overrides = (*METHOD_SPECS[method].overrides, *data_overrides(main_data, setting),
+            overrides = (*common.METHODS[method].overrides, *data_overrides(main_data, setting),
                          *schedule_overrides(steps, args.test_freq))
             specs[method] = [RunSpec(method, seed, steps, lrs[method]["lr"], (
                 *overrides, *checkpoint_overrides(main_dir(setting_dir, method, seed), args.test_freq)))
@@ -873,13 +698,13 @@ def main(argv: list[str] | None = None) -> dict:
         "sweep_steps": args.sweep_steps,
         "sweep_test_freq": args.sweep_test_freq, "sweep_val_files": sweep_data["val_files"],
         "lr_rule": "highest validation AUC of the sweep run, ties to the smaller rate",
-        "learning_rate_from": LEARNING_RATE_FROM,
-        "method_overrides": {m: list(METHOD_SPECS[m].overrides) for m in args.methods},
-        "synthetic": args.smoke, "exit_codes": codes, **machine_meta(),
+        "learning_rate_from": {m: source for m, source in LEARNING_RATE_FROM.items() if m in args.methods},
+        "method_overrides": {m: list(common.METHODS[m].overrides) for m in args.methods},
+        "synthetic": args.smoke, "exit_codes": codes, **common.machine_meta(),
     }
     print("chosen learning rates: " + ", ".join(f"{m} {v['lr']}" for m, v in lrs.items()))
     print_table(result)
-    result = write_result(result, out)
+    result = common.write_result(result, out)
     if result["methods"]:
         plot(result, out.parent / ("curves.png" if args.setting == "default" else f"curves_{args.setting}.png"))
     return result

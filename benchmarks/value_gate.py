@@ -23,7 +23,6 @@ segment reward fall on the segment holding that step; chance is the mean 1/K), i
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import tempfile
@@ -33,9 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import RESULTS_DIR, ROOT, build_task, fmt, machine_meta, write_result
-from benchmarks.sample_efficiency import SETTINGS, localisation_hit, t_interval, write_setting_data
-from benchmarks.value_quality import RECIPE_SEGMENTATION, holder_segment, load_problems, sample_traces
+from benchmarks import common
+from benchmarks.common import RECIPE_SEGMENTATION, SETTINGS, fmt, mean_interval
 from rredcot_verl.core.concordance import ConcordanceCounts, ConcordanceWindow, gate_is_open, value_outcome_concordance
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.probes import ProbeSettings
@@ -43,11 +41,11 @@ from benchmarks.reference_scorers import trace_log_probs_and_entropy
 from rredcot_verl.core.redistribution import RedistributionSettings, redistribute
 from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
 from rredcot_verl.core.values import compute_segment_values
-from rredcot_verl.tasks import first_wrong_step, load_model_dir
+from rredcot_verl.tasks import load_model_dir
 from rredcot_verl.tasks.base import ARITHMETIC
 from rredcot_verl.tasks.model import PAD_TOKEN
 
-RESULTS_PATH = RESULTS_DIR / "value_gate.json"
+RESULTS_PATH = common.RESULTS_DIR / "value_gate.json"
 DATA_SEED = 2  # the study's problems come from streams 0 (main) and 1 (sweep)
 PROMPTS_PER_BATCH, SAMPLES_PER_PROMPT = 8, 4  # the study's batch (data.train_batch_size × rollout.n)
 DEFAULTS = RedistributionSettings()
@@ -80,20 +78,12 @@ def gate_open_shares(counts: list[ConcordanceCounts]) -> dict:
     return {f"window {w}": {f"{t:g}": float(np.mean(replay_gate(counts, t, w))) for t in THRESHOLDS} for w in WINDOWS}
 
 
-def mean_interval(values: list[float]) -> dict:
-    values = [v for v in values if v is not None]
-    if not values:
-        return {"mean": None, "ci95": None, "sd": None, "n": 0}
-    return {"mean": float(np.mean(values)), "ci95": t_interval(values),
-            "sd": float(np.std(values, ddof=1)) if len(values) > 1 else None, "n": len(values)}
-
-
 # ---------------------------------------------------------------- warm start
 
 
 def warm_start_batch(model, tokenizer, problems, samples: int, seed: int, rng: np.random.Generator) -> dict:
     """One batch (``samples`` traces per problem): per source its concordance counts and localisation hits."""
-    traces = sample_traces(model, tokenizer, problems, samples, seed)
+    traces = common.sample_traces(model, tokenizer, problems, samples, seed)
     records = []
     for trace in traces:
         _, entropy = trace_log_probs_and_entropy(model, trace.prompt_ids, trace.response_ids)
@@ -125,12 +115,9 @@ def warm_start_batch(model, tokenizer, problems, samples: int, seed: int, rng: n
         redistributed = redistribute(outcomes, mask, index, ends, raw.float(),
                                      RedistributionSettings(value_mapping=mapping, min_value_concordance=0.0))
         trace_ends = [[e for e in row.tolist() if e >= 0] for row in ends]
-        holders = []
-        for i, trace in enumerate(traces):
-            wrong = first_wrong_step(trace.problem, trace.text) if trace.outcome == 0.0 else None
-            holders.append(None if wrong is None or redistributed.fallback[i]
-                           else holder_segment(tokenizer, trace, trace_ends[i], wrong))
-        scored = [localisation_hit(rewards, holder)
+        holders = [None if redistributed.fallback[i] else common.holder_segment(tokenizer, trace, trace_ends[i])
+                   for i, trace in enumerate(traces)]
+        scored = [common.localisation_hit(rewards, holder)
                   for rewards, holder in zip(redistributed.segment_rewards.double().tolist(), holders)]
         hits, chance = [s[0] for s in scored if s is not None], [s[1] for s in scored if s is not None]
         counts = redistributed.concordance
@@ -152,8 +139,8 @@ def warm_start(build: Path, work: Path, setting: str, batches: int, prompts: int
     model, tokenizer = load_model_dir(str(build / "model"))
     model.eval()
     data_dir.mkdir(parents=True, exist_ok=True)
-    record = write_setting_data(data_dir, SETTINGS[setting], prompts * batches, DATA_SEED)
-    problems = load_problems(Path(record["val_files"]), prompts * batches)
+    record = common.write_setting_data(data_dir, SETTINGS[setting], prompts * batches, DATA_SEED)
+    problems = common.load_problems(Path(record["val_files"]), prompts * batches)
     rng = np.random.default_rng(seed)
     per_batch = []
     for b in range(batches):
@@ -246,11 +233,7 @@ def print_tables(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="one batch of 2 prompts x 4 samples, default setting")
-    parser.add_argument("--out", type=Path, default=None, help=f"JSON path (default {RESULTS_PATH}; temp with --smoke)")
-    parser.add_argument("--build", type=Path, default=ROOT / "outputs" / "tiny_cpu" / "build",
-                        help="task build folder (created with rredcot_verl.tasks.build if missing)")
+    parser = common.parser(__doc__, RESULTS_PATH, "one batch of 2 prompts x 4 samples, default setting")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--batches", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
@@ -262,11 +245,11 @@ def main(argv: list[str] | None = None) -> dict:
         args.settings, args.batches, prompts, samples = ["default"], 1, 2, 4
         args.runs = [] if args.runs is None else args.runs
     if args.runs is None:
-        args.runs = sorted(p.parent for p in (ROOT / "outputs" / "bench" / "sample_efficiency").glob("*/main/*/snapshots"))
+        args.runs = sorted(p.parent for p in (common.ROOT / "outputs" / "bench" / "sample_efficiency").glob("*/main/*/snapshots"))
     scratch = Path(tempfile.mkdtemp()) if args.smoke else None
-    out = args.out or (scratch / "value_gate.json" if args.smoke else RESULTS_PATH)
-    work = scratch or ROOT / "outputs" / "bench" / "value_gate"
-    build_task(args.build)
+    out = args.out or (scratch / RESULTS_PATH.name if args.smoke else RESULTS_PATH)
+    work = scratch or common.ROOT / "outputs" / "bench" / "value_gate"
+    common.build_task(args.build)
     started = time.perf_counter()
     result = {
         "threshold": DEFAULTS.min_value_concordance, "window": DEFAULTS.concordance_window,
@@ -280,9 +263,9 @@ def main(argv: list[str] | None = None) -> dict:
             result["training"][f"{folder.parent.parent.name}/{folder.name}"] = run
     result["meta"] = {"seed": args.seed, "data_seed": DATA_SEED, "segmentation": dataclasses.asdict(RECIPE_SEGMENTATION),
                       "sources": {k: list(v) for k, v in SOURCES.items()}, "thresholds": list(THRESHOLDS),
-                      "windows": list(WINDOWS), "wall_s": time.perf_counter() - started, **machine_meta()}
+                      "windows": list(WINDOWS), "wall_s": time.perf_counter() - started, **common.machine_meta()}
     print_tables(result)
-    return write_result(result, out)
+    return common.write_result(result, out)
 
 
 if __name__ == "__main__":

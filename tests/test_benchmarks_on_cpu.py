@@ -1,22 +1,60 @@
 """The benchmarks' smoke modes (seconds, no verl training) and the offline Monte-Carlo value tool."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from scipy import stats
 
-from benchmarks import cost, sample_efficiency, value_gate, value_quality
-from benchmarks.common import (
-    binomial_tolerance,
-    build_task,
-    exact_success_probability_two_tokens,
-    monte_carlo_values,
-    spearman,
-)
+from benchmarks import common, cost, sample_efficiency, value_gate, value_quality
+from benchmarks.common import build_task, monte_carlo_values, spearman
 from rredcot_verl.core.concordance import ConcordanceCounts
-from rredcot_verl.tasks import load_model_dir, parse_prompt, reference_response
+from rredcot_verl.tasks import compute_score, load_model_dir, parse_prompt, reference_response
 from rredcot_verl.tasks.model import chat_prompt_ids, response_ids
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+MACHINE_KEYS = {"torch", "transformers", "machine", "python"}  # the machine that wrote a JSON, not its results
+
+
+def assert_same_result(recomputed, committed, path="") -> None:
+    """Equal keys, lists and strings, and numbers equal to 1e-9 relative (last-bit differences of another order of
+    summation); the writing machine's versions left out."""
+    if isinstance(committed, dict):
+        keys = set(committed) - (MACHINE_KEYS if path.endswith("meta") else set())
+        assert set(recomputed) - (MACHINE_KEYS if path.endswith("meta") else set()) == keys, path
+        for key in keys:
+            assert_same_result(recomputed[key], committed[key], f"{path}.{key}")
+    elif isinstance(committed, list):
+        assert len(recomputed) == len(committed), path
+        for i, (x, y) in enumerate(zip(recomputed, committed)):
+            assert_same_result(x, y, f"{path}[{i}]")
+    elif isinstance(committed, float) and isinstance(recomputed, (int, float)):
+        assert math.isclose(recomputed, committed, rel_tol=1e-9, abs_tol=1e-12), path
+    else:
+        assert recomputed == committed, path
+
+
+@torch.no_grad()
+def exact_success_probability_two_tokens(model, tokenizer, prompt: list[int], prefix: list[int], ground_truth: str,
+                                         temperature: float = 1.0) -> float:
+    """Exact P(success) of a prefix's continuation with a budget of two tokens: success needs EOS as the second
+    token after a first token t whose text makes the reward 1 (EOS first ends the response at the prefix itself).
+    p = Σ_t p(t) · p(EOS | t) · [reward(t) = 1] + p(EOS) · [reward(prefix) = 1], from exact softmaxes."""
+    eos = tokenizer.eos_token_id
+    context = torch.tensor([list(prompt) + list(prefix)])
+    first = (model(input_ids=context).logits[0, -1].float() / temperature).softmax(-1)
+    probability = float(first[eos]) * compute_score(None, tokenizer.decode(prefix, skip_special_tokens=True),
+                                                    ground_truth)
+    for token in range(first.numel()):
+        text = tokenizer.decode(list(prefix) + [token], skip_special_tokens=True)
+        if token == eos or compute_score(None, text, ground_truth) == 0.0:
+            continue
+        extended = torch.cat([context, torch.tensor([[token]])], dim=1)
+        second = (model(input_ids=extended).logits[0, -1].float() / temperature).softmax(-1)
+        probability += float(first[token]) * float(second[eos])
+    return probability
 
 
 @pytest.fixture(scope="module")
@@ -31,32 +69,43 @@ def model_and_tokenizer(build):
     return model.eval(), tokenizer
 
 
+def _trace(prompt: list[int], response: list[int], truth: str) -> common.Trace:
+    return common.Trace(None, torch.tensor(prompt), torch.tensor(response), "", 0.0, 0, truth, [])
+
+
 def test_monte_carlo_matches_the_exact_probability_of_a_forced_answer(model_and_tokenizer):
-    """Prefix = the correct trace up to the last answer digit; two tokens of budget leave "}" + EOS (or an
+    """State S_1 = the correct trace up to the last answer digit; two tokens of budget leave "}" + EOS (or an
     equivalent) as the only successes. At temperature 3 the exact probability is moderate, so the check is sharp."""
     model, tokenizer = model_and_tokenizer
     problem = parse_prompt("Compute 96-79+5+97")
     prompt = chat_prompt_ids(tokenizer, problem.prompt)
-    prefix = response_ids(tokenizer, reference_response(problem))[:-2]  # drop "}" and EOS
+    response = response_ids(tokenizer, reference_response(problem))
+    prefix = response[:-2]  # drop "}" and EOS
     assert tokenizer.decode(prefix).endswith("\\boxed{119")
     temperature, samples = 3.0, 400
     exact = exact_success_probability_two_tokens(model, tokenizer, prompt, prefix, str(problem.answer), temperature)
     assert 0.1 < exact < 0.9
-    estimate = monte_carlo_values(model, tokenizer, [prompt], [prefix], [str(problem.answer)], num_samples=samples,
-                                  max_response_tokens=len(prefix) + 2, temperature=temperature, seed=3)
-    assert abs(float(estimate.values[0]) - exact) <= binomial_tolerance(exact, samples)
-    assert 1.9 * samples <= estimate.generated_tokens <= 2 * samples  # two tokens unless EOS comes first
-
+    trace = _trace(prompt, response, str(problem.answer))
+    (values,), _ = monte_carlo_values(model, tokenizer, [trace], [[len(prefix), len(response)]],
+                                      num_samples=samples, max_response_tokens=len(prefix) + 2,
+                                      temperature=temperature, seed=3)
+    assert abs(values[1] - exact) <= 4 * math.sqrt(exact * (1 - exact) / samples)  # 4 binomial sigmas
     # One token of budget cannot hold "}" and EOS: every continuation is truncated and counts as a failure.
-    truncated = monte_carlo_values(model, tokenizer, [prompt], [prefix], [str(problem.answer)], num_samples=16,
-                                   max_response_tokens=len(prefix) + 1)
-    assert truncated.values.tolist() == [0.0]
+    (values,), _ = monte_carlo_values(model, tokenizer, [trace], [[len(prefix), len(response)]], num_samples=16,
+                                      max_response_tokens=len(prefix) + 1)
+    assert values[1] == 0.0
 
 
-def test_monte_carlo_rejects_prefixes_without_room(model_and_tokenizer):
+def test_monte_carlo_gives_a_state_without_room_no_value(model_and_tokenizer):
+    """A state whose prefix already fills the response budget gets no continuations and a NaN value; the others are
+    valued from ``num_samples`` continuations each (success counts over num_samples)."""
     model, tokenizer = model_and_tokenizer
-    with pytest.raises(ValueError, match="leave no room"):
-        monte_carlo_values(model, tokenizer, [[1, 2]], [[3, 4, 5]], ["1"], num_samples=2, max_response_tokens=3)
+    trace = _trace([1, 2], [3, 4, 5, 6], "1")
+    (values,), generated = monte_carlo_values(model, tokenizer, [trace], [[2, 3, 4]], num_samples=4,
+                                              max_response_tokens=3)
+    assert math.isnan(values[2]) and not any(math.isnan(v) for v in values[:2])
+    assert all((v * 4).is_integer() for v in values[:2])
+    assert 4 * (1 + 1) <= generated <= 4 * (3 + 1)  # S_0: 1..3 tokens (EOS included), S_1: 1
 
 
 def test_spearman_uses_average_ranks_and_rejects_constant_series():
@@ -74,13 +123,50 @@ def test_value_quality_smoke(build, tmp_path):
     samples = written["meta"]["mc_samples"]
     for trace in result["per_trace"]:
         assert len(trace["mc"]) == len(trace["segment_ends"]) == len(trace["loo"]) == len(trace["rule"])
-        assert all(0 <= v * samples <= samples and (v * samples).is_integer() for v in trace["mc"])  # successes / n
+        assert all((v * samples).is_integer() for v in trace["mc"])  # success counts over the samples
         assert trace["rule"][0] == 1.0  # nothing written yet at S_0
-    # Probability-space values: every defined estimate lies in [0, 1], and the reference values vary within a trace.
-    for name in value_quality.PROBE_SOURCES:
-        values = [v for trace in result["per_trace"] for v in trace[name] if v is not None]
-        assert values and all(0.0 <= v <= 1.0 for v in values)
     assert any(len(set(trace["reference"])) > 1 for trace in result["per_trace"])
+    # The tables recomputed from the stored per-trace records are the run's own.
+    recomputed = value_quality.main(["--from-json", str(tmp_path / "vq.json"), "--out", str(tmp_path / "re.json")])
+    assert_same_result(json.loads((tmp_path / "re.json").read_text()), written)
+    assert recomputed["states"] == result["states"] and recomputed["segments"] == result["segments"]
+
+
+def test_committed_value_quality_json_recomputes_from_its_per_trace_records(tmp_path):
+    committed = json.loads((RESULTS / "value_quality.json").read_text())
+    value_quality.main(["--from-json", str(RESULTS / "value_quality.json"), "--out", str(tmp_path / "vq.json")])
+    assert_same_result(json.loads((tmp_path / "vq.json").read_text()), committed)
+
+
+@pytest.mark.parametrize("setting, argv", [
+    ("default", ["--timing-seeds", "3", "--methods", "grpo", "rredcot", "rredcot_exit_probe", "rredcot_group",
+                 "rredcot_ground_truth", "ibpo", "segment_mc"]),
+    ("hard", ["--timing-seeds", "1"]),
+])
+def test_committed_sample_efficiency_jsons_recompute_from_the_ledger(tmp_path, setting, argv):
+    """The committed JSONs are what the committed ledger gives (RESULTS.md §3 names the commands)."""
+    name = "sample_efficiency.json" if setting == "default" else f"sample_efficiency_{setting}.json"
+    sample_efficiency.main(["--setting", setting, "--from-runs", *argv, "--out", str(tmp_path / name)])
+    assert_same_result(json.loads((tmp_path / name).read_text()), json.loads((RESULTS / name).read_text()))
+
+
+def test_t_interval_is_scipys_and_a_constant_sample_has_zero_width():
+    sample = [0.21, 0.35, 0.28, 0.30]
+    expected = stats.t.interval(0.95, len(sample) - 1, loc=sum(sample) / 4, scale=stats.sem(sample))
+    assert common.t_interval(sample) == pytest.approx(list(expected))
+    assert common.t_interval([0.4, 0.4, 0.4]) == pytest.approx([0.4, 0.4], abs=1e-15)
+    assert common.t_interval([0.4]) is None
+    assert common.mean_interval([0.2, None, 0.4]) == {"mean": pytest.approx(0.3), "ci95": pytest.approx(
+        list(stats.t.interval(0.95, 1, loc=0.3, scale=stats.sem([0.2, 0.4])))), "sd": pytest.approx(0.1414, abs=1e-4),
+                                                     "n": 2}
+
+
+def test_paired_differences_of_identical_runs_are_zero_with_a_zero_width_interval():
+    runs = {"1": 0.31, "2": 0.42, "3": 0.28}
+    assert common.paired_differences(runs, dict(runs)) == [0.0, 0.0, 0.0]
+    assert common.t_interval(common.paired_differences(runs, dict(runs))) == [0.0, 0.0]
+    # Only the keys both have are paired, in key order.
+    assert common.paired_differences({"1": 0.5, "2": 0.7}, {"2": 0.4, "3": 0.9}) == [pytest.approx(0.3)]
 
 
 def test_value_gate_smoke_decides_as_the_gate_would(build, tmp_path):
@@ -104,7 +190,7 @@ def test_value_gate_smoke_decides_as_the_gate_would(build, tmp_path):
 def test_localisation_hit_by_hand():
     """A hit when the most negative segment reward lies on the segment holding the first wrong step; chance 1/K
     over the segment rewards that are not padding; None where there is nothing to score."""
-    hit = sample_efficiency.localisation_hit
+    hit = common.localisation_hit
     assert hit([0.2, -0.5, 0.1], 1) == (1.0, pytest.approx(1 / 3))
     assert hit([0.2, -0.5, 0.1], 2) == (0.0, pytest.approx(1 / 3))
     assert hit([-0.1, 0.3, None, float("nan")], 0) == (1.0, 0.5)  # padding and fallback entries are not segments
@@ -151,7 +237,7 @@ def test_step_times_skip_the_warm_up_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "data": {"timing_s/step": t}}) + "\n"
                             for s, t in [(1, 50.0), (2, 4.0), (3, 6.0)]))
-    assert cost.step_seconds(cost.read_metrics(path)) == [4.0, 6.0]
+    assert cost.step_seconds(common.read_metrics(path)) == [4.0, 6.0]
 
 
 def test_phase_medians_skip_the_warm_up_step_and_absent_phases(tmp_path):
@@ -159,7 +245,7 @@ def test_phase_medians_skip_the_warm_up_step_and_absent_phases(tmp_path):
     rows = [(1, {"timing_s/step": 50.0, "timing_s/gen": 40.0}), (2, {"timing_s/step": 4.0, "timing_s/gen": 1.0}),
             (3, {"timing_s/step": 6.0, "timing_s/gen": 3.0, "timing_s/testing": 9.0}), (4, {"timing_s/step": 7.0})]
     path.write_text("".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in rows))
-    assert cost.phase_medians(cost.read_metrics(path)) == {"gen": 2.0, "step": 6.0, "testing": 9.0}
+    assert cost.phase_medians(common.read_metrics(path)) == {"gen": 2.0, "step": 6.0, "testing": 9.0}
 
 
 def test_sample_efficiency_smoke_reads_synthetic_runs(tmp_path):
@@ -192,7 +278,8 @@ def test_sample_efficiency_smoke_reads_synthetic_runs(tmp_path):
     last = grpo["curve"][-1]
     low, high = last["ci95_seeds"]
     assert (high - low) / 2 == pytest.approx(12.706 * 0.0005, rel=1e-3)
-    assert low < last["accuracy"] < high
+    seeds = [0.3 + 0.01 * 6 + 0.001 * seed for seed in (1, 2)]
+    assert [low, high] == pytest.approx(list(stats.t.interval(0.95, 1, loc=sum(seeds) / 2, scale=stats.sem(seeds))))
     # Binomial interval of the mean of two runs at p ≈ 0.36 on 1000 problems: 1.96·√(Σ p(1−p)/1000)/2.
     low, high = last["ci95_binomial"]
     p1, p2 = 0.361, 0.362
@@ -374,8 +461,8 @@ def test_sample_efficiency_main_runs_checkpoint_into_their_own_folder(tmp_path):
 def test_sample_efficiency_auc_of_a_bent_curve():
     points = [{"step": 0, "accuracy": 0.2}, {"step": 10, "accuracy": 0.6}, {"step": 30, "accuracy": 0.6}]
     # Trapezoids 10·(0.2 + 0.6)/2 = 4 and 20·0.6 = 12 over a span of 30 steps.
-    assert sample_efficiency.area_under_curve(points) == pytest.approx(16 / 30)
-    assert sample_efficiency.area_under_curve(points[:1]) is None
+    assert common.area_under_curve(points) == pytest.approx(16 / 30)
+    assert common.area_under_curve(points[:1]) is None
 
 
 def test_sample_efficiency_settings_differ_only_in_chain_length():
