@@ -71,8 +71,11 @@ class Shape:
         not_here: why this machine cannot run it (a GPU kernel, an engine or library the CPU stack lacks; empty: it
             can).
         entry_point: a verl entry point other than this package's launcher (checked by starting it).
+        recipe / build: a shape with its own model and data (which the embedded task cannot stand in for): the
+            recipe under ``recipes/tiny_cpu`` it launches (with ``algorithm.adv_estimator`` set to the cell's) and
+            the ``python -m`` command, without ``--out``, that builds what the recipe reads from ``$RREDCOT_BUILD``.
         launched_in_ci: estimator -> the end-to-end test that trains it in miniature on this shape's own model and
-            data (which the embedded recipe cannot stand in for) and reads its metrics, in every CI run.
+            data and reads its metrics, in every CI run.
     """
 
     name: str
@@ -81,7 +84,15 @@ class Shape:
     reward: str | None = None
     not_here: str = ""
     entry_point: str = ""
+    recipe: str = ""
+    build: tuple[str, ...] = ()
     launched_in_ci: tuple[tuple[str, str], ...] = ()
+
+    def composition(self, estimator: str) -> tuple[str, list[str]]:
+        """(recipe name under recipes/tiny_cpu, overrides) of this shape for ``estimator``."""
+        if self.recipe:
+            return self.recipe, [f"algorithm.adv_estimator={estimator}", *self.overrides]
+        return estimator, list(self.overrides)
 
 
 SHAPES = (
@@ -94,10 +105,11 @@ SHAPES = (
     Shape("dict_reward", "reward function returning a dict (verl's DAPO convention)", reward=DICT_REWARD),
     Shape("async_reward", "async reward function", reward=ASYNC_REWARD),
     Shape("non_thinking", "non-thinking model (Qwen2.5 chat template), verl's GSM8K rows and reward, profile auto",
-          ("algorithm.rredcot.probe.profile=auto",),
+          recipe="gsm8k_plain", build=("rredcot_verl.tasks.miniature", "--family", "qwen2_5", "--problems", "24"),
           launched_in_ci=(("rredcot", "tests/test_nonthinking_miniature_on_cpu.py::"
                                       "test_rredcot_trains_a_nonthinking_model_on_verls_gsm8k"),)),
-    Shape("code_task", "code answers judged by tests in the sandbox (task: code)", ("algorithm.rredcot.task=code",),
+    Shape("code_task", "code answers judged by tests in the sandbox (task: code)", recipe="code",
+          build=("rredcot_verl.tasks.code_miniature", "--threads", "1"),
           launched_in_ci=(("segment_mc", "tests/test_code_miniature_on_cpu.py::"
                                          "test_segment_mc_trains_on_code_judged_in_the_sandbox"),)),
     Shape("group_of_one", "rollout.n=1", ("actor_rollout_ref.rollout.n=1",  # 4 traces: micro-batches that divide them
@@ -161,8 +173,9 @@ def launch_check(estimator: str, shape: Shape, build: Path, out: Path) -> tuple[
     from rredcot_verl.integration.launcher import LaunchError, check
 
     os.environ.update({key: env[key] for key in ("RREDCOT_BUILD", "RREDCOT_REWARD_FILE") if key in env})
+    recipe, overrides = shape.composition(estimator)
     with initialize_config_dir(config_dir=str(ROOT / "recipes" / "tiny_cpu"), version_base=None):
-        config = compose(config_name=estimator, overrides=list(shape.overrides))
+        config = compose(config_name=recipe, overrides=overrides)
     try:
         check(config)
     except LaunchError as error:
@@ -201,14 +214,35 @@ def launched_outcome(estimator: str, out: Path, returncode: int, log: str) -> tu
 
 
 def launch(estimator: str, shape: Shape, build: Path, out: Path) -> tuple[str, dict]:
-    """Train the cell in miniature through run.sh and read what it logged."""
+    """Train the cell in miniature (the embedded recipes through run.sh, a shape's own recipe through the launcher as
+    a user starts it) and read what it logged; the log is kept in the run folder."""
     env = _environment(build, out, shape)
-    result = subprocess.run(["bash", str(RUN_SH), estimator, *SMALL, *shape.overrides], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 120)  # fmt: skip
+    recipe, overrides = shape.composition(estimator)
+    if shape.recipe:
+        env["VERL_FILE_LOGGER_PATH"] = str(out / "metrics.jsonl")
+        command = ["timeout", "-k", "30", str(RUN_TIMEOUT_S), "setsid", sys.executable, "-m", "rredcot_verl.main",
+                   "--config-dir", str(ROOT / "recipes" / "tiny_cpu"), "--config-name", recipe, *overrides, *SMALL,
+                   f"algorithm.rredcot.snapshot_dir={out / 'snapshots'}"]  # fmt: skip
+        shown = f"python -m rredcot_verl.main --config-dir recipes/tiny_cpu --config-name {recipe}"
+    else:
+        command = ["bash", str(RUN_SH), estimator, *SMALL, *overrides]
+        shown = f"recipes/tiny_cpu/run.sh {estimator}"
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 120)
     log = result.stdout + result.stderr
+    (out / "stdout.log").write_text(log)
     outcome, evidence = launched_outcome(estimator, out, result.returncode, log)
-    evidence["command"] = f"recipes/tiny_cpu/run.sh {estimator} {' '.join([*SMALL, *shape.overrides])}".strip()
+    evidence["command"] = " ".join([shown, *overrides, *SMALL] if shape.recipe else [shown, *SMALL, *overrides])
     return outcome, evidence
+
+
+def shape_build(shape: Shape, work: Path, default: Path) -> Path:
+    """The folder ``$RREDCOT_BUILD`` points at for ``shape``: its own build (made once, reused) or the embedded one."""
+    if not shape.build:
+        return default
+    out = work / f"build_{shape.name}"
+    subprocess.run([sys.executable, "-m", *shape.build, "--out", str(out)], cwd=ROOT, check=True, capture_output=True,
+                   timeout=1800)
+    return out
 
 
 def cell(estimator: str, shape: Shape, build: Path, work: Path, do_launch: bool) -> dict:
@@ -219,6 +253,7 @@ def cell(estimator: str, shape: Shape, build: Path, work: Path, do_launch: bool)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    build = shape_build(shape, work, build)
     code, line = launch_check(estimator, shape, build, out)
     result = {"estimator": estimator, "shape": shape.name}
     if code == 2 and shape.not_here and line.startswith("rredcot_verl: verl's config check"):
@@ -234,7 +269,7 @@ def cell(estimator: str, shape: Shape, build: Path, work: Path, do_launch: bool)
     ci_test = dict(shape.launched_in_ci).get(estimator)
     if ci_test:
         return {**result, "outcome": "runs", "evidence": {"accepted_at_launch": True, "launched_in_ci": ci_test}}
-    if not do_launch or shape.launched_in_ci:
+    if not do_launch:
         return {**result, "outcome": "not_launched", "evidence": {"accepted_at_launch": True}}
     outcome, evidence = launch(estimator, shape, build, out)
     row = {**result, "outcome": outcome, "evidence": evidence}

@@ -13,18 +13,6 @@ from hydra import compose, initialize_config_dir
 from rredcot_verl.integration.launcher import LaunchError, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
-ARTEFACT = ROOT / "rredcot_verl" / "tasks" / "assets" / "warmstart"
-
-
-@pytest.fixture()
-def build(tmp_path, monkeypatch):
-    from rredcot_verl.tasks.arithmetic import write_parquet
-
-    write_parquet(str(tmp_path / "data"), n_train=8, n_val=4, seed=0)
-    shutil.copytree(ARTEFACT, tmp_path / "model")
-    monkeypatch.setenv("RREDCOT_BUILD", str(tmp_path))
-    monkeypatch.setenv("RREDCOT_REWARD_FILE", str(ROOT / "rredcot_verl/tasks/reward.py"))
-    return tmp_path
 
 
 def _config(overrides=()):

@@ -1,9 +1,9 @@
 """verl's quickstart setting in miniature: a non-thinking Qwen2.5-style model on verl's GSM8K rows with verl's own
 GSM8K reward, trained by ``rredcot`` with the reference-continuation value source and no probe profile named.
 
-The launch is a user's (``python -m rredcot_verl.main`` on a recipe written here: this package's defaults plus the
-run's keys), on the ``qwen2_5`` miniature (tasks/miniature.py: the Qwen2.5 chat template, no ``<think>`` token, data
-in verl's GSM8K format with data_source ``openai/gsm8k``), so ``probe.profile: auto`` must resolve to ``plain`` in the
+The launch is a user's (``python -m rredcot_verl.main`` on the shipped ``recipes/tiny_cpu/gsm8k_plain.yaml``), on the
+``qwen2_5`` miniature (tasks/miniature.py: the Qwen2.5 chat template, no ``<think>`` token, data in verl's GSM8K format
+with data_source ``openai/gsm8k``), so ``probe.profile: auto`` must resolve to ``plain`` in the
 planner and the workers, the ``gsm8k`` task must read the ``#### 27`` answers, and the probes must be valued. Read
 from the step metrics: no failed group, every trace has candidates and finite values (no fallback for NaN values or
 missing segments, which is where a profile that does not fit the model shows), the value gate opened, finite
@@ -22,54 +22,7 @@ from miniature_launch import launch_and_read
 
 STEPS = 2
 
-# verl's GSM8K reward through verl's own dispatcher (data_source openai/gsm8k -> utils/reward_score/gsm8k.py).
-RECIPE = """
-hydra:
-  searchpath: [pkg://verl.trainer.config, pkg://rredcot_verl.conf]
-defaults: [rredcot_defaults, _self_]
-data:
-  train_files: {build}/data/train.parquet
-  val_files: {build}/data/val.parquet
-  train_batch_size: 4
-  max_prompt_length: 128
-  max_response_length: 80
-  dataloader_num_workers: 0
-  seed: 1
-actor_rollout_ref:
-  model: {{path: {build}/model}}
-  actor:
-    optim: {{lr: 1e-5}}
-    ppo_mini_batch_size: 4
-    ppo_micro_batch_size_per_gpu: 16
-    use_kl_loss: false
-  rollout:
-    name: vllm
-    n: 4
-    temperature: 1.0
-    tensor_model_parallel_size: 1
-    gpu_memory_utilization: 0.1
-    log_prob_micro_batch_size_per_gpu: 16
-    agent: {{num_workers: 1}}
-reward:
-  num_workers: 1
-  custom_reward_function: {{path: pkg://verl.utils.reward_score, name: default_compute_score}}
-algorithm:
-  adv_estimator: rredcot
-  rredcot:
-    task: gsm8k
-    probe: {{value_source: reference_continuation}}
-    segmentation: {{strategy: hybrid, max_segments: 8, min_segment_len: 2}}
-trainer:
-  n_gpus_per_node: 1
-  nnodes: 1
-  total_training_steps: {steps}
-  val_before_train: false
-  test_freq: -1
-  save_freq: -1
-  project_name: nonthinking_miniature
-  logger: [console, file]
-  rollout_data_dir: {out}/rollouts
-"""
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +40,10 @@ def test_rredcot_trains_a_nonthinking_model_on_verls_gsm8k(qwen2_5_build, tmp_pa
 
     out = tmp_path / "run"
     out.mkdir()
-    (tmp_path / "recipe").mkdir()
-    (tmp_path / "recipe" / "gsm8k_plain.yaml").write_text(RECIPE.format(build=qwen2_5_build, out=out, steps=STEPS))
-    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")}
-    _, rows = launch_and_read(tmp_path / "recipe", "gsm8k_plain", [], env, tmp_path, out, STEPS,
+    env = {**os.environ, "RREDCOT_BUILD": str(qwen2_5_build), "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")}
+    env.pop("RAY_ADDRESS", None)
+    overrides = [f"trainer.total_training_steps={STEPS}", f"trainer.rollout_data_dir={out / 'rollouts'}"]
+    _, rows = launch_and_read(ROOT / "recipes" / "tiny_cpu", "gsm8k_plain", overrides, env, tmp_path, out, STEPS,
                               ("actor/grad_norm", "actor/pg_loss", "critic/advantages/mean", "critic/advantages/max",
                                "critic/advantages/min"))  # fmt: skip
     for row in rows:

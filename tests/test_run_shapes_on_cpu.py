@@ -2,7 +2,6 @@
 runs with its own estimators is accepted unchanged; ``--check-only`` says which, without starting Ray."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,21 +16,15 @@ from rredcot_verl.integration.launcher import LaunchError, check, prepare
 from rredcot_verl.integration.run_shapes import attention_kind
 
 ROOT = Path(__file__).resolve().parents[1]
-ARTEFACT = ROOT / "rredcot_verl" / "tasks" / "assets" / "warmstart"
 OURS = sorted(ESTIMATORS)
 
 
 @pytest.fixture()
-def build(tmp_path, monkeypatch):
-    from rredcot_verl.tasks.arithmetic import write_parquet
-
-    write_parquet(str(tmp_path / "data"), n_train=8, n_val=4, seed=0)
-    shutil.copytree(ARTEFACT, tmp_path / "model")
-    monkeypatch.setenv("RREDCOT_BUILD", str(tmp_path))
-    monkeypatch.setenv("RREDCOT_REWARD_FILE", str(ROOT / "rredcot_verl/tasks/reward.py"))
+def cpu_build(build, monkeypatch):
+    """The shared ``build``, launched in CPU mode on a local Ray."""
     monkeypatch.setenv("RREDCOT_CPU", "1")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    return tmp_path
+    return build
 
 
 def _config(estimator: str, overrides=()):
@@ -60,7 +53,7 @@ REFUSED_SHAPES = {
 
 @pytest.mark.parametrize("estimator", OURS)
 @pytest.mark.parametrize("shape", sorted(REFUSED_SHAPES))
-def test_shapes_the_estimators_cannot_serve_are_refused_naming_the_key(build, estimator, shape):
+def test_shapes_the_estimators_cannot_serve_are_refused_naming_the_key(cpu_build, estimator, shape):
     overrides, key = REFUSED_SHAPES[shape]
     with pytest.raises(LaunchError) as error:
         check(_config(estimator, overrides))
@@ -69,18 +62,18 @@ def test_shapes_the_estimators_cannot_serve_are_refused_naming_the_key(build, es
 
 
 @pytest.mark.parametrize("shape", sorted(REFUSED_SHAPES))
-def test_grpo_accepts_every_shape_verl_accepts(build, shape):
+def test_grpo_accepts_every_shape_verl_accepts(cpu_build, shape):
     overrides, _ = REFUSED_SHAPES[shape]
     assert check(_config("grpo", overrides)) == []
 
 
-def test_grpo_keeps_verls_async_trainer(build):
+def test_grpo_keeps_verls_async_trainer(cpu_build):
     config = prepare(_config("grpo", ["trainer.v1.trainer_mode=colocate_async"]))
     assert config.trainer.v1.trainer_mode == "colocate_async"
     assert prepare(_config("grpo")).trainer.v1.trainer_mode == "rredcot"  # sync: verl's, plus failed-group counts
 
 
-def test_megatron_is_refused_for_the_value_pass_only(build):
+def test_megatron_is_refused_for_the_value_pass_only(cpu_build):
     for estimator in ("rredcot", "rredcot_ibpo"):
         with pytest.raises(LaunchError, match="actor_rollout_ref.actor.strategy=megatron is not supported"):
             check(_config(estimator, ["actor_rollout_ref.actor.strategy=megatron"]))
@@ -116,21 +109,21 @@ def _config_stub():
     return OmegaConf.create({})
 
 
-def test_grpo_needs_no_ground_truth_but_the_estimators_do(build):
-    frame = pd.read_parquet(build / "data" / "train.parquet")
+def test_grpo_needs_no_ground_truth_but_the_estimators_do(cpu_build):
+    frame = pd.read_parquet(cpu_build / "data" / "train.parquet")
     frame["reward_model"] = [{"style": "model", "ground_truth": None}] * len(frame)
-    frame.to_parquet(build / "data" / "train.parquet")
+    frame.to_parquet(cpu_build / "data" / "train.parquet")
     check(_config("grpo"))
     with pytest.raises(LaunchError, match="lack reward_model.ground_truth"):
         check(_config("rredcot"))
 
 
-def test_remote_dataset_uris_are_left_to_verl_and_named_as_skipped(build):
+def test_remote_dataset_uris_are_left_to_verl_and_named_as_skipped(cpu_build):
     skipped = check(_config("rredcot", ["data.val_files=hdfs://namenode/data/val.parquet"]))
     assert skipped == ["data.val_files 'hdfs://namenode/data/val.parquet' (remote: verl copies it at start)"]
 
 
-def test_verls_default_log_prob_budget_is_accepted(build):
+def test_verls_default_log_prob_budget_is_accepted(cpu_build):
     """verl's default (16,384 tokens, dynamic batch size) was refused for every estimator by a memory check of
     verl's own entropy; the value pass bounds its logits itself (core/scoring.py), so nothing is added to check."""
     overrides = ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
@@ -139,7 +132,7 @@ def test_verls_default_log_prob_budget_is_accepted(build):
         check(_config(estimator, overrides))
 
 
-def test_a_gpu_launch_leaves_ray_to_verl_so_a_running_cluster_is_joined(build, monkeypatch):
+def test_a_gpu_launch_leaves_ray_to_verl_so_a_running_cluster_is_joined(cpu_build, monkeypatch):
     """verl's ray.init() joins a cluster brought up with `ray start`; forcing address=local would start another."""
     monkeypatch.setenv("RREDCOT_CPU", "0")
     config = prepare(_config("rredcot"))
@@ -147,7 +140,7 @@ def test_a_gpu_launch_leaves_ray_to_verl_so_a_running_cluster_is_joined(build, m
     assert config.trainer.device != "cpu"
 
 
-def test_a_cluster_address_in_the_recipe_is_kept_on_cpu(build):
+def test_a_cluster_address_in_the_recipe_is_kept_on_cpu(cpu_build):
     config = prepare(_config("rredcot", ["+ray_kwargs.ray_init.address=auto"]))
     assert config.ray_kwargs.ray_init.address == "auto" and config.ray_kwargs.ray_init.get("num_gpus") is None
 
@@ -162,7 +155,7 @@ def _check_only(*overrides, config_name="rredcot"):
     )  # fmt: skip
 
 
-def test_check_only_says_ok_refuses_and_names_what_it_skipped(build):
+def test_check_only_says_ok_refuses_and_names_what_it_skipped(cpu_build):
     """One process for three answers would hide which one exits how: three runs, none starting Ray."""
     ok = _check_only()
     assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1] == "rredcot_verl: ok", ok.stderr[-2000:]
@@ -196,7 +189,7 @@ def test_verls_async_entry_points_refuse_the_estimators_before_ray_starts(entry_
     assert "Started a local Ray instance" not in result.stdout + result.stderr
 
 
-def test_a_reward_manager_that_rescores_is_refused_for_extra_generations(build):
+def test_a_reward_manager_that_rescores_is_refused_for_extra_generations(cpu_build):
     overrides = ["reward.reward_manager.name=prime"]
     with pytest.raises(LaunchError, match=r"reward.reward_manager \(source=register, name=prime\) may score"):
         check(_config("ibpo", overrides))
@@ -218,13 +211,13 @@ def test_the_engine_context_of_a_hub_model_is_read_once_per_run(monkeypatch):
     assert [trainer.engine_max_model_length for _ in range(3)] == [40960] * 3 and len(reads) == 1
 
 
-def test_verls_own_config_check_is_a_launch_refusal(build):
+def test_verls_own_config_check_is_a_launch_refusal(cpu_build):
     """A reference policy without a log-prob micro-batch size fails verl's validate_config: one line, before Ray."""
     with pytest.raises(LaunchError, match=r"^verl's config check refuses it: \[actor_rollout_ref.ref\] Please set"):
         check(_config("grpo", ["actor_rollout_ref.actor.use_kl_loss=true"]))
 
 
-def test_a_task_that_reads_no_answer_in_the_data_is_refused_at_launch(build):
+def test_a_task_that_reads_no_answer_in_the_data_is_refused_at_launch(cpu_build):
     """verl's own GSM8K rows (answers after ``####``) with ``task: boxed_math``: every probe would score nothing."""
     from rredcot_verl.tasks.miniature import GSM8K_INSTRUCTION
 
@@ -232,14 +225,14 @@ def test_a_task_that_reads_no_answer_in_the_data_is_refused_at_launch(build):
     rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}],
              "reward_model": {"style": "rule", "ground_truth": "72"},
              "extra_info": {"answer": "48/2 = 24 clips in May.\n48+24 = 72.\n#### 72", "question": question}}] * 8
-    pd.DataFrame(rows).to_parquet(build / "data" / "train.parquet")
+    pd.DataFrame(rows).to_parquet(cpu_build / "data" / "train.parquet")
     with pytest.raises(LaunchError, match=r"^algorithm.rredcot.task=boxed_math reads no answer"):
         check(_config("rredcot", ["algorithm.rredcot.task=boxed_math"]))
     check(_config("rredcot", ["algorithm.rredcot.task=gsm8k", "algorithm.rredcot.probe.profile=auto"]))
     check(_config("grpo", ["algorithm.rredcot.task=boxed_math"]))  # verl's estimators read no answers
 
 
-def test_thinking_switched_off_in_the_template_kwargs_makes_auto_the_plain_profile(build):
+def test_thinking_switched_off_in_the_template_kwargs_makes_auto_the_plain_profile(cpu_build):
     """Qwen3 with enable_thinking=false: the chat template closes an empty thinking block in the prompt, and the
     responses are plain reasoning; `auto` alone would read the template's thinking markers."""
     off = ["+data.apply_chat_template_kwargs.enable_thinking=false"]

@@ -48,14 +48,39 @@ def build(tmp_path_factory):
         os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
 
 
-def test_the_launcher_still_answers_each_cell_as_recorded(build):
+def _untrained_build(shape_name: str, out: Path) -> Path:
+    """What the launch checks of a shape with its own build read: its data and a model of its family, untrained (the
+    checks read the tokenizer, chat template and config, not the weights)."""
+    if shape_name == "non_thinking":
+        from rredcot_verl.tasks import miniature
+
+        family, config = miniature.ALL_FAMILIES["qwen2_5"], miniature.MiniatureConfig()
+        train, val = miniature.write_data(miniature.load_problems(24), str(out / "data"), config.seed,
+                                          family.answer_style)  # fmt: skip
+        tokenizer = miniature.build_tokenizer(family, train + val, config)
+        miniature.save_model_dir(miniature.build_model(family, tokenizer, config), tokenizer, str(out / "model"))
+    elif shape_name == "code_task":
+        from rredcot_verl.tasks import code_miniature
+
+        code_miniature.write_data(code_miniature.make_problems(20, 0), str(out / "data"), 0)
+        shutil.copytree(ARTEFACT, out / "model")
+    else:
+        raise AssertionError(f"no untrained build for shape {shape_name}")
+    return out
+
+
+def test_the_launcher_still_answers_each_cell_as_recorded(build, tmp_path_factory):
     """Entry-point cells are left to tests/test_run_shapes_on_cpu.py (one process start each)."""
+    own_builds = {shape.name: _untrained_build(shape.name, tmp_path_factory.mktemp(shape.name))
+                  for shape in SHAPES if shape.build}  # fmt: skip
     for c in MATRIX:
         shape = BY_SHAPE[c["shape"]]
         if shape.entry_point:
             continue
+        os.environ["RREDCOT_BUILD"] = str(own_builds.get(shape.name, build))
+        recipe, overrides = shape.composition(c["estimator"])
         with initialize_config_dir(config_dir=str(ROOT / "recipes" / "tiny_cpu"), version_base=None):
-            config = compose(config_name=c["estimator"], overrides=list(shape.overrides))
+            config = compose(config_name=recipe, overrides=overrides)
         # verl's own check refusing a composition it wants otherwise (Megatron on the FSDP config) is recorded too
         expected = c["evidence"].get("refusal") or c["evidence"].get("verl_on_this_composition")
         if expected:
@@ -64,6 +89,7 @@ def test_the_launcher_still_answers_each_cell_as_recorded(build):
             assert str(error.value) == expected, (c["estimator"], c["shape"])
         else:
             check(config)
+    os.environ["RREDCOT_BUILD"] = str(build)
 
 
 def test_the_usage_doc_shows_the_committed_table():

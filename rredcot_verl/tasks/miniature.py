@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -299,32 +298,17 @@ def warm_start(model, tokenizer, family: Family, rows: list[MathRow], config: Mi
     """Causal-LM SFT in place, loss on response tokens (and eos) only; returns ``{"steps", "final_loss"}``."""
     import torch
 
+    from rredcot_verl.tasks.sft import short_sft_step
+
     sequences = [(chat_prompt_ids(tokenizer, row.prompt), response_ids(tokenizer, response_text(family, row)))
                  for row in rows]
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.01)
     rng = random.Random(config.seed)
     model.train()
     for step in range(config.sft_steps):
-        progress = max(0, step - config.warmup_steps) / max(1, config.sft_steps - config.warmup_steps)
-        scale = min(1.0, (step + 1) / config.warmup_steps) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
-        for group in optimizer.param_groups:
-            group["lr"] = config.lr * scale
         batch = rng.sample(sequences, min(config.batch_size, len(sequences)))
-        width = max(len(p) + len(r) for p, r in batch)
-        # (batch, width), right-padded; labels -100 on the prompt and the padding
-        input_ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        labels = torch.full_like(input_ids, -100)
-        for i, (prompt, response) in enumerate(batch):
-            n = len(prompt) + len(response)
-            input_ids[i, :n] = torch.tensor(prompt + response)
-            attention_mask[i, :n] = 1
-            labels[i, len(prompt):n] = torch.tensor(response)
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        loss = short_sft_step(model, optimizer, batch, tokenizer.pad_token_id, config.lr, step, config.warmup_steps,
+                              config.sft_steps)
     model.eval()
     return {"steps": config.sft_steps, "final_loss": round(loss.item(), 4)}
 

@@ -96,23 +96,45 @@ class SFTConfig:
 
 def make_batch(tokenizer, problems: list[ArithmeticProblem]):
     """Right-padded ``(input_ids, attention_mask, labels)``, each (batch, max_len); labels -100 outside responses."""
+    sequences = [(chat_prompt_ids(tokenizer, problem.prompt), response_ids(tokenizer, reference_response(problem)))
+                 for problem in problems]
+    return pad_for_sft(tokenizer.pad_token_id, sequences)
+
+
+def pad_for_sft(pad_token_id: int, sequences: list[tuple[list[int], list[int]]]):
+    """(prompt ids, response ids) pairs as right-padded ``(input_ids, attention_mask, labels)``, each
+    (batch, max_len); labels -100 on the prompt and the padding, so the loss is on the responses only."""
     import torch
 
-    sequences = []
-    for problem in problems:
-        prompt = chat_prompt_ids(tokenizer, problem.prompt)
-        response = response_ids(tokenizer, reference_response(problem))
-        sequences.append((prompt, response))
     max_len = max(len(p) + len(r) for p, r in sequences)
-    input_ids = torch.full((len(problems), max_len), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(problems), max_len), dtype=torch.long)
-    labels = torch.full((len(problems), max_len), -100, dtype=torch.long)
+    input_ids = torch.full((len(sequences), max_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), max_len), dtype=torch.long)
+    labels = torch.full((len(sequences), max_len), -100, dtype=torch.long)
     for row, (prompt, response) in enumerate(sequences):
         n = len(prompt) + len(response)
         input_ids[row, :n] = torch.tensor(prompt + response)
         attention_mask[row, :n] = 1
         labels[row, len(prompt):n] = torch.tensor(response)
     return input_ids, attention_mask, labels
+
+
+def short_sft_step(model, optimizer, sequences: list[tuple[list[int], list[int]]], pad_token_id: int, peak_lr: float,
+                   step: int, warmup_steps: int, total_steps: int):
+    """One step of the miniature builds' short warm start (linear warmup, then a cosine from 1.0x to 0.1x of
+    ``peak_lr``, clipping at 1.0) on one batch of (prompt ids, response ids); returns the loss tensor."""
+    import torch
+
+    progress = max(0, step - warmup_steps) / max(1, total_steps - warmup_steps)
+    scale = min(1.0, (step + 1) / warmup_steps) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+    for group in optimizer.param_groups:
+        group["lr"] = peak_lr * scale
+    input_ids, attention_mask, labels = pad_for_sft(pad_token_id, sequences)
+    loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss
 
 
 def eval_problems(n: int, task: ArithmeticTaskConfig) -> list[ArithmeticProblem]:
