@@ -12,6 +12,7 @@ recomputed here, and some responses were parsed) and the log (no error that verl
 """
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -35,12 +36,14 @@ RECIPES = {
     # paper recipes cover the first two, this run the last (IBPO's repairs and the value pass, on a chat template).
     "qwen3_0p6b_gsm8k": ("gpu_single", "qwen3", "gsm8k",
                          {"algorithm.adv_estimator": "rredcot_ibpo",
-                          "algorithm.rredcot.candidates.source": "group_and_repairs"}),
+                          "algorithm.rredcot.candidates.source": "group_and_repairs",
+                          "algorithm.rredcot.snapshot_dir": "<out>/snapshots"}),
 }
 
 # What a miniature run may change, and why: the model (a tiny one of the family, built here), lengths and batch
-# sizes (CPU scale), devices and workers (one CPU box), the number of steps and validation (time), output paths and
-# loggers (no wandb here), and the estimator of the one-GPU recipe with its bank (compare.sh swaps them).
+# sizes (CPU scale), devices and workers (one CPU box), the number of steps and validation (time), output paths
+# (snapshots included) and loggers (no wandb here), and the estimator of the one-GPU recipe with its bank (compare.sh
+# swaps them).
 PERMITTED_OVERRIDES = frozenset(
     {
         "actor_rollout_ref.model.path",
@@ -62,6 +65,7 @@ PERMITTED_OVERRIDES = frozenset(
         "trainer.logger",
         "algorithm.adv_estimator",
         "algorithm.rredcot.candidates.source",
+        "algorithm.rredcot.snapshot_dir",
     }
 )
 STEPS = 2
@@ -88,7 +92,8 @@ def miniature_overrides(recipe: str, build: Path, out: Path) -> dict[str, object
         "trainer.rollout_data_dir": str(out / "rollouts"),
         "trainer.logger": "[console,file]",
     }
-    return {**overrides, **RECIPES[recipe][3]}
+    extra = {key: value.replace("<out>", str(out)) for key, value in RECIPES[recipe][3].items()}
+    return {**overrides, **extra}
 
 
 def _as_cli(overrides: dict) -> list[str]:
@@ -165,12 +170,22 @@ def test_recipe_trains_in_miniature(recipe, miniatures, tmp_path):
         assert all(row[f"{estimator}/fallback/nonfinite"] == 0 for row in rows)
         assert any(row[f"{estimator}/redistributed_frac"] > 0 for row in rows), "no trace was redistributed"
     if estimator == "rredcot_ibpo":
+        # The fused estimator: repairs through the vLLM server before the log-prob pass, the value pass on the actor
+        # after it, each group's bank from its correct traces or else its verified repairs (counted against the
+        # step's own outcomes, read from the snapshots), and the shaped advantage placed by the values.
         assert all(row["ibpo/incorrect_traces"] > 0 for row in rows)
-        assert any(row["ibpo/revisions"] > 0 for row in rows)
-        groups = miniature_overrides(recipe, build, out)["data.train_batch_size"]
+        assert any(row["ibpo/revisions"] > 0 and row["ibpo/extra_generated_tokens"] > 0 for row in rows)
         for row in rows:  # no reference solutions: every group's bank is its own traces, its repairs, or empty
+            traces = json.loads((out / "snapshots" / f"step_{row['step']:05d}.json").read_text())["traces"]
+            groups: dict[str, list[float]] = {}
+            for trace in traces:
+                groups.setdefault(trace["uid"], []).append(trace["outcome"])
+            with_correct = sum(max(outcomes) == 1.0 for outcomes in groups.values())
             assert row["rredcot/bank_groups_from_dataset"] == 0
-            assert sum(row[f"rredcot/bank_groups_{kind}"] for kind in ("from_traces", "from_repairs", "empty")) == groups
+            assert row["rredcot/bank_groups_from_traces"] == with_correct
+            assert row["rredcot/bank_groups_from_repairs"] + row["rredcot/bank_groups_empty"] == len(groups) - with_correct
+            assert all(math.isfinite(a) for trace in traces for a in trace["token_advantages"])
+        assert any(row["rredcot_ibpo/credit_from_values_frac"] > 0 for row in rows)
 
     # The reward workers ran the recipe's reward (math-verify, off the main thread) on parsed answers: their scores
     # equal the function's, recomputed here, and some responses had a boxed answer to parse.
