@@ -6,12 +6,12 @@ imports nothing of the package beyond ``rredcot_verl.core.probes`` and ``core.sc
 ``score_batch_packed_with_stats`` then ``values_from_probe_logp(..., "self_normalized")``.
 
 Model: ``Qwen3ForCausalLM`` built from a ``Qwen3Config`` with a fixed seed (nothing downloaded), the widths of
-``value_pass_scale.MODELS`` (default Qwen3-4B: hidden 2560, 32 query / 8 key-value heads of 128, MLP 9728, tied
+``reference_scorers.MODELS`` (default Qwen3-4B: hidden 2560, 32 query / 8 key-value heads of 128, MLP 9728, tied
 embeddings, vocabulary 151,936; ``--vocab`` overrides the vocabulary for small runs).
 
 Traces (synthetic, random tokens): a 128-token prompt, an L-token response, exit probes at K boundaries spread over
 [0, L] with 3 candidate answers (one correct, two incorrect: self-normalised values), exit text and answers of 4
-tokens each (``value_pass_scale``'s constants).
+tokens each (``reference_scorers``' constants).
 
 * accuracy: ``--accuracy-layers`` layers (default 2), three traces of L = n/4, n/2, n (n = min(--tokens, 1024)),
   6 boundaries each. Reference: ``score_probes_naive`` (one forward per probe) and ``trace_log_probs_and_entropy`` on
@@ -58,15 +58,16 @@ ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):  # ``python benchmarks/gpu_check.py``, also from a checkout where nothing is installed
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.value_pass_scale import (  # noqa: E402
+from benchmarks.reference_scorers import (  # noqa: E402
     ANSWER_LENGTH,
     EXIT_LENGTH,
     MODELS,
     NUM_BOUNDARIES,
     NUM_CANDIDATES,
     PROMPT_LENGTH,
+    score_probes_naive,
+    trace_log_probs_and_entropy,
 )
-from benchmarks.reference_scorers import score_probes_naive, trace_log_probs_and_entropy  # noqa: E402
 from rredcot_verl.core.probes import Probe, build_exit_probes, values_from_probe_logp  # noqa: E402
 from rredcot_verl.core.scoring import VALUE_PASS_ATTENTION, score_batch_packed_with_stats  # noqa: E402
 
@@ -105,7 +106,7 @@ def synthetic_trace(response_len: int, num_boundaries: int, vocab: int, generato
 
 def build_model(model: str, layers: int, vocab: int | None, dtype: torch.dtype, attention: str,
                 device: torch.device) -> PreTrainedModel:
-    """A randomly initialised Qwen3 of ``value_pass_scale.MODELS[model]``'s widths, built on ``device`` in ``dtype``
+    """A randomly initialised Qwen3 of ``reference_scorers.MODELS[model]``'s widths, built on ``device`` in ``dtype``
     (a 36-layer Qwen3-4B is 16 GB in fp32: it is never materialised on the host)."""
     shape = {**MODELS[model], **({"vocab_size": vocab} if vocab else {})}
     config = Qwen3Config(**shape, num_hidden_layers=layers)
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run both checks, print the tables, write the JSON; returns the result with ``out``, the path written."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="torch device (cpu for a small run)")
-    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-4b", help="widths (value_pass_scale.MODELS)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-4b", help="widths (reference_scorers.MODELS)")
     parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the model's)")
     parser.add_argument("--layers", type=int, default=36, help="cost model's layers, halved on out-of-memory")
     parser.add_argument("--accuracy-layers", type=int, default=2, help="accuracy model's layers")

@@ -25,23 +25,23 @@ where K·|C| ≤ 30 (it costs K·|C| forwards).
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rredcot_verl.core.probes import Probe
-from rredcot_verl.core.scoring import score_probes_packed
-from benchmarks.reference_scorers import score_probes_naive, trace_log_probs_and_entropy
+if __package__ in (None, ""):  # ``python benchmarks/probe_overhead.py``
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-RESULTS_PATH = Path(__file__).resolve().parent / "results" / "probe_overhead.json"
+from benchmarks import common  # noqa: E402
+from benchmarks.reference_scorers import score_probes_naive, trace_log_probs_and_entropy  # noqa: E402
+from rredcot_verl.core.probes import Probe  # noqa: E402
+from rredcot_verl.core.scoring import score_probes_packed  # noqa: E402
+
+RESULTS_PATH = common.RESULTS_DIR / "probe_overhead.json"
 PROMPT_LENGTH = 32
 PROBE_LENGTH = 6  # a: forced + scored tokens per probe
 FORCED_LENGTH = 3  # exit text tokens; with the scored answer tokens they make the probe length a
@@ -154,9 +154,7 @@ def format_row(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds; writes to --out or a temp")
-    parser.add_argument("--out", type=Path, default=None, help=f"JSON path (default {RESULTS_PATH}; temp with --smoke)")
+    parser = common.parser(__doc__, RESULTS_PATH, "tiny sizes, a few seconds; writes to --out or a temp", build=False)
     parser.add_argument("--repeats", type=int, default=3, help="minimum number of plain/packed pairs per row")
     parser.add_argument("--configs", nargs="+", choices=["tiny", "large"], default=["tiny", "large"])
     args = parser.parse_args(argv)
@@ -167,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model_names, lengths_by_model = args.configs, FULL_LENGTHS
         boundary_counts, candidate_counts, repeats, naive_length = (10, 20, 40), (1, 3), args.repeats, NAIVE_LENGTH
-    out = args.out or (Path(tempfile.mkdtemp()) / "probe_overhead.json" if args.smoke else RESULTS_PATH)
+    out = common.out_path(args, RESULTS_PATH)
 
     print(HEADER)
     rows = run(model_names, lengths_by_model, boundary_counts, candidate_counts, PROBE_LENGTH, repeats, naive_length)
@@ -179,17 +177,13 @@ def main(argv: list[str] | None = None) -> dict:
             "goal": f"packed/plain <= {GOAL_RATIO_TO_LIMIT} x limit, limit = (L + K*|C|*a)/L",
             "models": {name: dict(zip(("hidden", "heads", "layers", "vocab"), MODEL_CONFIGS[name]))
                        for name in model_names},
-            "torch": torch.__version__, "transformers": transformers.__version__, "machine": platform.machine(),
+            **common.machine_meta(),
         },
         "rows": rows,
         "worst_ratio_over_limit": max(row["ratio_over_limit"] for row in rows),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    worst = result["worst_ratio_over_limit"]
-    print(f"worst packed/plain / limit: {worst:.3f} (goal <= {GOAL_RATIO_TO_LIMIT}); wrote {out}")
-    result["out"] = str(out)
-    return result
+    print(f"worst packed/plain / limit: {result['worst_ratio_over_limit']:.3f} (goal <= {GOAL_RATIO_TO_LIMIT})")
+    return common.write_result(result, out)
 
 
 if __name__ == "__main__":

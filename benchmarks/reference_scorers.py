@@ -1,5 +1,6 @@
 """Reference scorers, slow and simple, that the packed scoring (``rredcot_verl.core.scoring``) is tested and
-benchmarked against: one forward per probe, and verl's plain log-prob pass over one trace.
+benchmarked against: one forward per probe, and verl's plain log-prob pass over one trace; and the Qwen3 shapes and
+synthetic trace sizes of the value-pass benchmarks (``value_pass_scale.py``, ``gpu_check.py``).
 
 Imports torch and the package's core only (``benchmarks/gpu_check.py`` runs where verl is not installed).
 """
@@ -12,6 +13,25 @@ import torch
 
 from rredcot_verl.core.probes import Probe
 from rredcot_verl.core.scoring import check_inputs, probe_fits
+
+# A synthetic trace of the value-pass benchmarks: a prompt, exit probes at NUM_BOUNDARIES boundaries, NUM_CANDIDATES
+# answers (one correct, two incorrect: self-normalised values), exit text and answers of a few tokens.
+PROMPT_LENGTH, NUM_BOUNDARIES, NUM_CANDIDATES, EXIT_LENGTH, ANSWER_LENGTH = 128, 40, 3, 4, 4
+# name → Qwen3Config fields (real widths and vocabulary; the depth is the benchmark's choice).
+MODELS = {
+    "qwen3-0.6b": dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, tie_word_embeddings=True, rope_theta=1_000_000.0,
+    ),
+    "qwen3-4b": dict(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, tie_word_embeddings=True, rope_theta=1_000_000.0,
+    ),
+    "smoke": dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, tie_word_embeddings=True,
+    ),
+}
 
 
 def _log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

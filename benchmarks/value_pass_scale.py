@@ -28,41 +28,30 @@ resident; the resident size before the pass is reported too). Linux only.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # ``python benchmarks/value_pass_scale.py``
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.reference_scorers import (  # noqa: E402  (torch and the core only: measurements stay light)
+    ANSWER_LENGTH,
+    EXIT_LENGTH,
+    MODELS,
+    NUM_BOUNDARIES,
+    NUM_CANDIDATES,
+    PROMPT_LENGTH,
+)
+
 RESULTS_PATH = Path(__file__).resolve().parent / "results" / "value_pass_scale.json"
-PROMPT_LENGTH = 128
-NUM_BOUNDARIES = 40
-NUM_CANDIDATES = 3
-EXIT_LENGTH = 4
-ANSWER_LENGTH = 4
 PASSES = ("plain", "value_pass", "bare_forward")
 GOALS = {"time_over_plain": 1.3, "peak_memory_over_plain": 1.25}  # at L >= 4096; reported, not asserted
-
-# name → Qwen3Config fields; "qwen3-0.6b" keeps the real width and vocabulary, its depth comes from --layers.
-MODELS = {
-    "qwen3-0.6b": dict(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
-        head_dim=128, tie_word_embeddings=True, rope_theta=1_000_000.0,
-    ),
-    # Qwen3-4B (36 layers): measured with --layers 1 at 25k tokens; under no_grad the activation peak is one layer's,
-    # so the full model's peak is this one plus the weights of the other layers (--append adds the row).
-    "qwen3-4b": dict(
-        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, tie_word_embeddings=True, rope_theta=1_000_000.0,
-    ),
-    "smoke": dict(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, tie_word_embeddings=True,
-    ),
-}
+# Qwen3-4B (36 layers) was measured with --layers 1 at 25k tokens: under no_grad the activation peak is one layer's,
+# so the full model's peak is this one plus the other layers' weights (--append adds the row).
 
 
 def measure(spec: dict) -> dict:
@@ -139,9 +128,11 @@ def format_row(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny model and lengths; writes to --out or a temp file")
-    parser.add_argument("--out", type=Path, default=None, help=f"JSON path (default {RESULTS_PATH})")
+    import argparse
+
+    from benchmarks import common  # here, not at the top: the measuring subprocesses stay light
+
+    parser = common.parser(__doc__, RESULTS_PATH, "tiny model and lengths; writes to --out or a temp file", build=False)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192], help="response lengths L")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (Qwen3-0.6B has 28, Qwen3-4B 36)")
     parser.add_argument("--model", choices=[m for m in MODELS if m != "smoke"], default="qwen3-0.6b")
@@ -153,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     model, layers, lengths = ("smoke", 2, [96]) if args.smoke else (args.model, args.layers, args.lengths)
-    out = args.out or (Path(tempfile.mkdtemp()) / "value_pass_scale.json" if args.smoke else RESULTS_PATH)
+    out = common.out_path(args, RESULTS_PATH)
     print(HEADER, flush=True)
     rows = []
     for length in lengths:
@@ -174,9 +165,6 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
         print(format_row(row), flush=True)
 
-    import torch
-    import transformers
-
     result = {
         "meta": {
             "value_pass": "core.values.score_plans on one trace's plan (self-normalised exit probes)",
@@ -190,18 +178,14 @@ def main(argv: list[str] | None = None) -> dict:
                             "note": "Qwen3-0.6B has 28 layers; fewer here for CPU time, width and vocab are real"
                             if model != "smoke" else "smoke"},
             "prompt_length": PROMPT_LENGTH, "exit_length": EXIT_LENGTH, "answer_length": ANSWER_LENGTH,
-            "goals_at_L_ge_4096": GOALS, "torch": torch.__version__, "transformers": transformers.__version__,
+            "goals_at_L_ge_4096": GOALS, **common.machine_meta(),
         },
         "rows": rows,
     }
     if args.append and out.is_file():
         previous = json.loads(out.read_text())
         result = {"meta": previous["meta"], "rows": previous["rows"] + rows}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
-    result["out"] = str(out)
-    return result
+    return common.write_result(result, out)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 with a real (tiny, random) Qwen2 model; value reducers and builders against direct computations."""
 
 import importlib.util
+import json
 import math
 import random
 from pathlib import Path
@@ -297,8 +298,11 @@ def test_benchmark_smoke(tmp_path):
 
     result = benchmark.main(["--smoke", "--out", str(out)])
 
-    assert out.exists() and result["out"] == str(out)
-    assert len(result["rows"]) == 2
+    assert json.loads(out.read_text())["rows"] == result["rows"] and result["out"] == str(out)
+    # Smoke: L = 64, K = 4 boundaries, |C| = 1 and 2 candidates, probes of a = 6 tokens.
+    assert [(row["L"], row["K"], row["C"], row["a"]) for row in result["rows"]] == [(64, 4, 1, 6), (64, 4, 2, 6)]
     for row in result["rows"]:
-        assert row["plain_s"] > 0 and row["packed_s"] > 0 and row["limit"] > 1
+        assert row["limit"] == pytest.approx((64 + 4 * row["C"] * 6) / 64)  # every probe token scored once
+        assert row["ratio_over_limit"] == pytest.approx(row["packed_over_plain"] / row["limit"])
         assert row["max_rel_err_vs_naive"] < REL_TOL
+    assert result["worst_ratio_over_limit"] == max(row["ratio_over_limit"] for row in result["rows"])

@@ -1,6 +1,7 @@
 """The value-pass scale benchmark's smoke mode runs end to end and writes the documented row fields."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "value_pass_scale.py"
@@ -15,9 +16,14 @@ def test_benchmark_smoke(tmp_path):
 
     result = benchmark.main(["--smoke", "--out", str(out)])
 
-    assert out.exists() and result["out"] == str(out)
+    assert json.loads(out.read_text())["rows"] == result["rows"] and result["out"] == str(out)
     (row,) = result["rows"]
     assert FIELDS <= set(row) and row["boundaries"] == 40 and row["candidates"] == 3
-    assert row["probes"] == 40 * 3
-    assert row["time_over_plain"] > 0 and row["peak_memory_over_plain"] > 0
-    assert row["plain_peak_mib"] > 0 and row["value_pass_cpu_s"] > 0
+    assert row["probes"] == 40 * 3 and row["length"] == 96 and row["model"] == "smoke (2 layers)"
+    # The ratios are those of the measurements written beside them.
+    assert row["time_over_plain"] == row["value_pass_cpu_s"] / row["plain_cpu_s"]
+    assert row["peak_memory_over_plain"] == row["value_pass_peak_mib"] / row["plain_peak_mib"]
+    assert row["time_over_bare_forward"] == row["value_pass_cpu_s"] / row["bare_forward_cpu_s"]
+    # Each pass's peak includes what was resident before it (weights, interpreter).
+    for name in ("plain", "value_pass", "bare_forward"):
+        assert row[f"{name}_peak_mib"] >= row[f"{name}_resident_before_mib"]
