@@ -38,14 +38,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # ``python benchmarks/value_pass_scale.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.reference_scorers import (  # noqa: E402  (torch and the core only: measurements stay light)
-    ANSWER_LENGTH,
-    EXIT_LENGTH,
-    MODELS,
-    NUM_BOUNDARIES,
-    NUM_CANDIDATES,
-    PROMPT_LENGTH,
-)
+from benchmarks import reference_scorers as shapes  # noqa: E402  (torch and the core only: measurements stay light)
 
 RESULTS_PATH = Path(__file__).resolve().parent / "results" / "value_pass_scale.json"
 PASSES = ("plain", "value_pass", "bare_forward")
@@ -68,22 +61,23 @@ def measure(spec: dict) -> dict:
     torch.manual_seed(0)
     length = spec["length"]
     config = Qwen3Config(
-        **MODELS[spec["model"]], num_hidden_layers=spec["layers"], max_position_embeddings=PROMPT_LENGTH + length + 64,
+        **shapes.MODELS[spec["model"]], num_hidden_layers=spec["layers"],
+        max_position_embeddings=shapes.PROMPT_LENGTH + length + 64,
         attn_implementation="sdpa",
     )
     model = Qwen3ForCausalLM(config).eval()
     vocab = config.vocab_size
     generator = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, vocab, (PROMPT_LENGTH,), generator=generator)
+    prompt = torch.randint(0, vocab, (shapes.PROMPT_LENGTH,), generator=generator)
     response = torch.randint(0, vocab, (length,), generator=generator)
     draw = lambda n: torch.randint(0, vocab, (n,), generator=generator).tolist()  # noqa: E731
-    answers = [draw(ANSWER_LENGTH) for _ in range(NUM_CANDIDATES)]
-    ends = torch.linspace(0, length, NUM_BOUNDARIES + 1).round().long().tolist()[1:]
+    answers = [draw(shapes.ANSWER_LENGTH) for _ in range(shapes.NUM_CANDIDATES)]
+    ends = torch.linspace(0, length, shapes.NUM_BOUNDARIES + 1).round().long().tolist()[1:]
     plan = TracePlan(prompt, response, 1.0, ends, value_rule="self_normalized")
-    plan.probes = build_exit_probes(plan.starts, draw(EXIT_LENGTH), answers[:1], thinking_length=length,
+    plan.probes = build_exit_probes(plan.starts, draw(shapes.EXIT_LENGTH), answers[:1], thinking_length=length,
                                     all_answers=answers)
     passes = {
-        "value_pass": lambda: score_plans(model, [plan], max_segments=NUM_BOUNDARIES),
+        "value_pass": lambda: score_plans(model, [plan], max_segments=shapes.NUM_BOUNDARIES),
         "plain": lambda: score_batch_packed(model, [prompt], [response], [[]], return_trace_stats=True),
         "bare_forward": lambda: model.model(input_ids=torch.cat([prompt, response])[None], use_cache=False),
     }
@@ -135,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = common.parser(__doc__, RESULTS_PATH, "tiny model and lengths; writes to --out or a temp file", build=False)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192], help="response lengths L")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (Qwen3-0.6B has 28, Qwen3-4B 36)")
-    parser.add_argument("--model", choices=[m for m in MODELS if m != "smoke"], default="qwen3-0.6b")
+    parser.add_argument("--model", choices=[m for m in shapes.MODELS if m != "smoke"], default="qwen3-0.6b")
     parser.add_argument("--append", action="store_true", help="add the rows to the existing JSON instead of replacing")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # internal: one measurement, JSON spec
     args = parser.parse_args(argv)
@@ -152,12 +146,12 @@ def main(argv: list[str] | None = None) -> dict:
         measured = {name: run_measurement({**spec, "pass": name}) for name in PASSES}
         row = {
             "model": f"{model} ({layers} layers)", "device": f"cpu ({platform.machine()}, 1 thread)",
-            "length": length, "boundaries": NUM_BOUNDARIES, "candidates": NUM_CANDIDATES,
+            "length": length, "boundaries": shapes.NUM_BOUNDARIES, "candidates": shapes.NUM_CANDIDATES,
             "time_over_plain": measured["value_pass"]["cpu_s"] / measured["plain"]["cpu_s"],
             "peak_memory_over_plain": measured["value_pass"]["peak_mib"] / measured["plain"]["peak_mib"],
             "time_over_bare_forward": measured["value_pass"]["cpu_s"] / measured["bare_forward"]["cpu_s"],
             "peak_memory_over_bare_forward": measured["value_pass"]["peak_mib"] / measured["bare_forward"]["peak_mib"],
-            "probes": measured["value_pass"]["probes"], "layers": layers, "model_shape": MODELS[model],
+            "probes": measured["value_pass"]["probes"], "layers": layers, "model_shape": shapes.MODELS[model],
         }
         for name in PASSES:
             row[f"{name}_cpu_s"], row[f"{name}_peak_mib"] = measured[name]["cpu_s"], measured[name]["peak_mib"]
@@ -174,10 +168,11 @@ def main(argv: list[str] | None = None) -> dict:
             "timer": "process CPU seconds of one pass, torch.set_num_threads(1), fresh subprocess per measurement",
             "memory": "peak RSS (VmHWM, reset after the model is built) of that subprocess during the pass: model "
                       "weights + interpreter + the pass; *_resident_before_mib is the RSS before the pass",
-            "model_shape": {**MODELS[model], "num_hidden_layers": layers,
+            "model_shape": {**shapes.MODELS[model], "num_hidden_layers": layers,
                             "note": "Qwen3-0.6B has 28 layers; fewer here for CPU time, width and vocab are real"
                             if model != "smoke" else "smoke"},
-            "prompt_length": PROMPT_LENGTH, "exit_length": EXIT_LENGTH, "answer_length": ANSWER_LENGTH,
+            "prompt_length": shapes.PROMPT_LENGTH, "exit_length": shapes.EXIT_LENGTH,
+            "answer_length": shapes.ANSWER_LENGTH,
             "goals_at_L_ge_4096": GOALS, **common.machine_meta(),
         },
         "rows": rows,
