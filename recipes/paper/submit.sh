@@ -1,14 +1,34 @@
 #!/usr/bin/env bash
-# Submit a paper-scale recipe to a running Ray cluster (GPU): recipes/paper/submit.sh <recipe name> [overrides...]
+# Submit a training run to a running Ray cluster (GPU): recipes/paper/submit.sh <recipe> [overrides...]
+#   <recipe>     any recipe: a yaml file anywhere (my_recipes/exp.yaml, or my_recipes/exp without .yaml), or the name
+#                of one under recipes/paper (qwen3_4b_numina_rredcot); or no recipe at all, only k=v overrides
+#                (the first argument holds "="): verl's ppo_trainer plus algorithm.rredcot, as main_ppo is launched.
 #   RAY_ADDRESS  the cluster's dashboard address (http://head:8265)
-#   DATA_DIR     folder with the prepared parquet files (prepare_math_data.py), visible on every node
-# Every node needs this package installed (pip install -e .): the reward function is named by module
-# (pkg://rredcot_verl.tasks.math_reward), so each node imports its own installed copy.
+#   DATA_DIR     folder with the prepared parquet files (prepare_math_data.py), visible on every node; optional when
+#                the recipe does not read it
+# The job runs `python -m rredcot_verl.main` on the cluster with the recipe's folder as --config-dir (an absolute
+# path: the recipe must be at the same path there, e.g. on a shared filesystem). Every node needs this package
+# installed (pip install -e .): the reward function is named by module (pkg://rredcot_verl.tasks.math_reward), so
+# each node imports its own installed copy.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-RECIPE="${1:?usage: submit.sh <recipe name without .yaml> [overrides...]}"; shift
+RECIPE="${1:?usage: submit.sh <recipe.yaml | recipe name under recipes/paper | k=v ...> [overrides...]}"
 : "${RAY_ADDRESS:?set RAY_ADDRESS to the cluster dashboard, e.g. http://head:8265}"
-: "${DATA_DIR:?set DATA_DIR to the prepared data folder}"
-ENV_JSON=$(python3 -c 'import json,os; print(json.dumps({"env_vars": {"DATA_DIR": os.environ["DATA_DIR"], "RAY_ADDRESS": "auto", "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}}))')
+CONFIG=()
+if [[ "$RECIPE" != *=* ]]; then
+  shift
+  for candidate in "$RECIPE" "$RECIPE.yaml" "$ROOT/recipes/paper/$RECIPE" "$ROOT/recipes/paper/$RECIPE.yaml"; do
+    if [[ -f "$candidate" && "$candidate" == *.yaml ]]; then
+      FILE="$(cd "$(dirname "$candidate")" && pwd)/$(basename "$candidate")"
+      CONFIG=(--config-dir "$(dirname "$FILE")" --config-name "$(basename "$FILE" .yaml)")
+      break
+    fi
+  done
+  [ ${#CONFIG[@]} -gt 0 ] || { echo "submit.sh: no recipe $RECIPE (a .yaml file, or a name under recipes/paper)" >&2; exit 2; }
+fi
+ENV_JSON=$(python3 -c 'import json,os
+env = {"RAY_ADDRESS": "auto", "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
+env.update({k: os.environ[k] for k in ("DATA_DIR",) if k in os.environ})
+print(json.dumps({"env_vars": env}))')
 exec ray job submit --address "$RAY_ADDRESS" --runtime-env-json "$ENV_JSON" -- \
-  python -m rredcot_verl.main --config-dir "$ROOT/recipes/paper" --config-name "$RECIPE" "$@"
+  python -m rredcot_verl.main ${CONFIG[@]+"${CONFIG[@]}"} "$@"

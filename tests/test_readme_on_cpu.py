@@ -1,0 +1,390 @@
+"""The README against its sources: every gain and step cost it quotes is recomputed from the JSON in
+``benchmarks/results/`` it names, at the rounding it shows; the launch commands of its choice table compose (verl's
+config, the strict ``algorithm.rredcot`` reader) into the configurations the study measured; its plain ``k=v`` launch
+composes; ``submit.sh`` takes a recipe from anywhere; ``python_requires`` and the README agree; its links resolve.
+
+When this fails after a new measurement, change the README (or the recipe), not the test: the README may only quote
+what the results hold."""
+
+import ast
+import functools
+import json
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from rredcot_verl.core.settings import settings_from_config
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+RESULTS = ROOT / "benchmarks" / "results"
+HARD = json.loads((RESULTS / "sample_efficiency_hard.json").read_text())
+DEFAULT = json.loads((RESULTS / "sample_efficiency.json").read_text())
+TIMING_REFERENCE = json.loads((RESULTS / "sample_efficiency_timing_reference" / "grpo_hard_seed1.json").read_text())
+VALUE_GATE = json.loads((RESULTS / "value_gate.json").read_text())
+ROW_LABELS = "ABCDEF"
+
+
+def plain(text: str) -> str:
+    """The README's typography as ASCII: U+2212 minus, U+00D7 times, U+2013 range dash, U+2014 "none"."""
+    return text.replace("\u2212", "-").replace("\u00d7", "x").replace("\u2013", "-").replace("\u2014", "-")
+
+
+# The README as one line of ASCII: a phrase may wrap anywhere.
+FLAT = " ".join(plain(README).split())
+
+
+def signed(x: float, decimals: int = 3) -> str:
+    return f"{x:+.{decimals}f}"
+
+
+def interval(difference: float, ci: list[float]) -> str:
+    return f"{signed(difference)} [{signed(ci[0])}, {signed(ci[1])}]"
+
+
+def decimals_of(shown: str) -> int:
+    return len(shown.split(".")[1]) if "." in shown else 0
+
+
+def span(values, decimals: int) -> str:
+    return f"{min(values):.{decimals}f}-{max(values):.{decimals}f}"
+
+
+# ------------------------------------------------------------------------------------------------ the choice table
+
+
+def choice_rows() -> dict[str, list[str]]:
+    rows = {}
+    for line in README.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells[0]) == 1 and cells[0] in ROW_LABELS and len(cells) == 6:
+            rows[cells[0]] = [plain(cell) for cell in cells]
+    assert sorted(rows) == list(ROW_LABELS), f"the choice table's rows A-F not found: {sorted(rows)}"
+    return rows
+
+
+def row_runs() -> dict[str, str]:
+    """Row label -> the run of sample_efficiency_hard.json the README names for it (in row order)."""
+    sentence = re.search(r"Rows are the runs (.+?) of `benchmarks/results/sample_efficiency_hard\.json`", README, re.S)
+    assert sentence, "the README no longer names the runs behind its choice table"
+    runs = re.findall(r"`([a-z_]+)`", sentence.group(1).replace("methods.", ""))
+    assert len(runs) == len(ROW_LABELS)
+    return dict(zip(ROW_LABELS, runs))
+
+
+def cost_base(footnote: str) -> float:
+    """GRPO's median step of the sitting a cost's footnote names."""
+    return {"¹": HARD["methods"]["grpo"]["median_step_s"], "²": TIMING_REFERENCE["summary"]["median_step_s"]}[footnote]
+
+
+def row_cost(label: str) -> tuple[float, int]:
+    """(ratio, decimals shown) of a row's step cost, recomputed from its JSON and sitting."""
+    cost = choice_rows()[label][5]
+    value, footnote = re.fullmatch(r"([0-9.]+)x ([¹²])", cost).groups()
+    return HARD["methods"][row_runs()[label]]["median_step_s"] / cost_base(footnote), decimals_of(value)
+
+
+@pytest.mark.parametrize("label", list(ROW_LABELS))
+def test_choice_table_gains_steps_and_costs_are_the_json(label):
+    cells, run = choice_rows()[label], row_runs()[label]
+    method = HARD["methods"][run]
+    paired = method["paired_with_grpo"]
+    assert cells[3] == interval(paired["auc_difference"], paired["auc_difference_ci95"]), (label, run)
+    steps = method["steps_to_grpo_final_over_grpo"]
+    assert cells[4] == ("-" if steps is None else f"{steps:.2f}x"), (label, run)
+    ratio, decimals = row_cost(label)
+    assert cells[5].split("x")[0] == f"{ratio:.{decimals}f}", (label, run)
+
+
+def test_choice_table_footnotes_are_the_json():
+    text = FLAT
+    rate = {label: HARD["methods"][run]["lr"] / HARD["methods"]["grpo"]["lr"] for label, run in row_runs().items()}
+    assert all(rate[label] == 1 for label in "ABCDE")
+    assert f"A-E at GRPO's learning rate, F at a {1 / rate['F']:.0f}x smaller one" in text
+    assert f"GRPO {HARD['methods']['grpo']['median_step_s']:.2f} s a step" in text
+    assert f"({TIMING_REFERENCE['summary']['median_step_s']:.2f} s a step" in text
+    assert f"over GRPO's {HARD['methods']['grpo']['steps_to_grpo_final']}" in text
+    resolved = [label for label in ROW_LABELS if HARD["methods"][row_runs()[label]]["paired_with_grpo"]
+                ["auc_difference_ci95"][0] > 0]
+    assert f"Only {' and '.join(resolved)} have intervals above 0" in text
+    gate = HARD["methods"][row_runs()["E"]]["diagnostics"]
+    first, last = gate["first"]["rredcot/value_gate_open"], gate["last"]["rredcot/value_gate_open"]
+    assert f"`value_gate_open` {first:.2f} over the first 10 steps, {last:.0f} over the last 10" in text
+
+
+def test_status_lines_are_the_json():
+    text = FLAT
+    best = max((m for m in DEFAULT["methods"] if m != "grpo"),
+               key=lambda m: DEFAULT["methods"][m]["paired_with_grpo"]["auc_difference"])
+    paired = DEFAULT["methods"][best]["paired_with_grpo"]
+    assert f"the best, `{best}`, is at AUC {interval(paired['auc_difference'], paired['auc_difference_ci95'])}" in text
+    exit_probe = HARD["methods"]["rredcot_exit_probe"]["paired_with_grpo"]
+    assert f"(AUC {interval(exit_probe['auc_difference'], exit_probe['auc_difference_ci95'])})" in text
+    costs = [row_cost(label)[0] for label in "ABCDE"]
+    assert f"{span(costs, 2)}x measured, `segment_mc` {row_cost('F')[0]:.2f}x" in text
+    lengths = {name: (data["methods"]["grpo"]["diagnostics"]["first"]["response_length/mean"]
+                      + data["methods"]["grpo"]["diagnostics"]["last"]["response_length/mean"]) / 2
+               for name, data in (("default", DEFAULT), ("hard", HARD))}
+    assert f"({lengths['default']:.0f} on the default task, {lengths['hard']:.0f} on the hard one)" in text
+
+
+def test_what_else_to_change_is_the_json():
+    text = FLAT
+    norm = {label: HARD["methods"][row_runs()[label]]["grad_norm_mean"] / HARD["methods"]["grpo"]["grad_norm_mean"]
+            for label in "ABCD"}
+    assert f"rows A, C and D train with gradients {span([norm[k] for k in 'ACD'], 1)}x GRPO's norm " \
+           f"(B: {norm['B']:.1f}x)" in text
+    lr = {m: DEFAULT["methods"][m]["lr"] for m in ("grpo", "rredcot")}
+    assert f"a {lr['grpo'] / lr['rredcot']:.0f}x smaller one" in text
+    paper = {name: OmegaConf.load(ROOT / "recipes" / "paper" / f"qwen3_4b_numina_{name}.yaml").actor_rollout_ref.actor
+             .optim.lr for name in ("grpo", "rredcot")}
+    assert paper["rredcot"] == paper["grpo"] / 2 and "the paper recipe halves it" in text
+
+
+def test_watch_list_ranges_are_the_json():
+    text = FLAT
+    training = VALUE_GATE["training"]
+    reference = [v for run in ("rredcot", "rredcot_ground_truth", "rredcot_group")
+                 for v in training[f"hard/{run}_seed3"]["concordance"].values()]
+    exit_probe = list(training["hard/rredcot_exit_probe_seed3"]["concordance"].values())
+    assert f"| {span(reference, 2)} (reference values) | the exit probe's {span(exit_probe, 2)} was at chance" in text
+
+    def diagnostic(runs, key):
+        return [HARD["methods"][run]["diagnostics"][part][key] for run in runs for part in ("first", "last")]
+
+    bank = diagnostic(("rredcot_ibpo", "rredcot_repairs_degenerate"), "rredcot/bank_groups_empty")
+    assert f"| {span(bank, 1)} of 8 groups (repair bank) |" in text
+    repairs = diagnostic(("ibpo", "rredcot_ibpo", "rredcot_repairs_degenerate"), "ibpo/repair_success_rate")
+    assert f"| `ibpo/repair_success_rate` | {span(repairs, 2)} |" in text
+
+
+def test_watch_list_names_metrics_the_estimators_log():
+    """Every metric the README tells a user to watch is one a launched run logged (the support matrix's runs)."""
+    logged = set()
+    for path in (RESULTS / "support_matrix_runs").glob("*.json"):
+        logged |= set(re.findall(r'"([a-z_]+/[a-z_/]+)"', path.read_text()))
+    watched = re.findall(r"^\| `([a-z_]+/[a-z_/*]+)` \|", README, re.M)
+    assert len(watched) >= 5
+    for name in watched:
+        prefix = name.rstrip("*")
+        assert any(key == name or (name.endswith("*") and key.startswith(prefix)) for key in logged), name
+
+
+# ------------------------------------------------------------------------------- the launch commands and recipes
+
+
+def _compose(config_dir: Path, name: str | None, overrides=()):
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+def method_keys(config) -> dict:
+    """The keys that define what an estimator computes (task-specific ones such as segmentation, the tiny model's
+    revision template or a cost cap left out), from the composed config through the strict reader."""
+    estimator = str(config.algorithm.adv_estimator)
+    s = settings_from_config(config.algorithm)
+    keys = {"adv_estimator": estimator}
+    if estimator in ("rredcot", "rredcot_ibpo", "segment_mc"):
+        r = s.redistribution
+        keys.update(value_mapping=r.value_mapping, degenerate_groups=r.degenerate_groups, mix=r.mix,
+                    min_value_concordance=r.min_value_concordance)
+    if estimator in ("rredcot", "rredcot_ibpo"):
+        keys.update(value_source=s.probe.value_source, candidates=s.candidates.source)
+    if estimator == "ibpo" or s.candidates.uses_repairs and estimator != "segment_mc":
+        i = s.ibpo
+        keys.update(shaping_weight=i.shaping_weight, repair_bonus=i.repair_bonus, num_references=i.num_references,
+                    use_mask=i.use_mask, aggregate=i.aggregate)
+        if hasattr(i, "repair_operator"):  # how a repair is asked for, where the package offers a choice
+            keys.update(repair_operator=i.repair_operator)
+    if estimator == "rredcot_ibpo":
+        keys.update(wrong_trace_credit=s.rredcot_ibpo.wrong_trace_credit)
+    if estimator == "segment_mc":
+        keys.update(num_continuations=s.segment_mc.num_continuations)
+    return keys
+
+
+@pytest.fixture
+def recipe_env(monkeypatch):
+    for name, value in {"DATA_DIR": "/data", "RREDCOT_BUILD": "/build", "RREDCOT_REWARD_FILE": "/reward.py"}.items():
+        monkeypatch.setenv(name, value)
+
+
+# The recipes/tiny_cpu recipe each run of the study was launched from (benchmarks' method table; the JSON records
+# the overrides on top of it, meta.method_overrides).
+STUDY_RECIPES = {"grpo": "grpo", "rredcot": "rredcot", "rredcot_exit_probe": "rredcot", "rredcot_group": "rredcot",
+                 "rredcot_ground_truth": "rredcot", "ibpo": "ibpo", "segment_mc": "segment_mc",
+                 "rredcot_ibpo": "rredcot_ibpo", "rredcot_repairs_degenerate": "rredcot_ibpo",
+                 "rredcot_exit_probe_gated": "rredcot"}
+
+
+@functools.cache
+def measured_keys(run: str) -> dict:
+    """What the study ran for ``run``: its tiny recipe with the overrides the JSON records for it."""
+    overrides = HARD["meta"]["method_overrides"][run]
+    return method_keys(_compose(ROOT / "recipes" / "tiny_cpu", STUDY_RECIPES[run], overrides))
+
+
+def bash_block(marker: str) -> str:
+    blocks = re.findall(r"```bash\n(.*?)```", README, re.S)
+    found = [block for block in blocks if marker in block]
+    assert len(found) == 1, f"no single bash block holding {marker!r}"
+    return found[0]
+
+
+def choice_commands() -> dict[str, list[str]]:
+    """Row label -> argv of the README's launch command for that row (its shell variables expanded)."""
+    variables, commands = {}, {}
+    for line in bash_block("run=").replace("\\\n", " ").splitlines():
+        assignment = re.fullmatch(r'(\w+)=(?:"(.*)"|(\S+))', line.strip())
+        if assignment:
+            variables[assignment.group(1)] = assignment.group(2) or assignment.group(3)
+            continue
+        command, _, label = line.partition("#")
+        if not command.strip():
+            continue
+        for name, value in variables.items():
+            command = command.replace(f"${name}", value)
+        commands[label.strip()] = shlex.split(command)
+    return commands
+
+
+def parse_launch(argv: list[str]) -> tuple[Path, str | None, list[str]]:
+    assert argv[:3] == ["python", "-m", "rredcot_verl.main"], argv
+    rest, config_dir, name = argv[3:], ROOT / "rredcot_verl" / "conf", None
+    if "--config-dir" in rest:
+        config_dir = ROOT / rest[rest.index("--config-dir") + 1]
+        name = rest[rest.index("--config-name") + 1]
+        rest = [arg for arg in rest if not arg.startswith("--") and arg not in (str(config_dir.relative_to(ROOT)), name)]
+    return config_dir, name, [arg for arg in rest if arg != "--check-only"]
+
+
+@pytest.mark.parametrize("label", list("ABCDE"))
+def test_choice_commands_run_what_the_study_measured(label, recipe_env):
+    """A row's command (recipe + the row's keys) composes with verl's config and the strict reader, and the
+    estimator it sets up is the configuration the row's numbers come from."""
+    config_dir, name, overrides = parse_launch(choice_commands()[label])
+    assert (config_dir / f"{name}.yaml").is_file()
+    launched, measured = method_keys(_compose(config_dir, name, overrides)), measured_keys(row_runs()[label])
+    differ = {key: (launched.get(key), measured.get(key)) for key in {*launched, *measured}
+              if launched.get(key) != measured.get(key)}
+    assert not differ, (f"README row {label}'s command runs other settings than the study's {row_runs()[label]} "
+                        f"(key: (command, study)): {differ}; add the study's keys to the command, or say the row "
+                        "is not what was measured")
+
+
+def test_plain_overrides_launch_composes_without_a_config_name(monkeypatch):
+    """The README's ``k=v`` example: the package's primary config (verl's ppo_trainer + algorithm.rredcot)."""
+    monkeypatch.setenv("DATA", "/data")
+    argv = shlex.split(os.path.expandvars(bash_block("--check-only").replace("\\\n", " ")))
+    config_dir, name, overrides = parse_launch(argv)
+    assert name is None and "--check-only" in argv
+    config = _compose(config_dir, "rredcot_trainer", overrides)
+    assert config.algorithm.adv_estimator == "ibpo" and config.actor_rollout_ref.rollout.n >= 2
+    assert settings_from_config(config.algorithm).task == "gsm8k"
+    assert config.reward.custom_reward_function.path  # ibpo judges its repairs with the rule reward
+
+
+def test_shipped_gpu_recipes_ran_what_was_measured_or_say_so(recipe_env):
+    """A GPU recipe whose estimator settings match no configuration of the study says so in its first lines."""
+    measured = [measured_keys(run) for run in HARD["meta"]["method_overrides"]]
+    for path in sorted([*(ROOT / "recipes" / "paper").glob("*.yaml"), *(ROOT / "recipes" / "gpu_single").glob("*.yaml")]):
+        keys = method_keys(_compose(path.parent, path.stem))
+        head = "\n".join(path.read_text().splitlines()[:10])
+        assert keys in measured or "NOT MEASURED HERE" in head, path.name
+
+
+def test_submit_takes_a_recipe_from_anywhere(tmp_path):
+    """``recipes/paper/submit.sh`` with a recipe outside recipes/paper, a paper name, and plain overrides (``ray``
+    stood in by a script that prints its arguments)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ray").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    (fake / "ray").chmod(0o755)
+    mine = tmp_path / "my_recipes"
+    mine.mkdir()
+    (mine / "exp.yaml").write_text((ROOT / "recipes" / "gpu_single" / "qwen3_0p6b_gsm8k.yaml").read_text())
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "RAY_ADDRESS": "http://head:8265"}
+
+    def submitted(*args):
+        result = subprocess.run(["bash", str(ROOT / "recipes" / "paper" / "submit.sh"), *args], env=env,
+                                capture_output=True, text=True, cwd=tmp_path, timeout=60)
+        assert result.returncode == 0, result.stderr
+        argv = result.stdout.splitlines()
+        return argv[argv.index("--") + 1:]
+
+    base = ["python", "-m", "rredcot_verl.main"]
+    assert submitted("my_recipes/exp.yaml", "a=1") == [*base, "--config-dir", str(mine), "--config-name", "exp", "a=1"]
+    assert submitted("my_recipes/exp") == [*base, "--config-dir", str(mine), "--config-name", "exp"]
+    assert submitted("qwen3_4b_numina_rredcot") == [
+        *base, "--config-dir", str(ROOT / "recipes" / "paper"), "--config-name", "qwen3_4b_numina_rredcot"]
+    assert submitted("algorithm.adv_estimator=ibpo", "x=1") == [*base, "algorithm.adv_estimator=ibpo", "x=1"]
+    missing = subprocess.run(["bash", str(ROOT / "recipes" / "paper" / "submit.sh"), "nothere"], env=env,
+                             capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert missing.returncode == 2 and "no recipe nothere" in missing.stderr
+
+
+# ------------------------------------------------------------------------------------------------ packaging, links
+
+
+def test_python_versions_agree_with_setup_py():
+    from packaging.specifiers import SpecifierSet
+
+    call = next(node for node in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
+    keywords = {k.arg: k.value for k in call.keywords}
+    spec = SpecifierSet(ast.literal_eval(keywords["python_requires"]))
+    low, high = re.search(r"Python 3\.(\d+)\u20133\.(\d+)", README).groups()
+    allowed = [f"3.{minor}" for minor in range(int(low), int(high) + 1)]
+    assert all(version in spec for version in allowed)
+    assert f"3.{int(low) - 1}" not in spec and f"3.{int(high) + 1}" not in spec
+    assert "3.11" in spec and "Python 3.11" in README  # the CPU stack's interpreter
+    assert ast.literal_eval(keywords["license"]) == "Apache-2.0" and "Apache License" in (ROOT / "LICENSE").read_text()
+
+
+def test_readme_is_a_front_page_with_the_two_set_up_commands_and_links_that_resolve():
+    lines = README.splitlines()
+    assert len(lines) <= 150
+    table_rows = [line for line in lines if line.startswith("|")]
+    assert max(len(line) for line in table_rows) <= 120
+    block = bash_block("scripts/test.sh")
+    assert [line.split("#")[0].strip() for line in block.strip().splitlines()] == [
+        "bash recipes/tiny_cpu/demo.sh", "bash scripts/test.sh"]
+    for target, anchor in re.findall(r"\]\(((?!https?:)[^)#]+)(?:#([^)]+))?\)", README):
+        path = ROOT / target
+        assert path.exists(), target
+        if anchor:
+            headings = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-")
+                        for h in re.findall(r"^#+ (.+)$", path.read_text(), re.M)}
+            assert anchor in headings, f"{target}#{anchor}"
+    assert "arXiv 2605.16302" in README  # IBPO: the one paper whose id the repository records (core/ibpo)
+
+
+def test_usage_examples_of_an_own_task_and_profile_load(tmp_path, monkeypatch):
+    """docs/usage.md's worked ``module:attr`` task and probe-profile override, as a user would copy them."""
+    import sys
+
+    from rredcot_verl.tasks.base import check_dataset_rows, resolve_task
+
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    code = re.search(r"```python\n(# my_tasks\.py.*?)```", usage, re.S).group(1)
+    (tmp_path / "my_tasks.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_tasks", raising=False)
+    name = re.search(r"`algorithm\.rredcot\.task=(my_tasks:\w+)`", usage).group(1)
+    task = resolve_task(name)
+    assert task.extract_answer("so 5/2 = 2.5\n\\boxed{2.50}") == "2.50" and task.equivalent("2.50", "2.5")
+    assert task.split_steps("5/2\n\n= 2.5\n") == ["5/2", "= 2.5"]
+    rows = [{"prompt": [{"role": "user", "content": "What is 5/2? Put your final answer within \\boxed{}."}],
+             "reward_model": {"ground_truth": "2.5"}, "extra_info": {"reference_solution": "5/2 = \\boxed{2.5}"}}]
+    assert check_dataset_rows(name, rows) is None  # the launcher's dataset check accepts it
+    profile_yaml = re.search(r"```yaml\n(algorithm:\n  rredcot:\n    probe:.*?)```", usage, re.S).group(1)
+    settings = settings_from_config(OmegaConf.create(profile_yaml).algorithm)
+    profile = settings.probe.profile_for()
+    assert (profile.think_start, profile.think_end) == ("<reasoning>", "</reasoning>")
+    assert profile.exit_text.endswith("\\boxed") and profile.answer_prefix == "{"
