@@ -20,6 +20,8 @@ from rredcot_verl.core.ibpo import (
     IBPOSettings,
     align_tokens,
     build_revision_prompt,
+    divergence_point,
+    engine_context_need,
     evaluate_repair,
     fits_engine,
     localisation_mask,
@@ -506,12 +508,102 @@ def test_revision_budget_grows_with_the_trace_and_bounds_the_prompt():
     assert revision_budget(0, cfg) == 128 and revision_budget(2000, cfg) == 2528
     assert revision_budget(25_000, cfg) == 30_128
     # the prompt budget is the engine's context minus the repair budget, not data.max_prompt_length
-    assert fits_engine(32_768 - 2528, 2000, 32_768, cfg) and not fits_engine(32_768 - 2527, 2000, 32_768, cfg)
-    assert not fits_engine(0, 25_000, 16_384, cfg)  # the repair alone does not fit the engine
+    budget = revision_budget(2000, cfg)
+    assert fits_engine(32_768 - 2528, budget, 32_768) and not fits_engine(32_768 - 2527, budget, 32_768)
+    assert not fits_engine(0, revision_budget(25_000, cfg), 16_384)  # the repair alone does not fit the engine
+    assert not fits_engine(10, 0, 16_384)  # no room to generate: a resumed trace that used its whole budget
     with pytest.raises(ValueError, match="max_model_length"):
-        fits_engine(1, 1, 0, cfg)
+        fits_engine(1, 1, 0)
     with pytest.raises(ValueError, match="trace_length"):
         revision_budget(-1, cfg)
+
+
+# ------------------------------------------------------------------ repair operators
+
+
+def test_repair_operator_defaults_to_resume_and_refuses_unknown_values_and_a_template():
+    assert IBPOSettings().repair_operator == "resume"
+    with pytest.raises(ValueError, match=r"repair_operator must be one of \('resume', 'rewrite'\), got 'resum'"):
+        IBPOSettings(repair_operator="resum")
+    # the template is the rewrite's prompt: with resume it would be silently unused
+    with pytest.raises(ValueError, match="revision_template is the rewrite operator's prompt"):
+        IBPOSettings(revision_template=EMBEDDED_TASK_TEMPLATE)
+    assert IBPOSettings(repair_operator="rewrite", revision_template=EMBEDDED_TASK_TEMPLATE).revision_template
+
+
+@pytest.mark.parametrize(
+    "trace, reference, point",
+    [
+        ([1, 2, 3, 4], [1, 2, 9, 4], 2),  # the first differing token
+        ([1, 2, 3, 4], [7, 2, 3, 4], 0),  # nothing shared: a fresh solve
+        ([1, 2], [1, 2, 3, 4], 2),  # the trace is a prefix of the reference: all of it is kept
+        ([1, 2, 3, 4], [1, 2], 2),
+        ([], [1], 0),
+    ],
+)
+def test_divergence_point_is_the_longest_common_prefix(trace, reference, point):
+    assert divergence_point(trace, reference) == point
+
+
+@pytest.mark.parametrize("operator, need", [("resume", 1024 + 25_000), ("rewrite", 1024 + 2 * 25_000 + 30_128)])
+def test_engine_context_need_per_operator(operator, need):
+    assert engine_context_need(1024, 25_000, IBPOSettings(repair_operator=operator)) == need
+
+
+def test_a_resumed_repair_edits_nothing_before_its_divergence_point():
+    """The embedded task's traces at character level: a correct sibling shares every correct line of the failed
+    trace, so the repair resumes at the first wrong digit, and the mask, φ and advantage start there."""
+    cfg = IBPOSettings()
+    trace = ids("23+45=68\n68-17=52\n\\boxed{52}")  # wrong in the second result
+    reference = ids("23+45=68\n68-17=51\n\\boxed{51}")
+    k = divergence_point(trace, reference)
+    assert k == 16  # "23+45=68\n68-17=5" kept: it resumes at the wrong "2"
+    continuation = ids("1\n\\boxed{51}")
+    evaluation = evaluate_repair(trace, trace[:k] + continuation, True, False, cfg, max_repair_tokens=len(trace) + 8)
+    assert evaluation.correct and not evaluation.rewrite and evaluation.alignment.kept_prefix == k
+    edited = torch.nonzero(evaluation.alignment.edited_mask).flatten().tolist()
+    assert edited[0] == k and [chr(trace[i]) for i in edited] == ["2", "2"]  # the wrong digit and its copy
+    assert repair_signal(False, [evaluation], cfg) == 0.5
+    # in a group with a correct sibling the repaired failure is below the mean: blame on the edited tokens only
+    T = len(trace)
+    result = shaped_advantages(
+        torch.tensor([0.0, 1.0]), torch.ones(2, T), np.array(["q", "q"], dtype=object), torch.tensor([0.5, 0.0]),
+        stack_edited_masks([localisation_mask([evaluation], T), torch.zeros(T, dtype=torch.bool)], T), cfg,
+    )  # fmt: skip
+    assert torch.nonzero(result.advantages[0]).flatten().tolist() == edited and (result.advantages[0, edited] < 0).all()
+    # a repair past the response budget (kept prefix + continuation) fails whatever the verifier says
+    assert evaluate_repair(trace, trace[:k] + continuation, True, False, cfg, max_repair_tokens=k + 3).failure == (
+        "too_long"
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    trace=st.lists(st.integers(0, 2), min_size=1, max_size=40),
+    continuation=st.lists(st.integers(0, 2), max_size=40),
+    cut=st.integers(0, 40),
+)
+def test_a_resumed_repair_keeps_its_prefix_whatever_the_continuation(trace, continuation, cut):
+    # A three-token vocabulary makes many equally cheap alignments; none may place an edit in the kept prefix (an
+    # insertion after a fully kept trace marks its last token, the documented end-of-trace rule).
+    k = min(cut, len(trace))
+    alignment = evaluate_repair(trace, trace[:k] + continuation, True, False, IBPOSettings(), 10**6).alignment
+    kept = k if k < len(trace) else k - 1
+    assert not alignment.edited_mask[:kept].any() and alignment.kept_prefix >= kept
+
+
+def test_a_resumed_repair_from_the_opening_is_judged_a_fresh_solve_at_length():
+    # Two free-form samples share only their opening: resumed from there, a verified repair rewrites the rest and
+    # says nothing about how close the trace was (the rewrite guard); resumed from 40% of the trace it is local.
+    rng = np.random.default_rng(4)
+    opening = _long_trace(rng, 40)
+    trace, reference = opening + _long_trace(rng, 1960), opening + _long_trace(rng, 2100)
+    cfg = IBPOSettings()
+    k = divergence_point(trace, reference)
+    fresh = evaluate_repair(trace, trace[:k] + _long_trace(rng, 1800), True, False, cfg, max_repair_tokens=25_000)
+    assert k == 40 and fresh.correct and fresh.rewrite and repair_signal(False, [fresh], cfg) == 0.0
+    local = evaluate_repair(trace, trace[:800] + _long_trace(rng, 1300), True, False, cfg, max_repair_tokens=25_000)
+    assert not local.rewrite and not local.alignment.edited_mask[:800].any() and localisation_mask([local], 2000)[800:].any()
 
 
 # ------------------------------------------------------------------ one step end to end

@@ -1,5 +1,6 @@
 """The launcher's checks: bad input ends with a clear message and exit code 2 before Ray starts."""
 
+import math
 import os
 import shutil
 import subprocess
@@ -90,19 +91,24 @@ def test_cli_exits_with_code_2_and_one_line(build):
     assert "rredcot_verl: model folder" in result.stderr and "Traceback" not in result.stderr
 
 
+def _paper_data(folder: Path, monkeypatch) -> None:
+    """$DATA_DIR as the paper recipes read it: a few rows in prepare_math_data.py's format."""
+    from rredcot_verl.tasks.math_data import convert
+
+    rows = [{"problem": f"What is {i} + {i}?", "solution": f"Add them.\n\nSo $\\boxed{{{2 * i}}}$."} for i in range(4)]
+    for name in ("numina", "open_rs"):
+        (folder / name).mkdir()
+        for split in ("train", "val"):
+            convert(rows, "test", split).to_parquet(folder / name / f"{split}.parquet")
+    monkeypatch.setenv("DATA_DIR", str(folder))
+
+
 @pytest.mark.parametrize(
     "recipe", ["qwen3_4b_numina_rredcot", "qwen3_4b_numina_grpo", "r1_distill_1p5b_openrs_rredcot"]
 )
 def test_the_launcher_accepts_the_paper_recipes_as_written(recipe, tmp_path, monkeypatch):
     """The recipes name hub ids (verl downloads them) and read $DATA_DIR in prepare_math_data.py's format."""
-    from rredcot_verl.tasks.math_data import convert
-
-    rows = [{"problem": f"What is {i} + {i}?", "solution": f"Add them.\n\nSo $\\boxed{{{2 * i}}}$."} for i in range(4)]
-    for name in ("numina", "open_rs"):
-        (tmp_path / name).mkdir()
-        for split in ("train", "val"):
-            convert(rows, "test", split).to_parquet(tmp_path / name / f"{split}.parquet")
-    monkeypatch.setenv("DATA_DIR", str(tmp_path))
+    _paper_data(tmp_path, monkeypatch)
     monkeypatch.setenv("RREDCOT_CPU", "1")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with initialize_config_dir(config_dir=str(ROOT / "recipes" / "paper"), version_base=None):
@@ -142,8 +148,47 @@ def test_an_empty_dataset_after_verls_filter_names_the_key(monkeypatch):
 def test_ibpo_context_too_short_for_its_revisions_is_refused(build, estimator):
     overrides = [*estimator, "data.max_response_length=25000", "data.max_prompt_length=1024",
                  "actor_rollout_ref.rollout.max_model_len=40960"]  # fmt: skip
-    with pytest.raises(LaunchError, match=r"needs at least 81152 tokens .*max_model_len >= 81152"):
-        prepare(_config(overrides))
+    with pytest.raises(LaunchError, match=r"needs at least 81152 tokens .*repair_operator=resume \(it needs the "
+                                          r"rollouts' own 26024\), or .*max_model_len >= 81152"):  # fmt: skip
+        prepare(_config([*overrides, "algorithm.rredcot.ibpo.repair_operator=rewrite"]))
+    # resumed, a repair needs no more than a rollout: an engine shorter than that is refused for both
+    with pytest.raises(LaunchError, match=r"resuming a failure needs the rollouts' own 26024 tokens"):
+        prepare(_config([*overrides[:-1], "actor_rollout_ref.rollout.max_model_len=26023"]))
+
+
+def test_an_unknown_repair_operator_is_refused_in_one_line(build):
+    with pytest.raises(LaunchError) as error:
+        prepare(_config(["algorithm.adv_estimator=ibpo", "algorithm.rredcot.ibpo.repair_operator=resum"]))
+    message = str(error.value)
+    assert "\n" not in message and "algorithm.rredcot.ibpo" in message and "repair_operator must be one of" in message
+
+
+@pytest.mark.parametrize("estimator", ["ibpo", "rredcot_ibpo"])
+@pytest.mark.parametrize("recipe", ["qwen3_4b_numina_rredcot", "r1_distill_1p5b_openrs_rredcot"])
+def test_the_paper_recipes_launch_with_repairs_resumed_on_a_40960_position_engine(recipe, estimator, tmp_path,
+                                                                                   monkeypatch):
+    """The paper recipes at their lengths with IBPO's repairs, on the 40,960 positions of Qwen3-4B's engine: every
+    launch check (``--check-only``'s) accepts the default operator, resume; the rewrite operator is still refused
+    where two responses and a rewrite exceed the engine (the 25k-token recipe)."""
+    from omegaconf import OmegaConf
+
+    from rredcot_verl.integration.launcher import check
+
+    _paper_data(tmp_path, monkeypatch)
+    overrides = [f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.max_model_len=40960"]
+    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "paper"), version_base=None):
+        config = compose(config_name=recipe, overrides=overrides)
+        rewrite = compose(config_name=recipe, overrides=[*overrides, "algorithm.rredcot.ibpo.repair_operator=rewrite"])
+    assert OmegaConf.select(config, "algorithm.rredcot.ibpo.repair_operator") == "resume"
+    check(config)
+    prompt, response = int(config.data.max_prompt_length), int(config.data.max_response_length)
+    if prompt + 2 * response + math.ceil(1.2 * response) + 128 > 40960:
+        assert response == 25_000
+        with pytest.raises(LaunchError, match="repair_operator=rewrite.*needs at least 81152 tokens"):
+            check(rewrite)
+    else:  # the 1,024-token recipe fits either operator
+        assert recipe == "r1_distill_1p5b_openrs_rredcot"
+        check(rewrite)
 
 
 def test_extra_generations_without_a_rule_reward_are_refused(build):

@@ -243,7 +243,8 @@ def test_repair_prompts_use_the_datasets_chat_template_kwargs(reward_file):
             actor_rollout_ref={"rollout": {"max_model_len": 2048}},
         )
         trainer.tokenizer = tokenizer
-        trainer.settings = settings_from_config({"rredcot": {"task": "arithmetic", "probe": {"profile": "embedded"}}})
+        trainer.settings = settings_from_config({"rredcot": {"task": "arithmetic", "probe": {"profile": "embedded"},
+                                                             "ibpo": {"repair_operator": "rewrite"}}})  # fmt: skip
         trainer.global_steps = 0
         trainer.get_llm_client = lambda: None
         engine = FakeEngine(scripted_repairs(tokenizer))

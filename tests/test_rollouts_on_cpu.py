@@ -99,9 +99,12 @@ class FakeEngine:
 
 
 def context(tokenizer, engine, section=None, score=compute_score, max_model_length=2048, seed=0):
-    """Settings as the tiny recipes set them; a 2048-token engine unless told (default-template prompts are about
-    600 tokens with this tokenizer, whose byte-level BPE was trained on task text only)."""
-    section = {"task": "arithmetic", "probe": {"profile": "embedded"}, **(section or {})}
+    """Settings as the tiny recipes set them (repairs by rewrite unless the section says otherwise); a 2048-token
+    engine unless told (default-template prompts are about 600 tokens with this tokenizer, whose byte-level BPE was
+    trained on task text only)."""
+    section = dict(section or {})
+    ibpo_section = {"repair_operator": "rewrite", **section.pop("ibpo", {})}
+    section = {"task": "arithmetic", "probe": {"profile": "embedded"}, "ibpo": ibpo_section, **section}
     return RolloutContext(
         generate=engine,
         score=score,
@@ -171,7 +174,7 @@ def test_ibpo_repairs_requests_prompts_phi_and_masks(tokenizer):
         assert EOS_TOKEN not in tokenizer.decode(ids, skip_special_tokens=False)
         trace, _ = solutions_in(tokenizer, ids)
         length = next(len(response_ids(tokenizer, t)) for t in texts.values() if t == trace)
-        assert params["max_tokens"] == ibpo.revision_budget(length, ibpo.IBPOSettings())
+        assert params["max_tokens"] == ibpo.revision_budget(length, ibpo.IBPOSettings(repair_operator="rewrite"))
 
     # φ: all 3 repairs of the two locally fixable traces succeed; the rewrite and the truncated repair earn nothing.
     phi = tensors["ibpo_phi"].tolist()
@@ -202,6 +205,66 @@ def test_ibpo_repairs_requests_prompts_phi_and_masks(tokenizer):
     # Verified repairs by group, for a repair-filled value bank: the local fixes and the rewrites (a correct solution
     # all the same), not the truncated one.
     assert verified == {"a": [list(response_ids(tokenizer, A_RIGHT))] * 9, "b": [list(response_ids(tokenizer, B_RIGHT))]}
+
+
+def resumed_solutions(tokenizer):
+    """A policy that solves correctly from any correct prefix: the right solution's remaining tokens when the request's
+    kept prefix (what follows the question's chat prompt) is a prefix of it; an unfinished line otherwise."""
+    prompts = {tuple(chat_prompt_ids(tokenizer, q)): q for _, q, _, _ in ROWS}
+    right = {"Compute 23+45-17+8": A_RIGHT, "Compute 12+30-5": B_RIGHT}
+
+    def reply(ids, params):
+        prompt = next(p for p in prompts if tuple(ids[: len(p)]) == p)
+        kept, solution = ids[len(prompt):], response_ids(tokenizer, right[prompts[prompt]])
+        return solution[len(kept):] if solution[: len(kept)] == kept else tokenizer.encode("1", add_special_tokens=False)
+
+    return reply
+
+
+def test_resumed_repairs_continue_the_rollout_prompt_from_the_divergence_point(tokenizer):
+    batch = trace_batch(tokenizer)
+    engine = FakeEngine(resumed_solutions(tokenizer))
+    tensors, metrics, verified = ibpo_repairs(context(tokenizer, engine, {"ibpo": {"repair_operator": "resume"}}), batch)
+    responses = [record.response_ids.tolist() for record in batch.records]
+    groups = [record.group for record in batch.records]
+
+    # Every request is the rollout's own prompt ids followed by the trace's first k tokens, k its divergence point
+    # from one of its siblings, and may generate what the 96-token response budget has left after them.
+    assert len(engine.requests) == 11
+    for ids, params in engine.requests:
+        row = next(i for i, record in enumerate(batch.records)
+                   if ids[: record.prompt_ids.numel()] == record.prompt_ids.tolist()
+                   and responses[i][: len(ids) - record.prompt_ids.numel()] == ids[record.prompt_ids.numel():]
+                   and not batch.outcomes[i])  # fmt: skip
+        k = len(ids) - batch.records[row].prompt_ids.numel()
+        siblings = [j for j in range(len(responses)) if groups[j] == groups[row] and j != row]
+        assert k in {ibpo.divergence_point(responses[row], responses[j]) for j in siblings}
+        assert params["max_tokens"] == 96 - k
+    # the step-2 failure against its correct sibling resumes at the wrong digit, keeping "68-17=5"
+    k = ibpo.divergence_point(responses[1], responses[0])
+    assert tokenizer.decode(responses[1][:k]).endswith("68-17=5")
+
+    # φ: the step-1 and step-2 failures (and both failures of group b, whose shared prefix "42-5=3" is right) are
+    # recovered from every divergence point; "no idea" shares nothing with its siblings, so its repairs are fresh
+    # solves, verified but rewrites.
+    assert tensors["ibpo_phi"].tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.5, 0.0])
+    # Masks: the digits where the failure leaves the right solution, nothing in the kept prefix.
+    mask = tensors["ibpo_edited_mask"]
+    right = response_ids(tokenizer, A_RIGHT)
+    assert mask[1, : len(responses[1])].tolist() == [a != b for a, b in zip(responses[1], right)]
+    assert not mask[1, :k].any() and mask[1, k]
+    assert not mask[4].any() and not mask[0].any()
+    # The verified repairs are whole solutions (kept prefix + continuation), for a repair-filled bank.
+    assert verified == {"a": [list(right)] * 9, "b": [list(response_ids(tokenizer, B_RIGHT))] * 2}
+    assert metrics["ibpo/rewrite_frac"] == pytest.approx(3 / 11) and metrics["ibpo/revisions_skipped_no_room"] == 0
+    generated = sum(len(engine.reply(ids, p)) for ids, p in engine.requests)
+    assert metrics["ibpo/extra_generated_tokens"] == generated  # the continuations, not the kept prefixes
+    assert 0 < metrics["ibpo/resume_kept_frac_mean"] < 1
+
+    # An engine shorter than a rollout (prompt + response budget) cannot serve a resumed repair: all skipped.
+    short = FakeEngine(resumed_solutions(tokenizer))
+    _, metrics, _ = ibpo_repairs(context(tokenizer, short, {"ibpo": {"repair_operator": "resume"}}, max_model_length=96), batch)
+    assert short.requests == [] and metrics["ibpo/revisions_skipped_no_room"] == 11.0
 
 
 def test_an_aborted_generation_is_a_failed_repair(tokenizer):
@@ -246,7 +309,7 @@ def test_revision_prompts_are_bounded_by_the_engine_not_the_dataset_prompt_lengt
     tensors, metrics, _ = ibpo_repairs(context(tokenizer, short, max_model_length=200), batch)
     assert short.requests == [] and not tensors["ibpo_phi"].any()
     assert metrics["ibpo/traces_without_fitting_reference"] == 5.0
-    assert metrics["ibpo/revisions_skipped_prompt_too_long"] == 11.0
+    assert metrics["ibpo/revisions_skipped_no_room"] == 11.0
 
     # without the engine's length, the context falls back to data.max_prompt_length + data.max_response_length
     fallback = context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), max_model_length=None)

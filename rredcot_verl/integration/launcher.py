@@ -229,9 +229,10 @@ def check_rule_reward(config: DictConfig, settings) -> None:
 
 
 def check_ibpo_context(config: DictConfig, settings, hf_config) -> None:
-    """Refuse an engine context in which IBPO could not revise a failure of the full response budget: its revision
-    prompt holds the question, the trace and a reference, and the repair may be ``revision_budget`` tokens."""
-    from rredcot_verl.core.ibpo import revision_budget
+    """Refuse an engine context in which IBPO could not repair a failure of the full response budget with its
+    ``repair_operator`` (``core.ibpo.engine_context_need``): a resumed repair needs the rollouts' own context, a
+    rewrite's prompt holds the question, the trace and a reference and the rewrite may be ``revision_budget`` tokens."""
+    from rredcot_verl.core.ibpo import engine_context_need
     from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE
 
     if REPAIR_STAGE not in _stages(config, settings):
@@ -245,15 +246,25 @@ def check_ibpo_context(config: DictConfig, settings, hf_config) -> None:
 
         context = get_max_position_embeddings(hf_config)
     prompt, response = int(config.data.max_prompt_length), int(config.data.max_response_length)
-    need = prompt + 2 * response + revision_budget(response, settings.ibpo)
-    if int(context) < need:
+    need = engine_context_need(prompt, response, settings.ibpo)
+    if int(context) >= need:
+        return
+    operator = f"algorithm.rredcot.ibpo.repair_operator={settings.ibpo.repair_operator}"
+    if settings.ibpo.repair_operator == "resume":
         raise LaunchError(
-            f"algorithm.adv_estimator={estimator} generates IBPO repairs: revising a {response}-token failure needs "
-            f"at least {need} tokens of engine "
-            f"context (question {prompt} + trace and reference 2 x {response} + repair {need - prompt - 2 * response}), "
-            f"the engine has {context}: set actor_rollout_ref.rollout.max_model_len >= {need} (within the model's "
-            "context), or lower data.max_response_length or algorithm.rredcot.ibpo.revision_length_factor"
+            f"algorithm.adv_estimator={estimator} generates IBPO repairs ({operator}): resuming a failure needs the "
+            f"rollouts' own {need} tokens of engine context (data.max_prompt_length {prompt} + "
+            f"data.max_response_length {response}), the engine has {context}: set "
+            f"actor_rollout_ref.rollout.max_model_len >= {need} (within the model's context), or lower them"
         )
+    raise LaunchError(
+        f"algorithm.adv_estimator={estimator} generates IBPO repairs ({operator}): revising a {response}-token "
+        f"failure needs at least {need} tokens of engine context (question {prompt} + trace and reference "
+        f"2 x {response} + repair {need - prompt - 2 * response}), the engine has {context}: set "
+        f"algorithm.rredcot.ibpo.repair_operator=resume (it needs the rollouts' own {prompt + response}), or "
+        f"actor_rollout_ref.rollout.max_model_len >= {need} (within the model's context), or lower "
+        "data.max_response_length or algorithm.rredcot.ibpo.revision_length_factor"
+    )
 
 
 def check_estimator(name: str) -> None:

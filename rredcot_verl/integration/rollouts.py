@@ -207,17 +207,34 @@ def _question(record: TraceRecord, i: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- IBPO
+@dataclass(frozen=True)
+class _RepairRequest:
+    """One repair to generate: the prompt ids, the trace tokens the repair keeps verbatim before the generated ones,
+    and the generation budget."""
+
+    prompt_ids: list[int]
+    kept: int
+    max_new_tokens: int
+
+
 def ibpo_repairs(
     ctx: RolloutContext, traces: StepTraces
 ) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[Any, list[list[int]]]]:
     """For each incorrect trace, repairs guided by sibling references, judged and aligned against the trace.
 
     A trace is incorrect, and a repair verified, when its outcome falls short of / reaches the top of
-    ``settings.reward_range``. Trace and reference texts in revision prompts are decoded without special tokens: an
-    end-of-sequence or chat marker copied into the user message would close the turn early. A repair of an ``L``-token
-    trace gets ``ibpo.revision_budget(L)`` tokens, and its prompt must fit ``ctx.engine_length()`` minus that budget
-    (a reference whose prompt does not fit is replaced by the trace's next one). Every incorrect trace is accounted
-    for in the metrics: revised, without a sibling, without a reference that fits, or dropped by ``max_revisions``.
+    ``settings.reward_range``. Requests by ``ibpo.repair_operator``:
+
+    - ``resume``: the rollout's own prompt ids followed by the trace's first ``k = ibpo.divergence_point(trace,
+      reference)`` tokens, generating at most ``max_response_length − k`` tokens; the repair is the kept prefix
+      followed by the generation (ids reused, nothing decoded and re-encoded, so the prefix is the trace's exactly).
+    - ``rewrite``: the revision template's user message rendered as the rollouts' prompts are, with trace and
+      reference texts decoded without special tokens (an end-of-sequence or chat marker copied into the user message
+      would close the turn early), generating at most ``ibpo.revision_budget(L)`` tokens.
+
+    A request that does not fit ``ctx.engine_length()`` (or, resumed, leaves no response budget) is skipped and the
+    trace's next reference tried. Every incorrect trace is accounted for in the metrics: revised, without a sibling,
+    without a reference that fits, or dropped by ``max_revisions``.
 
     Args:
         ctx: generation, reward, tokenizer, settings and the engine's context length.
@@ -237,40 +254,50 @@ def ibpo_repairs(
     engine_length = ctx.engine_length()
 
     texts: dict[int, str] = {}
-    prompt_ids: dict[tuple[int, int], list[int]] = {}
+    requests_by_pair: dict[tuple[int, int], _RepairRequest] = {}
 
     def text(i: int) -> str:
         if i not in texts:
             texts[i] = tokenizer.decode(responses[i], skip_special_tokens=True)
         return texts[i]
 
-    def fits(i: int, j: int) -> bool:
+    def request(i: int, j: int) -> _RepairRequest:
+        if cfg.repair_operator == "resume":
+            kept = ibpo.divergence_point(responses[i], responses[j])
+            prompt = records[i].prompt_ids.tolist() + responses[i][:kept]
+            return _RepairRequest(prompt, kept, ctx.max_response_length - kept)
         user = ibpo.build_revision_prompt(_question(records[i], i), text(i), text(j), template)
-        ids = ctx.chat_prompt_ids([{"role": "user", "content": user}])
-        prompt_ids[(i, j)] = ids
-        return ibpo.fits_engine(len(ids), len(responses[i]), engine_length, cfg)
+        prompt = ctx.chat_prompt_ids([{"role": "user", "content": user}])
+        return _RepairRequest(prompt, 0, ibpo.revision_budget(len(responses[i]), cfg))
+
+    def fits(i: int, j: int) -> bool:
+        requests_by_pair[(i, j)] = planned = request(i, j)
+        return ibpo.fits_engine(len(planned.prompt_ids), planned.max_new_tokens, engine_length)
 
     plan = ibpo.plan_revisions(
         correct, [record.group for record in records], cfg, np.random.default_rng(ctx.seed), responses, usable=fits
     )
-    budgets = [ibpo.revision_budget(len(responses[i]), cfg) for i, _ in plan.pairs]
-    requests = [
-        (prompt_ids[pair], {"temperature": cfg.revision_temperature, "top_p": 1.0, "max_tokens": budget})
-        for pair, budget in zip(plan.pairs, budgets)
-    ]
-    outputs = ctx.generate(requests)
-    if len(outputs) != len(requests):
-        raise ValueError(f"generate returned {len(outputs)} outputs for {len(requests)} revision requests")
+    planned = [requests_by_pair[pair] for pair in plan.pairs]
+    outputs = ctx.generate(
+        [(r.prompt_ids, {"temperature": cfg.revision_temperature, "top_p": 1.0, "max_tokens": r.max_new_tokens})
+         for r in planned]
+    )  # fmt: skip
+    if len(outputs) != len(planned):
+        raise ValueError(f"generate returned {len(outputs)} outputs for {len(planned)} revision requests")
     per_trace: dict[int, list[ibpo.RepairEvaluation]] = {}
     verified: dict[Any, list[list[int]]] = {}
     generated_tokens = 0
-    for (i, _), budget, output in zip(plan.pairs, budgets, outputs):
+    for (i, _), r, output in zip(plan.pairs, planned, outputs):
         truth, extra, source = _reward_inputs(records[i])
-        repair = list(output.token_ids)
-        generated_tokens += len(repair)
+        generated = list(output.token_ids)
+        generated_tokens += len(generated)
+        repair = responses[i][: r.kept] + generated
         reward = ctx.score(source, tokenizer.decode(repair, skip_special_tokens=True), truth, extra)
-        truncated = _truncated(output, budget, tokenizer.eos_token_id)
-        evaluation = ibpo.evaluate_repair(responses[i], repair, outcomes.is_correct(reward, reward_range), truncated, cfg)
+        truncated = _truncated(output, r.max_new_tokens, tokenizer.eos_token_id)
+        evaluation = ibpo.evaluate_repair(
+            responses[i], repair, outcomes.is_correct(reward, reward_range), truncated, cfg,
+            max_repair_tokens=r.kept + r.max_new_tokens,
+        )  # fmt: skip
         per_trace.setdefault(i, []).append(evaluation)
         if evaluation.correct:
             verified.setdefault(records[i].group, []).append(repair)
@@ -290,11 +317,15 @@ def ibpo_repairs(
             "ibpo/traces_without_fitting_reference": float(plan.traces_without_usable_reference),
             "ibpo/traces_skipped_by_cap": float(plan.traces_skipped_by_cap),
             "ibpo/revisions_skipped_by_cap": float(plan.skipped_by_cap),
-            "ibpo/revisions_skipped_prompt_too_long": float(plan.rejected_pairs),
-            "ibpo/extra_prompt_tokens": float(sum(len(ids) for ids, _ in requests)),
+            "ibpo/revisions_skipped_no_room": float(plan.rejected_pairs),
+            "ibpo/extra_prompt_tokens": float(sum(len(r.prompt_ids) for r in planned)),
             "ibpo/extra_generated_tokens": float(generated_tokens),
         }
     )
+    if cfg.repair_operator == "resume":
+        # How far into the trace the repairs start: near 0, they are fresh solves (the rewrite guard's business).
+        kept_fracs = [r.kept / max(len(responses[i]), 1) for (i, _), r in zip(plan.pairs, planned)]
+        metrics["ibpo/resume_kept_frac_mean"] = sum(kept_fracs) / len(kept_fracs) if kept_fracs else 0.0
     return {"ibpo_phi": phi, "ibpo_edited_mask": ibpo.stack_edited_masks(masks, width)}, metrics, verified
 
 

@@ -57,28 +57,37 @@ def evaluate_repair(
     verified_correct: bool,
     truncated: bool,
     cfg: IBPOSettings,
+    max_repair_tokens: Optional[int] = None,
 ) -> RepairEvaluation:
     """Judge one repair: align it with the trace and decide whether it may count.
 
     An empty repair, one the engine truncated (``truncated``: stopped at its token budget without an end of
-    sequence) or one longer than :func:`revision_budget` is a failure whatever the verifier said: an answer the
+    sequence) or one longer than ``max_repair_tokens`` is a failure whatever the verifier said: an answer the
     repair did not finish, or finished past its budget, is not evidence that the trace was close to right.
+
+    A resumed repair is judged whole, kept prefix included: it equals the trace on its first ``k`` tokens, so the
+    alignment edits nothing before ``k`` (rapidfuzz drops the common prefix before aligning) and its kept prefix is
+    at least ``k``.
 
     Args:
         trace_ids: (L,) token ids of the incorrect trace.
-        repair_ids: (M,) token ids of the generated repair.
+        repair_ids: (M,) token ids of the repair (a resumed one: the kept prefix followed by the continuation).
         verified_correct: the task verifier's verdict on the repair (its outcome reaches the top of the scale).
         truncated: the generation stopped at its length limit.
-        cfg: settings; uses the revision budget and the rewrite guard (``max_edit_ratio``, ``min_kept_prefix``).
+        cfg: settings; uses the rewrite guard (``max_edit_ratio``, ``min_kept_prefix``), and the rewrite budget
+            when ``max_repair_tokens`` is None.
+        max_repair_tokens: most tokens the whole repair may have; None: :func:`revision_budget` of the trace (the
+            rewrite operator's). A resumed repair may have ``max_response_length``, as any rollout.
     """
     trace = _as_id_list(trace_ids, "trace_ids")
     repair = _as_id_list(repair_ids, "repair_ids")
     alignment = align_tokens(trace, repair)
+    limit = revision_budget(len(trace), cfg) if max_repair_tokens is None else max_repair_tokens
     if not repair:
         failure = "empty"
     elif truncated:
         failure = "truncated"
-    elif len(repair) > revision_budget(len(trace), cfg):
+    elif len(repair) > limit:
         failure = "too_long"
     else:
         failure = None

@@ -1,8 +1,9 @@
 """Which revisions to ask for, how long they may be and what prompt asks for them.
 
-Reference selection (:func:`select_references`) and the batch plan (:func:`plan_revisions`, :class:`RevisionPlan`),
-the token budget of a repair (:func:`revision_budget`) and whether its prompt fits the engine (:func:`fits_engine`),
-and the revision prompt templates (:func:`build_revision_prompt`).
+Reference selection (:func:`select_references`) and the batch plan (:func:`plan_revisions`, :class:`RevisionPlan`);
+where a resumed repair starts (:func:`divergence_point`); the token budget of a rewrite (:func:`revision_budget`),
+whether a request fits the engine (:func:`fits_engine`) and the engine context each operator needs at the longest
+response (:func:`engine_context_need`); the rewrite operator's prompt templates (:func:`build_revision_prompt`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ __all__ = [
     "select_references",
     "RevisionPlan",
     "plan_revisions",
+    "divergence_point",
     "revision_budget",
     "fits_engine",
+    "engine_context_need",
     "DEFAULT_REVISION_TEMPLATE",
     "EMBEDDED_TASK_TEMPLATE",
     "build_revision_prompt",
@@ -170,10 +173,25 @@ def plan_revisions(
     )
 
 
-def revision_budget(trace_length: int, cfg: IBPOSettings) -> int:
-    """Most tokens a repair of a ``trace_length``-token trace may have: ``ceil(factor · L) + slack``.
+def divergence_point(trace_ids: Sequence[int], reference_ids: Sequence[int]) -> int:
+    """Leading tokens a trace shares with its reference: where a resumed repair (``repair_operator: resume``) starts.
 
-    The repair restates the whole trace with its fix, so its budget must grow with the trace: a fixed cap turns every
+    The repair keeps ``trace[:k]`` and the policy continues from there, so the first token it may change is the one
+    where the trace left the reference. On tasks whose correct steps are deterministic a correct reference shares
+    every correct step of the trace, and ``k`` is the first wrong token; two free-form samples share only their
+    opening, and the resumed repair is then close to a fresh solve, which the rewrite guard judges as such.
+    """
+    limit = min(len(trace_ids), len(reference_ids))
+    for k in range(limit):
+        if trace_ids[k] != reference_ids[k]:
+            return k
+    return limit
+
+
+def revision_budget(trace_length: int, cfg: IBPOSettings) -> int:
+    """Most tokens a rewrite of a ``trace_length``-token trace may have: ``ceil(factor · L) + slack``.
+
+    The rewrite restates the whole trace with its fix, so its budget must grow with the trace: a fixed cap turns every
     repair of a long trace into a truncated (failed) one or, if it stops early, a rewrite.
     """
     if trace_length < 0:
@@ -181,19 +199,32 @@ def revision_budget(trace_length: int, cfg: IBPOSettings) -> int:
     return math.ceil(cfg.revision_length_factor * trace_length) + cfg.revision_slack_tokens
 
 
-def fits_engine(prompt_tokens: int, trace_length: int, max_model_length: int, cfg: IBPOSettings) -> bool:
-    """Whether a revision prompt of ``prompt_tokens`` tokens leaves the engine room for the repair's budget.
+def fits_engine(prompt_tokens: int, max_new_tokens: int, max_model_length: int) -> bool:
+    """Whether a request of ``prompt_tokens`` leaves the engine room for ``max_new_tokens`` generated tokens.
 
-    The revision prompt budget is ``max_model_length − revision_budget(trace_length)`` (the engine's context, not
-    ``data.max_prompt_length``: a revision prompt holds the question, the trace and a reference, so it is far longer
-    than a dataset prompt). Over-long prompts are skipped, not truncated: a truncated trace cannot be repaired and
-    aligned. The caller counts the skips; a trace whose revisions are all skipped keeps φ = 0.
+    The bound is the engine's context (``max_model_len``), not ``data.max_prompt_length``: a rewrite's prompt holds
+    the question, the trace and a reference, and a resumed repair's holds the rollout's prompt and the kept prefix.
+    Requests that do not fit are skipped, not truncated: a truncated trace cannot be repaired and aligned. The caller
+    counts the skips; a trace whose revisions are all skipped keeps φ = 0.
     """
     if max_model_length < 1:
         raise ValueError(f"max_model_length must be >= 1, got {max_model_length}")
     if prompt_tokens < 0:
         raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
-    return prompt_tokens <= max_model_length - revision_budget(trace_length, cfg)
+    return max_new_tokens >= 1 and prompt_tokens + max_new_tokens <= max_model_length
+
+
+def engine_context_need(max_prompt_length: int, max_response_length: int, cfg: IBPOSettings) -> int:
+    """Engine context (prompt + generated tokens) that repairing a failure of the full response budget takes.
+
+    ``resume``: the rollout's prompt, the kept prefix ``k`` and a budget of ``max_response_length − k``, so
+    ``max_prompt_length + max_response_length`` whatever ``k``: the rollouts' own need. ``rewrite``: the question
+    (at most ``max_prompt_length``), the trace and a reference (``max_response_length`` each) and the rewrite's
+    :func:`revision_budget`; the template's own words come on top, so for ``rewrite`` this is a lower bound.
+    """
+    if cfg.repair_operator == "resume":
+        return max_prompt_length + max_response_length
+    return max_prompt_length + 2 * max_response_length + revision_budget(max_response_length, cfg)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Optional
 __all__ = ["IBPOSettings"]
 
 AGGREGATES = ("mean", "max")
+REPAIR_OPERATORS = ("resume", "rewrite")
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,15 @@ class IBPOSettings:
     """IBPO settings.
 
     Attributes:
+        repair_operator: how a repair is asked for. ``resume`` (default): the repair continues the failed trace
+            from where it diverges from its reference (their longest common token prefix), under the rollout's own
+            prompt, with what the response budget has left there (``max_response_length`` minus the kept prefix);
+            its request is never longer than a rollout's, so it fits every engine that serves the rollouts, and a
+            verified repair is an ordinary sample of the policy that shares the trace's prefix. ``rewrite``: the
+            revision prompt quotes the question, the trace and the reference (``revision_template``) and asks for
+            the whole corrected trace (``revision_length_factor``, ``revision_slack_tokens``); it needs
+            ``max_prompt_length + 2·max_response_length`` plus the repair's budget of engine context, which a
+            40,960-position model cannot give past ~12k-token responses. docs/choices.md, "IBPO at any length".
         shaping_weight: λ in ``R' = R + λφ(high − R)`` (0.6, transcribed from the paper). 0 turns shaping off.
         repair_bonus: ρ, the comparison signal Δ of one successful repair (0.5, transcribed). ``λ·ρ < 1`` is
             required so that a repaired incorrect trace always stays below a correct one.
@@ -40,19 +50,20 @@ class IBPOSettings:
         max_revisions: cap on revision generations per training step, or None (default) for none: every incorrect
             trace gets ``num_references`` revisions. A cap is shared round-robin (:func:`plan_revisions`): every
             incorrect trace gets one revision before any gets a second, and what the cap dropped is counted.
-        revision_length_factor, revision_slack_tokens: a repair of an ``L``-token trace may have
-            ``ceil(factor·L) + slack`` tokens (1.2 and 128: a repair restates the trace with a fix, so it is about as
-            long; 20% room for an added step, and a slack for short or cut-off traces).
-            Longer or truncated repairs are failures.
+        revision_length_factor, revision_slack_tokens: ``rewrite`` only: a repair of an ``L``-token trace may
+            have ``ceil(factor·L) + slack`` tokens (1.2 and 128: a repair restates the trace with a fix, so it is
+            about as long; 20% room for an added step, and a slack for short or cut-off traces).
+            Longer or truncated repairs are failures. (A resumed repair may fill the response budget.)
         epsilon: added to the group std, as in verl's GRPO (1e-6).
         norm_adv_by_std: divide by the group std (GRPO) or only centre (Dr.GRPO), as verl's
             ``norm_adv_by_std_in_grpo``.
-        revision_template: the compare-and-correct prompt with ``{question}``, ``{trace}`` and ``{reference}``
-            fields; None uses ``DEFAULT_REVISION_TEMPLATE`` (chat models); the embedded task's recipe uses
-            ``EMBEDDED_TASK_TEMPLATE``.
+        revision_template: ``rewrite`` only (refused with ``resume``, which sends the rollout's own prompt): the
+            compare-and-correct prompt with ``{question}``, ``{trace}`` and ``{reference}`` fields; None uses
+            ``DEFAULT_REVISION_TEMPLATE`` (chat models); the embedded task's recipes use ``EMBEDDED_TASK_TEMPLATE``.
         revision_temperature: sampling temperature of the repairs (1.0).
     """
 
+    repair_operator: str = "resume"
     shaping_weight: float = 0.6
     repair_bonus: float = 0.5
     num_references: int = 3
@@ -70,6 +81,15 @@ class IBPOSettings:
     revision_temperature: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.repair_operator not in REPAIR_OPERATORS:
+            raise ValueError(
+                f"IBPOSettings.repair_operator must be one of {REPAIR_OPERATORS}, got {self.repair_operator!r}"
+            )
+        if self.repair_operator == "resume" and self.revision_template is not None:
+            raise ValueError(
+                "IBPOSettings.revision_template is the rewrite operator's prompt; repair_operator='resume' continues "
+                "the rollout's own prompt: set repair_operator to 'rewrite' or leave revision_template null"
+            )
         for name in ("shaping_weight", "repair_bonus"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
