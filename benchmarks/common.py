@@ -389,6 +389,9 @@ _RREDCOT = "algorithm.rredcot"
 _EXIT_PROBE = (f"{_RREDCOT}.probe.value_source=exit_probe", f"{_RREDCOT}.redistribution.value_mapping=affine")
 _AS_RREDCOT = "algorithm.adv_estimator=rredcot"  # on rredcot_ibpo.yaml: rredcot on its repair-filled bank
 _VALUE_DIFFERENCES = f"{_RREDCOT}.redistribution.degenerate_groups=value_differences"
+# Repairs resumed from the failed trace's divergence point (the package's default operator) instead of the tiny
+# recipes' rewrite, which sends a revision template.
+_RESUME = (f"{_RREDCOT}.ibpo.repair_operator=resume", f"{_RREDCOT}.ibpo.revision_template=null")
 # Every variant any benchmark trains or measures, by one name each (the names in results/*.json and RESULTS.md).
 METHODS = {
     "grpo": Method("grpo"),
@@ -402,7 +405,9 @@ METHODS = {
     "rredcot_repairs": Method("rredcot_ibpo", (_AS_RREDCOT,)),
     "rredcot_repairs_degenerate": Method("rredcot_ibpo", (_AS_RREDCOT, _VALUE_DIFFERENCES)),
     "ibpo": Method("ibpo"),
+    "ibpo_resume": Method("ibpo", _RESUME),
     "rredcot_ibpo": Method("rredcot_ibpo"),
+    "rredcot_ibpo_resume": Method("rredcot_ibpo", _RESUME),
     "rredcot_ibpo_edit_mask": Method("rredcot_ibpo", (f"{_RREDCOT}.rredcot_ibpo.wrong_trace_credit=edit_mask",)),
     "rredcot_ibpo_degenerate": Method("rredcot_ibpo", (_VALUE_DIFFERENCES,)),
     "segment_mc": Method("segment_mc"),

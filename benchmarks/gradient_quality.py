@@ -60,7 +60,7 @@ TEMPERATURE = 1.0  # base.yaml actor_rollout_ref.rollout.temperature
 DATA_SOURCE = "rredcot_arithmetic"
 METHODS = ("grpo", "rredcot_exit_probe_log_affine", "rredcot", "rredcot_ground_truth", "rredcot_group",
            "rredcot_degenerate", "rredcot_repairs", "rredcot_repairs_degenerate", "ibpo", "rredcot_ibpo",
-           "rredcot_ibpo_edit_mask", "rredcot_ibpo_degenerate", "segment_mc")
+           "rredcot_ibpo_edit_mask", "rredcot_ibpo_degenerate", "segment_mc", "ibpo_resume", "rredcot_ibpo_resume")
 
 
 def uses_repairs(estimator: str, settings) -> bool:
@@ -71,8 +71,8 @@ def uses_repairs(estimator: str, settings) -> bool:
 def describe(name: str, estimator: str, settings) -> str:
     method = common.METHODS[name]
     text = f"{method.recipe}.yaml" + (f" with {', '.join(method.overrides)}" if method.overrides else " as is")
-    return text + ("; repairs: ibpo.yaml's, max_revisions scaled by batch rollouts / 32"
-                   if uses_repairs(estimator, settings) else "")
+    return text + (f"; repairs: ibpo.yaml's with repair_operator={settings.ibpo.repair_operator}, max_revisions "
+                   "scaled by batch rollouts / 32" if uses_repairs(estimator, settings) else "")
 
 
 # ---------------------------------------------------------------------------------------------------------- engine
@@ -311,6 +311,13 @@ def batch_repairs(batch: Batch, pool: dict, settings, engine: Engine, tokenizer,
     return ibpo_repairs(context, StepTraces(batch_records(batch, pool), response_width=width))
 
 
+def with_repair_operator(settings, operator: str):
+    """Settings whose repairs use ``operator`` (a resumed repair sends the rollout's prompt, no revision template)."""
+    template = settings.ibpo.revision_template if operator == "rewrite" else None
+    return dataclasses.replace(settings, ibpo=dataclasses.replace(settings.ibpo, repair_operator=operator,
+                                                                  revision_template=template))
+
+
 def ibpo_advantages(settings, repairs, batch: Batch, mask) -> tuple:
     tensors, metrics, _ = repairs
     cfg = settings.ibpo
@@ -350,14 +357,17 @@ def evaluate_batch(model, tokenizer, engine, pool, gstar, table, batch: Batch, m
     own = flat_grad(-(loo * logp.sum(1)).sum(), params)
     reference = (gstar["sum"] - own) / (gstar["tokens"] - tokens)
     results, cache = {}, {}
-    repairs, repair_seconds = None, 0.0
-    if any(uses_repairs(*table[method]) for method in methods):
+    # One set of repairs per operator the methods use, each with ibpo.yaml's settings and the same references.
+    repair_sets, repair_seconds = {}, {}
+    for operator in sorted({table[m][1].ibpo.repair_operator for m in methods if uses_repairs(*table[m])}):
         started = time.perf_counter()
-        repairs = batch_repairs(batch, pool, table["ibpo"][1], engine, tokenizer, seed_key)
-        repair_seconds = time.perf_counter() - started
+        settings = with_repair_operator(table["ibpo"][1], operator)
+        repair_sets[operator] = batch_repairs(batch, pool, settings, engine, tokenizer, seed_key)
+        repair_seconds[operator] = time.perf_counter() - started
     for method in methods:
         estimator, settings = table[method]
         started, info = time.perf_counter(), {}
+        repairs = repair_sets.get(settings.ibpo.repair_operator) if settings is not None else None
         if estimator == "grpo":
             adv, _ = group_outcome_advantage(batch.scores, batch.index)
             advantages = adv.unsqueeze(-1) * mask
@@ -375,7 +385,8 @@ def evaluate_batch(model, tokenizer, engine, pool, gstar, table, batch: Batch, m
         advantages = advantages.float() * mask
         g = flat_grad(-(advantages * logp).sum() / tokens, params)
         error = float((g - reference).pow(2).sum() / reference.pow(2).sum())
-        seconds = time.perf_counter() - started + (repair_seconds if uses_repairs(estimator, settings) else 0.0)
+        seconds = time.perf_counter() - started + (repair_seconds[settings.ibpo.repair_operator]
+                                                   if uses_repairs(estimator, settings) else 0.0)
         results[method] = {"cosine": cosine(g, reference), "rel_error": error,
                            "norm_ratio": float(g.norm() / reference.norm()),
                            "zero_advantage_frac": float(((advantages == 0) & (mask > 0)).sum() / tokens),

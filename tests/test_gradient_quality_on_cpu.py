@@ -94,7 +94,10 @@ def test_methods_are_read_from_their_recipes_with_the_overrides_their_names_say(
     assert method_settings("rredcot_ground_truth")[1].candidates.source == "ground_truth"
     assert method_settings("segment_mc")[1].segment_mc.num_continuations == 9
     assert set(gradient_quality.METHODS) <= set(json.loads(
-        (gradient_quality.RESULTS_PATHS["hard"]).read_text())["methods"]) | {"segment_mc"}
+        (gradient_quality.RESULTS_PATHS["hard"]).read_text())["methods"]) | {"segment_mc", "ibpo_resume",
+                                                                            "rredcot_ibpo_resume"}
+    assert method_settings("ibpo_resume")[1].ibpo.repair_operator == "resume"
+    assert method_settings("ibpo")[1].ibpo.repair_operator == "rewrite"  # what the committed results measured
 
 
 def test_cosine_by_hand():
