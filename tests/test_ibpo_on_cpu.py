@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 from verl import DataProto
@@ -183,6 +183,9 @@ def test_evaluate_repair_failures_and_rewrites():
     assert repair_signal(False, failed, cfg) == 0.0
     wrong = evaluate_repair(trace, [1, 2, 8, 4], verified_correct=False, truncated=False, cfg=cfg)
     assert not wrong.correct and wrong.failure is None
+    # only a correct repair is aligned (nothing reads the others' alignment) or judged a rewrite
+    assert all(e.alignment is None and not e.rewrite for e in [*failed, wrong])
+    assert not evaluate_repair(trace, [7, 8, 9, 4], False, False, cfg).rewrite
 
 
 def test_repair_signal_aggregation_and_rewrite_switch():
@@ -587,6 +590,7 @@ def test_a_resumed_repair_keeps_its_prefix_whatever_the_continuation(trace, cont
     # A three-token vocabulary makes many equally cheap alignments; none may place an edit in the kept prefix (an
     # insertion after a fully kept trace marks its last token, the documented end-of-trace rule).
     k = min(cut, len(trace))
+    assume(k + len(continuation) > 0)  # an empty repair is a failure, not aligned
     alignment = evaluate_repair(trace, trace[:k] + continuation, True, False, IBPOSettings(), 10**6).alignment
     kept = k if k < len(trace) else k - 1
     assert not alignment.edited_mask[:kept].any() and alignment.kept_prefix >= kept
@@ -603,7 +607,8 @@ def test_a_resumed_repair_from_the_opening_is_judged_a_fresh_solve_at_length():
     fresh = evaluate_repair(trace, trace[:k] + _long_trace(rng, 1800), True, False, cfg, max_repair_tokens=25_000)
     assert k == 40 and fresh.correct and fresh.rewrite and repair_signal(False, [fresh], cfg) == 0.0
     local = evaluate_repair(trace, trace[:800] + _long_trace(rng, 1300), True, False, cfg, max_repair_tokens=25_000)
-    assert not local.rewrite and not local.alignment.edited_mask[:800].any() and localisation_mask([local], 2000)[800:].any()
+    assert not local.rewrite and not local.alignment.edited_mask[:800].any()
+    assert localisation_mask([local], 2000)[800:].any()
 
 
 # ------------------------------------------------------------------ one step end to end

@@ -216,7 +216,9 @@ def resumed_solutions(tokenizer):
     def reply(ids, params):
         prompt = next(p for p in prompts if tuple(ids[: len(p)]) == p)
         kept, solution = ids[len(prompt):], response_ids(tokenizer, right[prompts[prompt]])
-        return solution[len(kept):] if solution[: len(kept)] == kept else tokenizer.encode("1", add_special_tokens=False)
+        if solution[: len(kept)] == kept:
+            return solution[len(kept):]
+        return tokenizer.encode("1", add_special_tokens=False)
 
     return reply
 
@@ -224,7 +226,8 @@ def resumed_solutions(tokenizer):
 def test_resumed_repairs_continue_the_rollout_prompt_from_the_divergence_point(tokenizer):
     batch = trace_batch(tokenizer)
     engine = FakeEngine(resumed_solutions(tokenizer))
-    tensors, metrics, verified = ibpo_repairs(context(tokenizer, engine, {"ibpo": {"repair_operator": "resume"}}), batch)
+    resume = {"ibpo": {"repair_operator": "resume"}}
+    tensors, metrics, verified = ibpo_repairs(context(tokenizer, engine, resume), batch)
     responses = [record.response_ids.tolist() for record in batch.records]
     groups = [record.group for record in batch.records]
 
@@ -263,7 +266,7 @@ def test_resumed_repairs_continue_the_rollout_prompt_from_the_divergence_point(t
 
     # An engine shorter than a rollout (prompt + response budget) cannot serve a resumed repair: all skipped.
     short = FakeEngine(resumed_solutions(tokenizer))
-    _, metrics, _ = ibpo_repairs(context(tokenizer, short, {"ibpo": {"repair_operator": "resume"}}, max_model_length=96), batch)
+    _, metrics, _ = ibpo_repairs(context(tokenizer, short, resume, max_model_length=96), batch)
     assert short.requests == [] and metrics["ibpo/revisions_skipped_no_room"] == 11.0
 
 

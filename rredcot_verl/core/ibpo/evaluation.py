@@ -1,6 +1,6 @@
 """Judging repairs and turning them into what the advantage needs.
 
-:func:`evaluate_repair` aligns one repair with its trace and decides whether it counts (failures, the rewrite guard);
+:func:`evaluate_repair` decides whether a repair counts (failures, the rewrite guard) and aligns it with its trace;
 :func:`repair_signal` aggregates a trace's judged repairs into φ, :func:`localisation_mask` picks its edited-token
 mask and :func:`stack_edited_masks` lays the masks out as a batch; :func:`repair_metrics` logs the repairs of a step.
 """
@@ -32,16 +32,19 @@ class RepairEvaluation:
 
     Attributes:
         correct: the verifier accepted the repair and it is usable (not empty, not truncated, not too long).
-        rewrite: a rewrite rather than a local repair: edit ratio above ``max_edit_ratio`` and less than
-            ``min_kept_prefix`` of the trace kept verbatim as its prefix (see :class:`IBPOSettings`).
+        rewrite: a correct repair that is a rewrite rather than a local repair: edit ratio above ``max_edit_ratio``
+            and less than ``min_kept_prefix`` of the trace kept verbatim as its prefix (see :class:`IBPOSettings`).
+            False for a repair that is not correct.
         failure: why an unusable repair failed ("empty", "truncated", "too_long"), else None.
-        alignment: the trace-vs-repair alignment.
+        alignment: the trace-vs-repair alignment of a correct repair; None for the others, which nothing reads (only
+            correct repairs earn Δ, localise, or enter the ratios of :func:`repair_metrics`). Aligning two 25k-token
+            sequences that part early takes ~0.1–0.2 s, and most repairs of a step fail.
     """
 
     correct: bool
     rewrite: bool
     failure: Optional[str]
-    alignment: AlignmentResult
+    alignment: Optional[AlignmentResult]
 
 
 def _is_rewrite(alignment: AlignmentResult, trace_length: int, cfg: IBPOSettings) -> bool:
@@ -59,7 +62,7 @@ def evaluate_repair(
     cfg: IBPOSettings,
     max_repair_tokens: Optional[int] = None,
 ) -> RepairEvaluation:
-    """Judge one repair: align it with the trace and decide whether it may count.
+    """Judge one repair: decide whether it may count and, if it does, align it with the trace.
 
     An empty repair, one the engine truncated (``truncated``: stopped at its token budget without an end of
     sequence) or one longer than ``max_repair_tokens`` is a failure whatever the verifier said: an answer the
@@ -81,7 +84,6 @@ def evaluate_repair(
     """
     trace = _as_id_list(trace_ids, "trace_ids")
     repair = _as_id_list(repair_ids, "repair_ids")
-    alignment = align_tokens(trace, repair)
     limit = revision_budget(len(trace), cfg) if max_repair_tokens is None else max_repair_tokens
     if not repair:
         failure = "empty"
@@ -91,9 +93,11 @@ def evaluate_repair(
         failure = "too_long"
     else:
         failure = None
+    correct = bool(verified_correct) and failure is None
+    alignment = align_tokens(trace, repair) if correct else None
     return RepairEvaluation(
-        correct=bool(verified_correct) and failure is None,
-        rewrite=_is_rewrite(alignment, len(trace), cfg),
+        correct=correct,
+        rewrite=correct and _is_rewrite(alignment, len(trace), cfg),
         failure=failure,
         alignment=alignment,
     )
