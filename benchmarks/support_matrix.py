@@ -18,6 +18,7 @@ engine or library not installed) is ``not_run_here``, with why; an accepted CPU 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -235,6 +236,7 @@ def launch(estimator: str, shape: Shape, build: Path, out: Path) -> tuple[str, d
     return outcome, evidence
 
 
+@functools.cache  # one build subprocess per shape and run, not one per estimator
 def shape_build(shape: Shape, work: Path, default: Path) -> Path:
     """The folder ``$RREDCOT_BUILD`` points at for ``shape``: its own build (made once, reused) or the embedded one."""
     if not shape.build:
