@@ -134,6 +134,16 @@ def test_status_lines_are_the_json():
     assert f"({lengths['default']:.0f} on the default task, {lengths['hard']:.0f} on the hard one)" in text
 
 
+def test_gpu_value_pass_line_is_the_json():
+    gpu = json.loads((RESULTS / "gpu_check.json").read_text())
+    row = gpu["cost"]["rows"][0]
+    assert gpu["meta"]["device"] == "NVIDIA H200" and gpu["cost"]["response_tokens"] == 25_000
+    assert gpu["cost"]["layers"] == 36 and gpu["meta"]["model"] == "qwen3-4b"
+    shown = (f"{row['value_pass_seconds']:.2f} s, {row['time_over_forward']:.2f}x a bare forward, "
+             f"{row['value_pass_pass_peak_mib'] / 1024:.1f} GiB above the weights")
+    assert shown in FLAT
+
+
 def test_what_else_to_change_is_the_json():
     text = FLAT
     norm = {label: HARD["methods"][row_runs()[label]]["grad_norm_mean"] / HARD["methods"]["grpo"]["grad_norm_mean"]
