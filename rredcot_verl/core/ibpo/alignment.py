@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 from rapidfuzz.distance import Levenshtein
 
-__all__ = ["AlignmentResult", "align_tokens"]
+__all__ = ["AlignmentResult", "align_tokens", "as_id_list"]
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class AlignmentResult:
     kept_prefix: int
 
 
-def _as_id_list(ids: Sequence[int] | torch.Tensor, name: str) -> list[int]:
+def as_id_list(ids: Sequence[int] | torch.Tensor, name: str) -> list[int]:
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1:
             raise ValueError(f"{name} must be a 1-D sequence of token ids, got shape {tuple(ids.shape)}")
@@ -54,8 +54,8 @@ def align_tokens(trace_ids: Sequence[int] | torch.Tensor, repair_ids: Sequence[i
         trace_ids: (L,) token ids of the trace.
         repair_ids: (M,) token ids of the repair.
     """
-    trace = _as_id_list(trace_ids, "trace_ids")
-    repair = _as_id_list(repair_ids, "repair_ids")
+    trace = as_id_list(trace_ids, "trace_ids")
+    repair = as_id_list(repair_ids, "repair_ids")
     edited = torch.zeros(len(trace), dtype=torch.bool)
     editops = Levenshtein.editops(trace, repair)
     for op in editops.as_opcodes():

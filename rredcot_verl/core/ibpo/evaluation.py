@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from rredcot_verl.core.ibpo.alignment import AlignmentResult, _as_id_list, align_tokens
+from rredcot_verl.core.ibpo.alignment import AlignmentResult, as_id_list, align_tokens
 from rredcot_verl.core.ibpo.revisions import revision_budget
 from rredcot_verl.core.ibpo.settings import IBPOSettings
 
@@ -82,8 +82,8 @@ def evaluate_repair(
         max_repair_tokens: most tokens the whole repair may have; None: :func:`revision_budget` of the trace (the
             rewrite operator's). A resumed repair may have ``max_response_length``, as any rollout.
     """
-    trace = _as_id_list(trace_ids, "trace_ids")
-    repair = _as_id_list(repair_ids, "repair_ids")
+    trace = as_id_list(trace_ids, "trace_ids")
+    repair = as_id_list(repair_ids, "repair_ids")
     limit = revision_budget(len(trace), cfg) if max_repair_tokens is None else max_repair_tokens
     if not repair:
         failure = "empty"
