@@ -13,12 +13,12 @@ parsing, would read about 1.5x more characters per trace there). Entropies are u
 What is timed, with the package's own functions, in the order a step runs them (CPU seconds, one thread):
 
 * driver, ``ibpo`` / ``rredcot_ibpo``: the step's traces read from verl's ragged tensors (``trainer._trace_batch`` on
-  in-memory tensors); IBPO's repairs (``rollouts.ibpo_repairs``, the default ``repair_operator: resume``), split into
-  decoding each repair for the reward, judging it with the recipe's reward (``tasks.math_reward``), judging the repair
-  (``core.ibpo.evaluate_repair``: failures, rewrite guard, the alignment of the correct ones) and the rest (the plan,
-  divergence points and requests, φ, masks); a stand-in engine continues every request with another problem's body
-  (a repair that leaves the trace at its divergence point, the costliest to align), half of them right, and its own
-  time is subtracted.
+  in-memory tensors); IBPO's repairs (``estimators.ibpo.ibpo_repairs``, the default ``repair_operator: resume``),
+  split into decoding each repair for the reward, judging it with the recipe's reward (``tasks.math_reward``),
+  judging the repair (``core.ibpo.evaluate_repair``: failures, rewrite guard, the alignment of the correct ones) and
+  the rest (the plan, divergence points and requests, φ, masks); a stand-in engine continues every request with
+  another problem's body (a repair that leaves the trace at its divergence point, the costliest to align), half of
+  them right, and its own time is subtracted.
 * driver, ``rredcot`` / ``rredcot_ibpo``: the traces again with entropies; the probe plans (``planning.plan_traces``:
   decoding, segmentation, the group banks, probe tokenisation; with the verified repairs in the bank for
   ``rredcot_ibpo``, ``candidates.source: group_and_repairs``) and the value pass's request (``DataProto``), pickled as
@@ -285,7 +285,8 @@ def measure(shape: Shape, seed: int) -> dict:
     from verl import DataProto
 
     from rredcot_verl.integration.estimators.base import object_array
-    from rredcot_verl.integration.rollouts import RolloutContext, ibpo_repairs
+    from rredcot_verl.integration.estimators.ibpo import ibpo_repairs
+    from rredcot_verl.integration.rollouts import RolloutContext
     from rredcot_verl.integration.trainer import SegmentCreditTrainer
 
     torch.set_num_threads(1)
@@ -321,7 +322,7 @@ def measure(shape: Shape, seed: int) -> dict:
     started = time.process_time()
     with timed_attribute(ibpo, "evaluate_repair", clock, ALIGNING), \
             timed_attribute(tokenizer, "decode", clock, DECODING):  # fmt: skip
-        repair_fields, repair_metrics, verified = ibpo_repairs(context, read[False])
+        repair_inputs, repair_metrics, verified = ibpo_repairs(context, read[False])
     parts = engine.seconds + sum(clock.seconds.get(phase, 0.0) for phase in (JUDGING, DECODING, ALIGNING))
     clock.seconds[REPAIRS] = time.process_time() - started - parts
 
@@ -349,7 +350,7 @@ def measure(shape: Shape, seed: int) -> dict:
     mask = torch.zeros(len(traces), traces.response_width)
     for i, record in enumerate(traces.records):
         mask[i, : record.response_ids.numel()] = 1.0
-    phi, edited = repair_fields["ibpo_phi"], repair_fields["ibpo_edited_mask"]
+    phi, edited = repair_inputs.phi, repair_inputs.edited_mask
     redistribution = dataclasses.replace(settings.redistribution, norm_adv_by_std=True)
     ibpo_cfg = dataclasses.replace(settings.ibpo, norm_adv_by_std=True)
     clock.time(ADVANTAGE["ibpo"], ibpo.shaped_advantages, scores, mask, index, phi, edited, ibpo_cfg,

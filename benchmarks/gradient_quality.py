@@ -46,7 +46,9 @@ from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.redistribution import redistribute
 from rredcot_verl.core.values import compute_segment_values
 from rredcot_verl.integration.estimators import StepTraces
-from rredcot_verl.integration.rollouts import RolloutContext, ibpo_repairs, monte_carlo_values
+from rredcot_verl.integration.estimators.ibpo import ibpo_repairs
+from rredcot_verl.integration.estimators.segment_mc import monte_carlo_values
+from rredcot_verl.integration.rollouts import RolloutContext
 from rredcot_verl.tasks import load_model_dir
 from rredcot_verl.tasks.base import resolve_task
 from rredcot_verl.tasks.model import chat_prompt_ids
@@ -301,7 +303,7 @@ def rollout_context(engine: Engine, tokenizer, settings, seed: int) -> RolloutCo
 
 
 def batch_repairs(batch: Batch, pool: dict, settings, engine: Engine, tokenizer, seed_key) -> tuple:
-    """IBPO's repairs of the batch through ``integration.rollouts.ibpo_repairs`` (the trainer's code), with this
+    """IBPO's repairs of the batch through ``integration.estimators.ibpo.ibpo_repairs`` (the trainer's code), with this
     process's engine; ``max_revisions`` scaled with the batch (the recipe's per 32 rollouts)."""
     cfg = settings.ibpo
     cap = None if cfg.max_revisions is None else max(1, round(cfg.max_revisions * len(batch.items) / 32))
@@ -319,30 +321,31 @@ def with_repair_operator(settings, operator: str):
 
 
 def ibpo_advantages(settings, repairs, batch: Batch, mask) -> tuple:
-    tensors, metrics, _ = repairs
+    inputs, metrics, _ = repairs
     cfg = settings.ibpo
-    edited = tensors["ibpo_edited_mask"][:, : mask.shape[1]] if cfg.use_mask else None
-    result = shaped_advantages(batch.scores, mask, batch.index, tensors["ibpo_phi"], edited, cfg, settings.reward_range)
+    edited = inputs.edited_mask[:, : mask.shape[1]] if cfg.use_mask else None
+    result = shaped_advantages(batch.scores, mask, batch.index, inputs.phi, edited, cfg, settings.reward_range)
     return result.advantages, {"revisions": int(metrics["ibpo/revisions"]),
                                "repaired_frac": result.metrics["ibpo/incorrect_repaired_frac"]}
 
 
 def fused_row(settings, repairs, batch: Batch, pool, model, tokenizer, mask, cache) -> tuple:
-    tensors, _, verified = repairs
+    inputs, _, verified = repairs
     values = segment_values(batch, pool, settings, model, tokenizer, cache, verified)
-    edited = tensors["ibpo_edited_mask"][:, : mask.shape[1]] if settings.ibpo.use_mask else None
+    edited = inputs.edited_mask[:, : mask.shape[1]] if settings.ibpo.use_mask else None
     result = fused_advantages(batch.scores, mask, batch.index, values.segment_ends, values.raw_values,
-                              tensors["ibpo_phi"], edited, settings.ibpo, settings.redistribution,
+                              inputs.phi, edited, settings.ibpo, settings.redistribution,
                               settings.rredcot_ibpo, reward_range=settings.reward_range)
     return result.advantages, {"from_values_frac": result.metrics["credit_from_values_frac"],
                                "traces_without_candidates": values.metrics["rredcot/traces_without_candidates"]}
 
 
 def segment_mc_advantages(batch: Batch, pool: dict, settings, engine: Engine, tokenizer, mask) -> tuple:
-    """The trainer's ``integration.rollouts.monte_carlo_values`` on this process's engine, then ``redistribute``."""
+    """The trainer's ``integration.estimators.segment_mc.monte_carlo_values`` on this process's engine, then
+    ``redistribute``."""
     traces = StepTraces(batch_records(batch, pool), response_width=mask.shape[1])
-    tensors, metrics = monte_carlo_values(rollout_context(engine, tokenizer, settings, 0), traces)
-    advantages = redistribute(batch.scores, mask, batch.index, tensors["seg_ends"], tensors["seg_raw_values"],
+    inputs, metrics = monte_carlo_values(rollout_context(engine, tokenizer, settings, 0), traces)
+    advantages = redistribute(batch.scores, mask, batch.index, inputs.ends, inputs.raw_values,
                               settings.redistribution, reward_range=settings.reward_range).advantages
     return advantages, {"continuations": int(metrics["segment_mc/continuations"])}
 

@@ -10,7 +10,9 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 
 import rredcot_verl.integration.plugin
 from rredcot_verl.core.concordance import ConcordanceCounts
-from rredcot_verl.integration.estimators import estimator_inputs
+from rredcot_verl.integration.estimators import ESTIMATORS, estimator_inputs
+from rredcot_verl.integration.estimators.ibpo import IBPOInputs
+from rredcot_verl.integration.estimators.rredcot import SegmentInputs
 
 UID = np.array(["a", "a", "a", "a", "b", "b"], dtype=object)
 LENGTHS = [6, 8, 5, 7, 4, 6]
@@ -34,7 +36,7 @@ def _segments():
     for i, length in enumerate(LENGTHS):
         ends[i, :2] = torch.tensor([length // 2, length])
         values[i, :3] = torch.tensor([0.5, 0.9 if OUTCOMES[i] else 0.1, OUTCOMES[i]])
-    return {"seg_ends": ends, "seg_raw_values": values}
+    return SegmentInputs(ends, values).to_batch()
 
 
 def _algorithm(mix: float):
@@ -70,7 +72,7 @@ def test_rredcot_redistributes_within_traces_through_compute_advantage():
         assert first != second
         assert advantages[i, :length].sum() == pytest.approx(float(grpo[i, :length].sum()), rel=1e-5)
     assert torch.all(advantages[4:] == 0)
-    assert record["metrics"]["rredcot/degenerate_groups"] == 1.0
+    assert record.metrics["rredcot/degenerate_groups"] == 1.0
 
 
 def test_a_window_of_uninformative_values_closes_the_gate_to_verls_grpo():
@@ -81,15 +83,25 @@ def test_a_window_of_uninformative_values_closes_the_gate_to_verls_grpo():
         out = compute_advantage(_batch(), adv_estimator="rredcot", config=_algorithm(1.0))
     expected, _ = compute_grpo_outcome_advantage(_batch().batch["token_level_rewards"], _batch().batch["response_mask"], UID)
     assert torch.equal(out.batch["advantages"], expected)
-    assert record["metrics"]["rredcot/value_gate_open"] == 0.0
-    assert record["metrics"]["rredcot/fallback/low_value_concordance"] == 4.0  # group "b" counts as degenerate
-    assert record["details"]["concordance"] == ConcordanceCounts(20.0, 20)
-    assert record["metrics"]["rredcot/value_concordance_pooled"] == pytest.approx(120 / 220)
+    assert record.metrics["rredcot/value_gate_open"] == 0.0
+    assert record.metrics["rredcot/fallback/low_value_concordance"] == 4.0  # group "b" counts as degenerate
+    assert record.details["concordance"] == ConcordanceCounts(20.0, 20)
+    assert record.metrics["rredcot/value_concordance_pooled"] == pytest.approx(120 / 220)
 
 
 def test_missing_segment_data_names_the_switch():
     with pytest.raises(KeyError, match="rredcot_verl.main"):
         compute_advantage(_batch(), adv_estimator="rredcot", config=_algorithm(1.0))
+
+
+def test_step_inputs_keep_their_batch_keys():
+    # The keys are verl batch fields and the snapshot's row keys (report.py reads them): renaming a field moves both.
+    assert IBPOInputs.keys() == ("ibpo_phi", "ibpo_edited_mask")
+    assert SegmentInputs.keys() == ("seg_ends", "seg_raw_values")
+    assert ESTIMATORS["rredcot_ibpo"].fields == ("ibpo_phi", "ibpo_edited_mask", "seg_ends", "seg_raw_values")
+    phi, mask = torch.tensor([0.5]), torch.tensor([[True]])
+    read = IBPOInputs.from_batch(IBPOInputs(phi, mask).to_batch())
+    assert read.phi is phi and read.edited_mask is mask
 
 
 def test_misaligned_rows_are_rejected():
@@ -107,7 +119,7 @@ def test_ibpo_through_compute_advantage_gives_all_wrong_groups_a_gradient():
     edited = torch.zeros(4, 5, dtype=torch.bool)
     edited[0, 3] = True
     config = OmegaConf.create({"adv_estimator": "ibpo", "norm_adv_by_std_in_grpo": True, "rredcot": {}})
-    with estimator_inputs(uid, {"ibpo_phi": phi, "ibpo_edited_mask": edited}):
+    with estimator_inputs(uid, IBPOInputs(phi, edited).to_batch()):
         out = compute_advantage(data, adv_estimator="ibpo", config=config)
     advantages = out.batch["advantages"]
     assert advantages.abs().sum() > 0  # plain GRPO gives all zeros here
@@ -125,10 +137,11 @@ def test_rredcot_ibpo_through_compute_advantage_localises_an_all_wrong_groups_gr
     edited = torch.zeros(4, 5, dtype=torch.bool)
     edited[0, 3:] = True
     tensors = {
-        "ibpo_phi": torch.tensor([0.5, 0.0, 0.0, 0.0]),
-        "ibpo_edited_mask": edited,
-        "seg_ends": torch.tensor([[2, 5]] * 4),
-        "seg_raw_values": torch.tensor([[0.7, 0.6, 0.0], [0.7, 0.05, 0.0], [0.7, 0.1, 0.0], [0.7, 0.02, 0.0]]),
+        **IBPOInputs(phi=torch.tensor([0.5, 0.0, 0.0, 0.0]), edited_mask=edited).to_batch(),
+        **SegmentInputs(
+            ends=torch.tensor([[2, 5]] * 4),
+            raw_values=torch.tensor([[0.7, 0.6, 0.0], [0.7, 0.05, 0.0], [0.7, 0.1, 0.0], [0.7, 0.02, 0.0]]),
+        ).to_batch(),
     }
     config = OmegaConf.create({"adv_estimator": "rredcot_ibpo", "norm_adv_by_std_in_grpo": True,
                                "rredcot": {"redistribution": {"min_value_concordance": 0.0}}})
@@ -136,11 +149,11 @@ def test_rredcot_ibpo_through_compute_advantage_localises_an_all_wrong_groups_gr
         advantages = compute_advantage(data, adv_estimator="rredcot_ibpo", config=config).batch["advantages"]
     assert torch.all(advantages[0, :3] > 0) and torch.all(advantages[0, 3:] == 0)  # never reinforce the edits
     assert torch.all(advantages[1:, :2].mean(1) < 3 * advantages[1:, 2:].mean(1))  # blame where the values fell
-    metrics = record["metrics"]
+    metrics = record.metrics
     assert metrics["rredcot_ibpo/credit_from_values_frac"] == 0.75
     assert metrics["rredcot_ibpo/fallback/against_shaped_advantage"] == 1.0
     assert metrics["ibpo/all_wrong_groups_with_signal_frac"] == 1.0
-    assert record["details"]["segment_rewards"].shape == (4, 2)
+    assert record.details["segment_rewards"].shape == (4, 2)
 
 
 def test_degenerate_groups_setting_reaches_the_estimator():
@@ -157,7 +170,7 @@ def test_degenerate_groups_setting_reaches_the_estimator():
     # Group "b" is all correct; its probes rise 0.5 -> 0.9 -> 1, so the first half of each trace gets the most.
     for i, length in ((4, 4), (5, 6)):
         assert advantages[i, 0] > advantages[i, length - 1] > 0
-    assert record["metrics"]["rredcot/degenerate_groups_with_signal"] == 1.0
+    assert record.metrics["rredcot/degenerate_groups_with_signal"] == 1.0
     assert torch.isfinite(advantages).all()
 
 

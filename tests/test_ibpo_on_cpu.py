@@ -35,6 +35,7 @@ from rredcot_verl.core.ibpo import (
 )
 from rredcot_verl.core.outcomes import correct_outcomes
 from rredcot_verl.integration.estimators import estimator_inputs
+from rredcot_verl.integration.estimators.ibpo import IBPOInputs
 
 torch.set_num_threads(1)
 
@@ -747,9 +748,9 @@ def _ibpo_through_verl(outcomes, phi, edited, reward_range, use_mask=True):
             "rredcot": {"reward_range": list(reward_range), "ibpo": {"use_mask": use_mask}},
         }
     )
-    with estimator_inputs(uid, {"ibpo_phi": torch.tensor(phi), "ibpo_edited_mask": edited}) as record:
+    with estimator_inputs(uid, IBPOInputs(torch.tensor(phi), edited).to_batch()) as record:
         out = compute_advantage(data, adv_estimator="ibpo", config=config)
-    return out.batch["advantages"], record["metrics"]
+    return out.batch["advantages"], record.metrics
 
 
 def _grpo_on(shaped, T):

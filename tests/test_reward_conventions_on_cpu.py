@@ -20,7 +20,9 @@ from verl import DataProto
 from verl.trainer.ppo.reward import load_reward_manager
 
 from rredcot_verl.core.settings import settings_from_config
-from rredcot_verl.integration.rollouts import ibpo_repairs, monte_carlo_values, reward_function
+from rredcot_verl.integration.estimators.ibpo import ibpo_repairs
+from rredcot_verl.integration.estimators.segment_mc import monte_carlo_values
+from rredcot_verl.integration.rollouts import reward_function
 from rredcot_verl.integration.trainer import SegmentCreditTrainer
 from rredcot_verl.tasks.model import chat_prompt_ids, load_model_dir, response_ids
 from test_rollouts_on_cpu import (
@@ -143,39 +145,39 @@ def test_a_dict_reward_is_read_at_its_score_key(tokenizer, reward_file):
     assert score("rredcot_arithmetic", A_RIGHT, "59", {}) == 1.0
     assert score("rredcot_arithmetic", A_STEP2, "59", {}) == 0.0
     engine = FakeEngine(scripted_repairs(tokenizer))
-    tensors, metrics, verified = ibpo_repairs(context(tokenizer, engine, score=score), trace_batch(tokenizer))
-    assert tensors["ibpo_phi"].tolist() == pytest.approx(REPAIRED_PHI)
+    inputs, metrics, verified = ibpo_repairs(context(tokenizer, engine, score=score), trace_batch(tokenizer))
+    assert inputs.phi.tolist() == pytest.approx(REPAIRED_PHI)
     assert metrics["ibpo/revisions"] == 11.0 and sorted(verified) == ["a", "b"]
 
 
 def test_an_async_reward_is_awaited(tokenizer, reward_file):
     score = reward_function(verl_config(reward_file, "async_score"))
     assert score("rredcot_arithmetic", A_RIGHT, "59", {}) == 1.0
-    tensors, _, _ = ibpo_repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=score),
+    inputs, _, _ = ibpo_repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=score),
                                  trace_batch(tokenizer))  # fmt: skip
-    assert tensors["ibpo_phi"].tolist() == pytest.approx(REPAIRED_PHI)
+    assert inputs.phi.tolist() == pytest.approx(REPAIRED_PHI)
 
     # Monte-Carlo continuations: the value of a state is the share of its continuations the reward accepts
     engine, correct_count = finishing_engine(tokenizer)
     batch = trace_batch(tokenizer)
-    tensors, _ = monte_carlo_values(dataclasses.replace(mc_context(tokenizer, engine), score=score), batch)
+    inputs, _ = monte_carlo_values(dataclasses.replace(mc_context(tokenizer, engine), score=score), batch)
     prompt_length = len(batch.records[0].prompt_ids)
-    assert tensors["seg_raw_values"][0, 0].item() == pytest.approx(correct_count(prompt_length) / 3)
+    assert inputs.raw_values[0, 0].item() == pytest.approx(correct_count(prompt_length) / 3)
 
 
 def test_reward_kwargs_are_bound_as_verl_binds_them(tokenizer, reward_file):
     score = reward_function(verl_config(reward_file, "weighted_score", WEIGHTS))
     assert score("rredcot_arithmetic", A_RIGHT, "59", {}) == 1.0
     assert score("rredcot_arithmetic", A_STEP2, "59", {}) == torch.tensor(0.1, dtype=torch.float32).item()
-    tensors, _, _ = ibpo_repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=score),
+    inputs, _, _ = ibpo_repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=score),
                                  trace_batch(tokenizer))  # fmt: skip
-    assert tensors["ibpo_phi"].tolist() == pytest.approx(REPAIRED_PHI)
+    assert inputs.phi.tolist() == pytest.approx(REPAIRED_PHI)
 
     # without them a correct repair earns 0.5, below the top of reward_range: nothing would be verified
     unweighted = reward_function(verl_config(reward_file, "weighted_score"))
-    tensors, _, verified = ibpo_repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=unweighted),
+    inputs, _, verified = ibpo_repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=unweighted),
                                         trace_batch(tokenizer))  # fmt: skip
-    assert not tensors["ibpo_phi"].any() and verified == {}
+    assert not inputs.phi.any() and verified == {}
 
 
 @pytest.mark.parametrize("manager", ["naive", "dapo"])
@@ -251,8 +253,8 @@ def test_repair_prompts_use_the_datasets_chat_template_kwargs(reward_file):
         return dataclasses.replace(trainer.rollout_context(), generate=engine), engine
 
     ctx, engine = rollout_context({"enable_thinking": False})
-    tensors, _, _ = ibpo_repairs(ctx, trace_batch(tokenizer))
-    assert tensors["ibpo_phi"].tolist() == pytest.approx(REPAIRED_PHI)  # the trainer's reward judged them
+    inputs, _, _ = ibpo_repairs(ctx, trace_batch(tokenizer))
+    assert inputs.phi.tolist() == pytest.approx(REPAIRED_PHI)  # the trainer's reward judged them
     assert len(engine.requests) == 11
     for ids, _ in engine.requests:
         text = tokenizer.decode(ids, skip_special_tokens=False)

@@ -10,6 +10,7 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 
 import rredcot_verl.integration.plugin  # noqa: F401  (registers the estimators)
 from rredcot_verl.integration.estimators import estimator_inputs
+from rredcot_verl.integration.estimators.rredcot import SegmentInputs
 
 torch.set_num_threads(1)
 NAN = float("nan")
@@ -39,7 +40,7 @@ def _segments():
     for i, length in enumerate(LENGTHS):
         ends[i] = torch.tensor([length // 3, 2 * length // 3, length])
         values[i, :3] = torch.tensor(PROBES[i])
-    return {"seg_ends": ends, "seg_raw_values": values}
+    return SegmentInputs(ends, values).to_batch()
 
 
 def _run(estimator, outcomes, reward_range, **redistribution):
@@ -74,8 +75,8 @@ PARTIAL = [1.0, 0.0, 0.5, 0.0, 0.5, 0.0, 1.0, 1.0, 1.0]
 def test_reward_scale_through_compute_advantage_telescopes_and_stays_finite(estimator, outcomes, reward_range):
     advantages, grpo, record = _run(estimator, outcomes, reward_range)
     assert torch.isfinite(advantages).all()
-    assert record["metrics"][f"{estimator}/fallback/outside_reward_range"] == 0.0
-    details = record["details"]
+    assert record.metrics[f"{estimator}/fallback/outside_reward_range"] == 0.0
+    details = record.details
     live = ~details["fallback"]
     assert live[:7].sum() >= 5  # the mixed groups are redistributed (traces at their group mean fall back)
     values, rewards = details["values"].double(), details["segment_rewards"].double()
@@ -104,7 +105,7 @@ def test_reward_scale_plus_minus_one_redistributes_as_zero_one():
     plus_minus, _, record_pm = _run("rredcot", PLUS_MINUS, (-1.0, 1.0))
     zero_one, _, record_01 = _run("rredcot", [(o + 1) / 2 for o in PLUS_MINUS], (0.0, 1.0))
     assert torch.allclose(plus_minus, zero_one, atol=1e-5)
-    values_pm, values_01 = record_pm["details"]["values"].double(), record_01["details"]["values"].double()
+    values_pm, values_01 = record_pm.details["values"].double(), record_01.details["values"].double()
     assert torch.allclose(values_pm, 2 * values_01 - 1, atol=1e-6, equal_nan=True)
 
 
@@ -112,7 +113,7 @@ def test_reward_scale_outcome_outside_the_range_keeps_grpo_and_is_counted():
     outcomes = list(PLUS_MINUS)
     outcomes[0] = 1.5  # a reward function that breaks its declared [−1, 1] mid-run
     advantages, grpo, record = _run("rredcot", outcomes, (-1.0, 1.0))
-    assert record["metrics"]["rredcot/fallback/outside_reward_range"] == 1.0
+    assert record.metrics["rredcot/fallback/outside_reward_range"] == 1.0
     assert torch.equal(advantages[0], grpo[0])
     assert torch.isfinite(advantages).all()
     assert not torch.equal(advantages[1], grpo[1])  # its group mates are still redistributed around the true mean
@@ -122,8 +123,8 @@ def test_reward_scale_outcome_outside_the_range_keeps_grpo_and_is_counted():
 def test_reward_scale_value_differences_in_degenerate_groups_are_on_the_scale():
     # Group c is all correct (+1): its traces get unanchored value differences, R in units of the declared scale.
     advantages, _, record = _run("rredcot", PLUS_MINUS, (-1.0, 1.0), degenerate_groups="value_differences")
-    assert record["metrics"]["rredcot/degenerate_groups_with_signal"] == 1.0
-    values = record["details"]["values"][7].double()
+    assert record.metrics["rredcot/degenerate_groups_with_signal"] == 1.0
+    values = record.details["values"][7].double()
     assert torch.allclose(values, torch.tensor([0.0, 0.2, 0.4, 1.0], dtype=torch.float64), atol=1e-6)  # 2v̂ − 1
     # A_t = R_k · (L / n_k) / s, s = (high − low) / 2 = 1: L = 5, segments of 1, 2, 2 tokens.
     expected = torch.tensor([0.2 * 5, 0.2 * 5 / 2, 0.2 * 5 / 2, 0.6 * 5 / 2, 0.6 * 5 / 2])

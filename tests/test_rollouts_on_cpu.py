@@ -17,12 +17,9 @@ from rredcot_verl.core import ibpo
 from rredcot_verl.core.planning import records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration.estimators import StepTraces
-from rredcot_verl.integration.rollouts import (
-    RolloutContext,
-    engine_max_model_length,
-    ibpo_repairs,
-    monte_carlo_values,
-)
+from rredcot_verl.integration.estimators.ibpo import ibpo_repairs
+from rredcot_verl.integration.estimators.segment_mc import monte_carlo_values
+from rredcot_verl.integration.rollouts import RolloutContext, engine_max_model_length
 from rredcot_verl.tasks.model import EOS_TOKEN, IM_END, IM_START, chat_prompt_ids, load_model_dir, response_ids
 from rredcot_verl.tasks.reward import compute_score
 
@@ -150,7 +147,7 @@ def scripted_repairs(tokenizer):
 def test_ibpo_repairs_requests_prompts_phi_and_masks(tokenizer):
     batch = trace_batch(tokenizer)
     engine = FakeEngine(scripted_repairs(tokenizer))
-    tensors, metrics, verified = ibpo_repairs(context(tokenizer, engine), batch)
+    inputs, metrics, verified = ibpo_repairs(context(tokenizer, engine), batch)
     texts = {i: text for i, (_, _, _, text) in enumerate(ROWS)}
 
     # Which traces were revised, against which references: incorrect traces with siblings, up to 3 references,
@@ -177,11 +174,11 @@ def test_ibpo_repairs_requests_prompts_phi_and_masks(tokenizer):
         assert params["max_tokens"] == ibpo.revision_budget(length, ibpo.IBPOSettings(repair_operator="rewrite"))
 
     # φ: all 3 repairs of the two locally fixable traces succeed; the rewrite and the truncated repair earn nothing.
-    phi = tensors["ibpo_phi"].tolist()
+    phi = inputs.phi.tolist()
     assert phi == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0])
 
     # Masks: exactly the digits that differ from the right solution (the tokenizer splits every digit).
-    mask = tensors["ibpo_edited_mask"]
+    mask = inputs.edited_mask
     assert mask.shape == (len(batch), batch.response_width) and mask.dtype == torch.bool
     right = response_ids(tokenizer, A_RIGHT)
     for row, text in ((1, A_STEP2), (3, A_STEP1), (2, B_WRONG1)):
@@ -227,7 +224,7 @@ def test_resumed_repairs_continue_the_rollout_prompt_from_the_divergence_point(t
     batch = trace_batch(tokenizer)
     engine = FakeEngine(resumed_solutions(tokenizer))
     resume = {"ibpo": {"repair_operator": "resume"}}
-    tensors, metrics, verified = ibpo_repairs(context(tokenizer, engine, resume), batch)
+    inputs, metrics, verified = ibpo_repairs(context(tokenizer, engine, resume), batch)
     responses = [record.response_ids.tolist() for record in batch.records]
     groups = [record.group for record in batch.records]
 
@@ -250,9 +247,9 @@ def test_resumed_repairs_continue_the_rollout_prompt_from_the_divergence_point(t
     # φ: the step-1 and step-2 failures (and both failures of group b, whose shared prefix "42-5=3" is right) are
     # recovered from every divergence point; "no idea" shares nothing with its siblings, so its repairs are fresh
     # solves, verified but rewrites.
-    assert tensors["ibpo_phi"].tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.5, 0.0])
+    assert inputs.phi.tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.5, 0.0])
     # Masks: the digits where the failure leaves the right solution, nothing in the kept prefix.
-    mask = tensors["ibpo_edited_mask"]
+    mask = inputs.edited_mask
     right = response_ids(tokenizer, A_RIGHT)
     assert mask[1, : len(responses[1])].tolist() == [a != b for a, b in zip(responses[1], right)]
     assert not mask[1, :k].any() and mask[1, k]
@@ -281,8 +278,8 @@ def test_an_aborted_generation_is_a_failed_repair(tokenizer):
                 output.stop_reason = "aborted"
             return outputs
 
-    tensors, metrics, _ = ibpo_repairs(context(tokenizer, Aborting(reply)), trace_batch(tokenizer))
-    assert not tensors["ibpo_phi"].any() and not tensors["ibpo_edited_mask"].any()
+    inputs, metrics, _ = ibpo_repairs(context(tokenizer, Aborting(reply)), trace_batch(tokenizer))
+    assert not inputs.phi.any() and not inputs.edited_mask.any()
     assert metrics["ibpo/failed_truncated"] == metrics["ibpo/revisions"] == 11.0
 
 
@@ -292,10 +289,10 @@ def test_ibpo_repairs_with_the_embedded_template_resolve_the_question(tokenizer)
     engine = FakeEngine(lambda ids, params: response_ids(tokenizer, answers[questions[tuple(ids)]]))
     # recipes/tiny_cpu/ibpo.yaml: with the 128-token fallback context (32 + 96) the repairs need a small slack
     section = {"ibpo": {"revision_template": ibpo.EMBEDDED_TASK_TEMPLATE, "revision_slack_tokens": 16}}
-    tensors, metrics, _ = ibpo_repairs(context(tokenizer, engine, section, max_model_length=None), trace_batch(tokenizer))
+    inputs, metrics, _ = ibpo_repairs(context(tokenizer, engine, section, max_model_length=None), trace_batch(tokenizer))
     assert all(tuple(ids) in questions for ids, _ in engine.requests)  # the bare chat prompt of the question
-    assert tensors["ibpo_phi"].tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.5, 0.0])
-    assert tensors["ibpo_edited_mask"][5].any()  # B_WRONG2 now gets a complete fresh solve
+    assert inputs.phi.tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.5, 0.0])
+    assert inputs.edited_mask[5].any()  # B_WRONG2 now gets a complete fresh solve
 
 
 def test_revision_prompts_are_bounded_by_the_engine_not_the_dataset_prompt_length(tokenizer):
@@ -309,8 +306,8 @@ def test_revision_prompts_are_bounded_by_the_engine_not_the_dataset_prompt_lengt
 
     # a context that holds the repair budget but not the prompt: nothing is sent, and every skip is reported
     short = FakeEngine(scripted_repairs(tokenizer))
-    tensors, metrics, _ = ibpo_repairs(context(tokenizer, short, max_model_length=200), batch)
-    assert short.requests == [] and not tensors["ibpo_phi"].any()
+    inputs, metrics, _ = ibpo_repairs(context(tokenizer, short, max_model_length=200), batch)
+    assert short.requests == [] and not inputs.phi.any()
     assert metrics["ibpo/traces_without_fitting_reference"] == 5.0
     assert metrics["ibpo/revisions_skipped_no_room"] == 11.0
 
@@ -322,11 +319,11 @@ def test_revision_prompts_are_bounded_by_the_engine_not_the_dataset_prompt_lengt
 def test_a_cap_gives_every_incorrect_trace_one_revision_before_any_gets_a_second(tokenizer):
     batch = trace_batch(tokenizer)
     engine = FakeEngine(scripted_repairs(tokenizer))
-    tensors, metrics, _ = ibpo_repairs(context(tokenizer, engine, {"ibpo": {"max_revisions": 5}}), batch)
+    inputs, metrics, _ = ibpo_repairs(context(tokenizer, engine, {"ibpo": {"max_revisions": 5}}), batch)
     revised = [solutions_in(tokenizer, ids)[0] for ids, _ in engine.requests]
     assert sorted(revised) == sorted([A_STEP2, A_STEP1, A_NOIDEA, B_WRONG1, B_WRONG2])
     assert metrics["ibpo/traces_skipped_by_cap"] == 0.0 and metrics["ibpo/revisions_skipped_by_cap"] == 6.0
-    assert tensors["ibpo_phi"].tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0])
+    assert inputs.phi.tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0])
 
     tight = FakeEngine(scripted_repairs(tokenizer))
     _, metrics, _ = ibpo_repairs(context(tokenizer, tight, {"ibpo": {"max_revisions": 3}}), batch)
@@ -342,9 +339,9 @@ def test_ibpo_repairs_reward_scale_plus_minus_one(tokenizer):
     assert sorted(set(batch.outcomes.tolist())) == [-1.0, 1.0]
     engine = FakeEngine(scripted_repairs(tokenizer))
     section = {"reward_range": [-1.0, 1.0]}
-    tensors, metrics, _ = ibpo_repairs(context(tokenizer, engine, section, score=plus_minus), batch)
+    inputs, metrics, _ = ibpo_repairs(context(tokenizer, engine, section, score=plus_minus), batch)
     # the same verdicts as on the 0/1 scale: −1 traces are incorrect, repairs scoring +1 are verified
-    assert tensors["ibpo_phi"].tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0])
+    assert inputs.phi.tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0])
     assert metrics["ibpo/incorrect_traces"] == 6.0
 
 
@@ -359,14 +356,14 @@ def test_ibpo_repairs_reward_scale_partial_credit(tokenizer):
     batch = trace_batch(tokenizer, score=partial)
     assert batch.outcomes[1] == 0.5
     engine = FakeEngine(scripted_repairs(tokenizer))
-    tensors, metrics, _ = ibpo_repairs(context(tokenizer, engine, score=partial), batch)
+    inputs, metrics, _ = ibpo_repairs(context(tokenizer, engine, score=partial), batch)
     assert A_STEP2 in [solutions_in(tokenizer, ids)[0] for ids, _ in engine.requests]
-    assert tensors["ibpo_phi"][1] == pytest.approx(0.5) and tensors["ibpo_edited_mask"][1].any()
+    assert inputs.phi[1] == pytest.approx(0.5) and inputs.edited_mask[1].any()
 
     # a repair that only earns partial credit is not a verified repair
     half = FakeEngine(lambda ids, params: response_ids(tokenizer, solutions_in(tokenizer, ids)[0]))
-    tensors, metrics, _ = ibpo_repairs(context(tokenizer, half, score=partial), batch)
-    assert not tensors["ibpo_phi"].any() and metrics["ibpo/repair_success_rate"] == 0.0
+    inputs, metrics, _ = ibpo_repairs(context(tokenizer, half, score=partial), batch)
+    assert not inputs.phi.any() and metrics["ibpo/repair_success_rate"] == 0.0
 
 
 def test_engine_max_model_length_reads_verls_setting_or_the_model(tokenizer):
@@ -427,8 +424,8 @@ def finishing_engine(tokenizer):
 def test_monte_carlo_values_are_the_fraction_of_correct_continuations(tokenizer):
     batch = trace_batch(tokenizer)
     engine, correct_count = finishing_engine(tokenizer)
-    tensors, metrics = monte_carlo_values(mc_context(tokenizer, engine), batch)
-    seg_ends, values = tensors["seg_ends"], tensors["seg_raw_values"]
+    inputs, metrics = monte_carlo_values(mc_context(tokenizer, engine), batch)
+    seg_ends, values = inputs.ends, inputs.raw_values
     prompt_lengths = [len(record.prompt_ids) for record in batch.records]
     states = 0
     for i in range(len(ROWS)):
@@ -449,8 +446,8 @@ def test_monte_carlo_values_are_nan_without_room_and_truncation_fails(tokenizer)
     batch = trace_batch(tokenizer)
     engine, correct_count = finishing_engine(tokenizer)
     # 32 + 16 = 48 tokens in all: late prefixes leave no room; others leave too little for the 13-token answer
-    tensors, metrics = monte_carlo_values(mc_context(tokenizer, engine, max_response_length=16), batch)
-    seg_ends, values = tensors["seg_ends"], tensors["seg_raw_values"]
+    inputs, metrics = monte_carlo_values(mc_context(tokenizer, engine, max_response_length=16), batch)
+    seg_ends, values = inputs.ends, inputs.raw_values
     prompt_lengths = [len(record.prompt_ids) for record in batch.records]
     finish = len(response_ids(tokenizer, "\n</think>\n\\boxed{59}"))
     nan_states = truncated_states = 0

@@ -85,12 +85,15 @@ class SegmentCreditTrainer(PPOTrainerSync):
         self.sampled_groups: failures.GroupCount | None = None  # the last training batch's, set by the replay buffer
         super().__init__(config)
 
-    # verl's PPOTrainer reads ``self.trainer_mode`` (assigned from ``trainer.v1.trainer_mode``, i.e. our registered
-    # name) and takes its async paths for anything but "sync": ReplayBufferAsync, data.gen_batch_size forced to 1,
-    # prompts persisted in TransferQueue and TransferQueue checkpoints on save/resume. This trainer is verl's sync
-    # trainer plus hooks, so the base class must see "sync"; ``trainer.v1.sync`` is then also the config section it
-    # reads (parameter_sync_step), as for PPOTrainerSync. tests/test_trainer_mode_on_cpu.py fails when verl starts
-    # reading the mode some other way.
+    # Overrides of verl's PPOTrainer / PPOTrainerSync methods: each says which one it replaces and why; everything
+    # else is verl's own.
+
+    # Replaces the ``trainer_mode`` attribute PPOTrainer.__init__ assigns from ``trainer.v1.trainer_mode`` (our
+    # registered name): verl takes its async paths for anything but "sync" (ReplayBufferAsync, data.gen_batch_size
+    # forced to 1, prompts persisted in TransferQueue and TransferQueue checkpoints on save/resume). This trainer is
+    # verl's sync trainer plus hooks, so the base class must see "sync"; ``trainer.v1.sync`` is then also the config
+    # section it reads (parameter_sync_step), as for PPOTrainerSync. tests/test_trainer_mode_on_cpu.py fails when verl
+    # starts reading the mode some other way.
     @property
     def trainer_mode(self) -> str:
         return SYNC_MODE
@@ -102,6 +105,8 @@ class SegmentCreditTrainer(PPOTrainerSync):
             raise ValueError(f"SegmentCreditTrainer is selected by trainer.v1.trainer_mode={TRAINER_NAME}, got {name!r}")
 
     def _build_replay_buffer(self):
+        """verl's ``PPOTrainer._build_replay_buffer``, wrapped: the sampled batch's keys count the prompt groups
+        verl's agent loop lost (``_check_rollout_failures``), and on CPU the poll interval is shortened."""
         replay_buffer = super()._build_replay_buffer()
         if cpu_mode_requested():  # steps of seconds on CPU: verl's 2 s poll would round them up (compat/cpu.py)
             replay_buffer.poll_interval = REPLAY_POLL_INTERVAL_S
@@ -119,6 +124,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
         return replay_buffer
 
     def _init_dataloader(self):
+        """verl's ``PPOTrainer._init_dataloader``, with an empty dataset's failure named (torch's message does not)."""
         try:
             super()._init_dataloader()
         except ValueError as error:
@@ -134,6 +140,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
             raise
 
     def _init_tokenizer(self):
+        """verl's ``PPOTrainer._init_tokenizer``, plus the segmentation's token tables the stages need."""
         super()._init_tokenizer()
         # The tokenizer exists from here on (verl loads it in init(), not in __init__).
         self.boundary_vocab = self.settings.boundary_vocab(self.tokenizer)
@@ -171,6 +178,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
         )
 
     def _init_resource_pool_mgr(self):
+        """verl's ``PPOTrainer._init_resource_pool_mgr``, with the actor worker class that has the value pass."""
         super()._init_resource_pool_mgr()
         for role in (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef):
             if role in self.role_worker_mapping:
@@ -181,6 +189,8 @@ class SegmentCreditTrainer(PPOTrainerSync):
         return [stage for stage in self.stages if stage.engine_use in engine_uses]
 
     def on_sample_end(self):
+        """``PPOTrainerSync.on_sample_end`` (the replicas sleep), deferred when a stage generates before the log-prob
+        pass."""
         # A stage that generates before the log-prob pass needs the replicas awake until it is done; they are put
         # to sleep in _compute_old_log_prob, before the actor's first forward.
         if not self._stages((EngineUse.BEFORE_LOG_PROB_PASS,)):
@@ -245,7 +255,9 @@ class SegmentCreditTrainer(PPOTrainerSync):
             )
 
     def _compute_old_log_prob(self, batch, metrics: dict):
-        """verl's step 4 (old log-probs), with the estimator's stages before and after it (``EngineUse``)."""
+        """verl's ``PPOTrainer._compute_old_log_prob`` (step 4, old log-probs), with the estimator's stages before and
+        after it (``EngineUse``): the stages write the estimator's inputs, and only this step sees the engine awake
+        and the pass's entropies."""
         # 1. the groups verl's agent loop lost this step: logged, and the run stopped past the configured share
         self._check_rollout_failures(metrics)
         if self.spec is None:
@@ -271,18 +283,21 @@ class SegmentCreditTrainer(PPOTrainerSync):
         return batch
 
     def _compute_advantage(self, batch, metrics: dict):
+        """verl's ``PPOTrainer._compute_advantage``, run inside ``estimator_inputs``: verl passes a registered
+        estimator only rewards, mask and uids, so the estimator's inputs and the value gate's window travel beside
+        it; its metrics, the window and the snapshot are taken from the record after."""
         fields = self.spec.fields if self.spec is not None else ()
         data = self._fetch(batch, ["uid", *fields])
         uid = np.array(_non_tensor(data, "uid"), dtype=object)
         tensors = {key: _padded(data[key]) for key in fields}
         with estimator_inputs(uid, tensors, self.value_window.pooled()) as record:
             batch = super()._compute_advantage(batch, metrics)
-        metrics.update(record["metrics"])
-        if "concordance" in record["details"]:
-            self.value_window.push(record["details"]["concordance"])
-            self._report_value_gate(record["metrics"])
+        metrics.update(record.metrics)
+        if "concordance" in record.details:
+            self.value_window.push(record.details["concordance"])
+            self._report_value_gate(record.metrics)
         if self.settings.snapshot_due(self.global_steps):
-            self._write_snapshot(batch, tensors, record["details"])
+            self._write_snapshot(batch, tensors, record.details)
         return batch
 
     def _report_value_gate(self, step_metrics: dict) -> None:
@@ -300,6 +315,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
         self.value_gate_open = is_open
 
     def _save_checkpoint(self):
+        """verl's ``PPOTrainer._save_checkpoint``, plus the value gate's window (state verl does not know of)."""
         # Written first: verl's save ends by writing latest_checkpointed_iteration.txt and calling the checkpoint
         # callback (remote upload), after which the checkpoint counts as complete.
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
@@ -309,6 +325,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
         super()._save_checkpoint()
 
     def _load_checkpoint(self):
+        """verl's ``PPOTrainer._load_checkpoint``, plus the value gate's window saved beside it."""
         super()._load_checkpoint()
         if self.global_steps == 0:
             return

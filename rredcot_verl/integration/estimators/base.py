@@ -5,7 +5,7 @@ and ``config``; the per-trace segment or repair data that these estimators need 
 ``estimator_inputs`` (a context manager the trainer opens around verl's own ``_compute_advantage``). Rows are checked
 against ``index`` so a reordering inside verl cannot silently misalign them. State that outlives a step (the value
 gate's window of recent batches) stays with the trainer: it goes in as ``prior_concordance`` and this batch's counts
-come back in the record's ``details``.
+come back in the record's ``details`` (``StepRecord``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import numpy as np
 import torch
@@ -92,8 +92,31 @@ class StepContext:
     carry: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-# A producer returns per-trace tensors (rows in batch order; the trainer keeps those among the spec's ``fields``) and
-# step metrics.
+@dataclass(frozen=True)
+class StepInputs:
+    """Per-trace tensors (rows in batch order) a producer hands to an advantage function: a subclass per estimator
+    input, whose batch keys are ``PREFIX`` + its field names, so the names are written once.
+
+    They travel through verl's batch (``to_batch``, written by the trainer) and come back in the advantage step
+    (``from_batch``).
+    """
+
+    PREFIX: ClassVar[str]
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(cls.PREFIX + field.name for field in dataclasses.fields(cls))
+
+    def to_batch(self) -> dict[str, torch.Tensor]:
+        return {self.PREFIX + field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    @classmethod
+    def from_batch(cls, tensors: Mapping[str, torch.Tensor]) -> Self:
+        return cls(**{field.name: tensors[cls.PREFIX + field.name] for field in dataclasses.fields(cls)})
+
+
+# A producer returns its ``StepInputs`` as batch tensors (``to_batch``; the trainer keeps those among the spec's
+# ``fields``) and step metrics.
 Producer = Callable[[StepContext, StepTraces], tuple[dict[str, torch.Tensor], dict[str, float]]]
 
 
@@ -115,7 +138,7 @@ class EstimatorSpec:
 
     Attributes:
         name: ``algorithm.adv_estimator``.
-        fields: per-trace batch keys its stages write and its advantage function reads.
+        inputs: the kinds of per-trace inputs its stages write and its advantage function reads.
         stages: its producers for given ``algorithm.rredcot`` settings, in the order they run (each on the step's
             ``StepTraces`` with the step's ``StepContext``). Stages before verl's old-log-prob pass come first; a
             stage after the pass may read the pass's ``entropy`` (the trace batch carries it then).
@@ -127,12 +150,17 @@ class EstimatorSpec:
     """
 
     name: str
-    fields: tuple[str, ...]
+    inputs: tuple[type[StepInputs], ...]
     stages: Callable[[RRedCoTSettings], tuple[Stage, ...]]
     advantage: AdvantageFn
     uses_value_pass: bool
     whole_traces_per_rank: bool
     fallback_advantage: str = "GRPO's advantage"
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The batch keys of its ``inputs``."""
+        return tuple(key for kind in self.inputs for key in kind.keys())
 
 
 def register(spec: EstimatorSpec) -> None:
@@ -142,7 +170,27 @@ def register(spec: EstimatorSpec) -> None:
         register_adv_est(spec.name)(spec.advantage)
 
 
-_INPUTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("rredcot_estimator_inputs", default=None)
+@dataclass
+class StepRecord:
+    """What ``estimator_inputs`` makes visible to the advantage step, and what the estimators leave in it.
+
+    Attributes:
+        uid: (bs,) the batch's prompt-group ids, the row order of ``tensors``.
+        tensors: the estimator's batch keys (``StepInputs.keys``) to their padded tensors.
+        prior_concordance: the value gate's window of recent batches.
+        metrics: step metrics the estimators add.
+        details: per-trace outputs for the trainer (``values``, ``segment_rewards``, ``fallback``) and this batch's
+            ``concordance`` for the value gate's window.
+    """
+
+    uid: np.ndarray
+    tensors: dict[str, torch.Tensor]
+    prior_concordance: ConcordanceCounts
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_INPUTS: contextvars.ContextVar[StepRecord | None] = contextvars.ContextVar("rredcot_estimator_inputs", default=None)
 
 
 @contextmanager
@@ -151,13 +199,7 @@ def estimator_inputs(
 ):
     """Make per-trace inputs (rows aligned with ``uid``) and the value gate's window (``prior_concordance``)
     visible to the estimators; collects their metrics and details."""
-    record = {
-        "uid": np.asarray(uid, dtype=object),
-        "tensors": tensors,
-        "prior_concordance": prior_concordance,
-        "metrics": {},
-        "details": {},
-    }
+    record = StepRecord(np.asarray(uid, dtype=object), tensors, prior_concordance)
     token = _INPUTS.set(record)
     try:
         yield record
@@ -165,16 +207,18 @@ def estimator_inputs(
         _INPUTS.reset(token)
 
 
-def step_inputs(name: str, keys: tuple[str, ...], index) -> dict:
-    """The record ``estimator_inputs`` opened for this step, checked to hold ``keys`` in ``index``'s row order."""
+def step_inputs(name: str, kinds: tuple[type[StepInputs], ...], index) -> StepRecord:
+    """The record ``estimator_inputs`` opened for this step, checked to hold the batch keys of ``kinds`` in
+    ``index``'s row order."""
+    keys = [key for kind in kinds for key in kind.keys()]
     record = _INPUTS.get()
-    missing = list(keys) if record is None else [k for k in keys if k not in record["tensors"]]
+    missing = keys if record is None else [k for k in keys if k not in record.tensors]
     if missing:
         raise KeyError(
             f"adv_estimator={name!r} needs batch keys {missing}, which only the rredcot trainer provides: launch "
             "through `python -m rredcot_verl.main` (it sets trainer.v1.trainer_mode=rredcot)"
         )
-    if index is not None and not np.array_equal(np.asarray(index, dtype=object), record["uid"]):
+    if index is not None and not np.array_equal(np.asarray(index, dtype=object), record.uid):
         raise ValueError(f"adv_estimator={name!r}: segment data rows do not match the batch's uid order")
     return record
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ from rredcot_verl.integration.estimators.base import (
     EstimatorSpec,
     Stage,
     StepContext,
+    StepInputs,
+    StepRecord,
     StepTraces,
     object_array,
     settings_for,
@@ -28,8 +31,24 @@ from rredcot_verl.integration.estimators.base import (
 )
 from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE, VERIFIED_REPAIRS
 
-# Written by the actor's value pass (``workers.py``) or by ``segment_mc``'s continuations; read by the redistribution.
-SEGMENT_FIELDS = ("seg_ends", "seg_raw_values")
+
+@dataclass(frozen=True)
+class SegmentInputs(StepInputs):
+    """Segment values, written by the actor's value pass (``workers.py``) or by ``segment_mc``'s continuations and
+    read by the redistribution, under batch keys ``seg_ends`` and ``seg_raw_values``.
+
+    Attributes:
+        ends: (bs, Kmax) int64, each trace's segment ends, padded past its K.
+        raw_values: (bs, Kmax + 1) float32, the values of S_0..S_K, padded past them.
+    """
+
+    PREFIX = "seg_"
+    ends: torch.Tensor
+    raw_values: torch.Tensor
+
+
+# The value pass's output keys (``workers.py``).
+SEGMENT_FIELDS = SegmentInputs.keys()
 
 
 def segment_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -61,7 +80,7 @@ def segment_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torc
     # verl's concat turns each rank's metrics dict into a dict of lists; average over ranks.
     metrics = reduce_metrics(output.meta_info.get("metrics", {}))
     metrics.update(bank_metrics(plans, [record.group for record in traces.records]))
-    return {key: output.batch[key] for key in SEGMENT_FIELDS}, metrics
+    return SegmentInputs.from_batch(output.batch).to_batch(), metrics
 
 
 VALUE_STAGE = Stage(segment_values, EngineUse.NONE)
@@ -73,28 +92,29 @@ def value_stages(settings: RRedCoTSettings) -> tuple[Stage, ...]:
 
 
 def redistributed_advantage(name: str, token_level_rewards, response_mask, index, config):
-    """Segment values (``SEGMENT_FIELDS``) redistributed into token advantages; metrics and details to the record."""
-    record = step_inputs(name, SEGMENT_FIELDS, index)
+    """Segment values (``SegmentInputs``) redistributed into token advantages; metrics and details to the record."""
+    record = step_inputs(name, (SegmentInputs,), index)
+    segments = SegmentInputs.from_batch(record.tensors)
     settings, redistribution = settings_for(config)
     result = redistribute(
         token_level_rewards.sum(dim=-1),
         response_mask,
         index,
-        record["tensors"]["seg_ends"],
-        record["tensors"]["seg_raw_values"],
+        segments.ends,
+        segments.raw_values,
         redistribution,
         reward_range=settings.reward_range,
-        prior_concordance=record["prior_concordance"],
+        prior_concordance=record.prior_concordance,
     )
     record_redistribution(name, record, result, result.metrics)
     return result.advantages, result.returns
 
 
-def record_redistribution(name: str, record: dict, result, metrics: dict[str, float]) -> None:
+def record_redistribution(name: str, record: StepRecord, result, metrics: dict[str, float]) -> None:
     """A redistribution's metrics (under ``name/``) and per-trace details (the credit report, the value gate's
     window) into the step record."""
-    record["metrics"].update({f"{name}/{k}": v for k, v in metrics.items()})
-    record["details"].update(
+    record.metrics.update({f"{name}/{k}": v for k, v in metrics.items()})
+    record.details.update(
         values=result.values, segment_rewards=result.segment_rewards, fallback=result.fallback,
         concordance=result.concordance,
     )  # fmt: skip
@@ -115,7 +135,7 @@ def compute_rredcot_advantage(
 
 SPEC = EstimatorSpec(
     name="rredcot",
-    fields=SEGMENT_FIELDS,
+    inputs=(SegmentInputs,),
     stages=value_stages,
     advantage=compute_rredcot_advantage,
     uses_value_pass=True,

@@ -10,10 +10,11 @@ import torch
 
 from rredcot_verl.core.fused import fused_advantages
 from rredcot_verl.integration.estimators.base import EstimatorSpec, step_inputs
-from rredcot_verl.integration.estimators.ibpo import IBPO_FIELDS, REPAIR_STAGE, ibpo_settings
-from rredcot_verl.integration.estimators.rredcot import SEGMENT_FIELDS, VALUE_STAGE, record_redistribution
+from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE, IBPOInputs, ibpo_settings
+from rredcot_verl.integration.estimators.rredcot import VALUE_STAGE, SegmentInputs, record_redistribution
 
 NAME = "rredcot_ibpo"
+INPUTS = (IBPOInputs, SegmentInputs)
 
 
 def compute_rredcot_ibpo_advantage(
@@ -26,31 +27,31 @@ def compute_rredcot_ibpo_advantage(
     Returns:
         advantages (bs, T), returns (bs, T).
     """
-    record = step_inputs(NAME, IBPO_FIELDS + SEGMENT_FIELDS, index)
+    record = step_inputs(NAME, INPUTS, index)
+    repairs, segments = IBPOInputs.from_batch(record.tensors), SegmentInputs.from_batch(record.tensors)
     settings, redistribution, ibpo_cfg = ibpo_settings(config)
-    tensors = record["tensors"]
     result = fused_advantages(
         token_level_rewards.sum(dim=-1),
         response_mask,
         index,
-        tensors["seg_ends"],
-        tensors["seg_raw_values"],
-        tensors["ibpo_phi"],
-        tensors["ibpo_edited_mask"].bool() if ibpo_cfg.use_mask else None,
+        segments.ends,
+        segments.raw_values,
+        repairs.phi,
+        repairs.edited_mask.bool() if ibpo_cfg.use_mask else None,
         ibpo_cfg,
         redistribution,
         settings.rredcot_ibpo,
         reward_range=settings.reward_range,
-        prior_concordance=record["prior_concordance"],
+        prior_concordance=record.prior_concordance,
     )
-    record["metrics"].update(result.ibpo.metrics)
+    record.metrics.update(result.ibpo.metrics)
     record_redistribution(NAME, record, result.redistribution, result.metrics)
     return result.advantages, result.advantages
 
 
 SPEC = EstimatorSpec(
     name=NAME,
-    fields=IBPO_FIELDS + SEGMENT_FIELDS,
+    inputs=INPUTS,
     stages=lambda settings: (REPAIR_STAGE, VALUE_STAGE),
     advantage=compute_rredcot_ibpo_advantage,
     uses_value_pass=True,

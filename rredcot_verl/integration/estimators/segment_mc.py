@@ -1,5 +1,5 @@
 """``segment_mc``: Monte-Carlo values of the same boundaries (K continuations per prefix through the rollout engine,
-``rollouts.monte_carlo_values``), then ``rredcot``'s redistribution: the expensive reference the others are measured
+``monte_carlo_values``), then ``rredcot``'s redistribution: the expensive reference the others are measured
 against."""
 
 from __future__ import annotations
@@ -8,14 +8,72 @@ from typing import Any
 
 import torch
 
+from rredcot_verl.core import montecarlo
+from rredcot_verl.core.segmentation import segment_response
 from rredcot_verl.integration import rollouts
 from rredcot_verl.integration.estimators.base import EngineUse, EstimatorSpec, Stage, StepContext, StepTraces
-from rredcot_verl.integration.estimators.rredcot import SEGMENT_FIELDS, redistributed_advantage
+from rredcot_verl.integration.estimators.rredcot import SegmentInputs, redistributed_advantage
+
+
+def monte_carlo_values(
+    ctx: rollouts.RolloutContext, traces: StepTraces
+) -> tuple[SegmentInputs, dict[str, float]]:
+    """Values of S_0..S_{K-1} as the mean reward of K sampled continuations from each boundary prefix.
+
+    A continuation may fill ``data.max_prompt_length + data.max_response_length`` (the length a training rollout may
+    have), so a state whose prefix leaves no room gets no continuations and a NaN value; a truncated continuation
+    scores 0. Rewards are read on the probability scale, ``(reward − low) / (high − low)`` of ``reward_range``.
+
+    Args:
+        ctx: generation, reward, tokenizer, settings (``segment_mc``, ``segmentation``, ``reward_range``).
+        traces: the step's traces, with the log-prob pass's entropies.
+
+    Returns:
+        ``SegmentInputs`` (see ``montecarlo.monte_carlo_values``) and metrics.
+    """
+    mc, tokenizer = ctx.settings.segment_mc, ctx.tokenizer
+    vocab = ctx.settings.boundary_vocab(tokenizer)
+    records = traces.records
+    ends = [
+        segment_response(record.response_ids, record.entropy.float(), vocab, ctx.settings.segmentation)
+        if record.response_ids.numel()
+        else []
+        for record in records
+    ]
+    prompts = [record.prompt_ids.tolist() for record in records]
+    responses = [record.response_ids.tolist() for record in records]
+    def judge(i: int, response_ids: list[int]) -> float:
+        # On the probability scale of the other value sources: 1 = the top of the reward range.
+        truth, extra, source = rollouts.reward_inputs(records[i])
+        reward = ctx.score(source, tokenizer.decode(response_ids, skip_special_tokens=True), truth, extra)
+        return ctx.settings.success_probability(reward)
+
+    # Requested and judged a chunk of traces at a time (MonteCarloSettings.max_prefix_tokens_per_call).
+    tally = montecarlo.ContinuationTally(len(records), montecarlo.max_k(ends, ctx.settings.segmentation.max_segments))
+    for requests in montecarlo.continuation_chunks(
+        prompts, responses, ends, mc, ctx.max_prompt_length + ctx.max_response_length
+    ):
+        outputs = ctx.generate(
+            [(list(r.prefix_ids), {"temperature": mc.temperature, "top_p": 1.0, "max_tokens": r.max_tokens})
+             for r in requests]
+        )  # fmt: skip
+        if len(outputs) != len(requests):
+            raise ValueError(f"generate returned {len(outputs)} outputs for {len(requests)} continuation requests")
+        continuations = [
+            montecarlo.Continuation(
+                tuple(o.token_ids), rollouts.generation_truncated(o, r.max_tokens, tokenizer.eos_token_id)
+            )
+            for r, o in zip(requests, outputs)
+        ]
+        tally.add(responses, requests, continuations, judge)
+    seg_ends, raw_values, metrics = tally.values(ends, [record.outcome for record in records])
+    return SegmentInputs(seg_ends, raw_values), metrics
 
 
 def continuation_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Boundaries from the log-prob pass's entropies, values from sampled continuations."""
-    return rollouts.monte_carlo_values(ctx.rollout(), traces)
+    inputs, metrics = monte_carlo_values(ctx.rollout(), traces)
+    return inputs.to_batch(), metrics
 
 
 def compute_segment_mc_advantage(
@@ -30,7 +88,7 @@ CONTINUATION_STAGE = Stage(continuation_values, EngineUse.AFTER_LOG_PROB_PASS)
 
 SPEC = EstimatorSpec(
     name="segment_mc",
-    fields=SEGMENT_FIELDS,
+    inputs=(SegmentInputs,),
     stages=lambda settings: (CONTINUATION_STAGE,),
     advantage=compute_segment_mc_advantage,
     uses_value_pass=False,
