@@ -33,7 +33,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from rredcot_verl.core.scoring import ValuePassSettings
 from rredcot_verl.core.values import score_plans
 from rredcot_verl.integration.estimators import ESTIMATORS
-from rredcot_verl.integration.estimators.rredcot import SEGMENT_FIELDS
+from rredcot_verl.integration.estimators.rredcot import SegmentInputs
 
 INPUT_KEYS = ("outcome",)
 # The estimators whose producer calls this worker's value pass.
@@ -69,8 +69,7 @@ class SegmentActorRolloutRefWorker(ActorRolloutRefWorker):
                 max_positions=getattr(model.config, "max_position_embeddings", None),
                 max_token_len=value_pass.max_token_len,
             )
-        ends_key, values_key = SEGMENT_FIELDS
         return DataProto.from_dict(
-            tensors={ends_key: values.segment_ends, values_key: values.raw_values},
+            tensors=SegmentInputs(ends=values.segment_ends, raw_values=values.raw_values).to_batch(),
             meta_info={"metrics": values.metrics},
         )

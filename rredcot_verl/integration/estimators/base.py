@@ -16,7 +16,7 @@ import enum
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -92,6 +92,9 @@ class StepContext:
     carry: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+_Inputs = TypeVar("_Inputs", bound="StepInputs")
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """Per-trace tensors (rows in batch order) a producer hands to an advantage function: a subclass per estimator
@@ -111,7 +114,7 @@ class StepInputs:
         return {self.PREFIX + field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
     @classmethod
-    def from_batch(cls, tensors: Mapping[str, torch.Tensor]) -> Self:
+    def from_batch(cls: type[_Inputs], tensors: Mapping[str, torch.Tensor]) -> _Inputs:
         return cls(**{field.name: tensors[cls.PREFIX + field.name] for field in dataclasses.fields(cls)})
 
 

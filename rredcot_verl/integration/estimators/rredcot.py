@@ -47,9 +47,6 @@ class SegmentInputs(StepInputs):
     raw_values: torch.Tensor
 
 
-# The value pass's output keys (``workers.py``).
-SEGMENT_FIELDS = SegmentInputs.keys()
-
 
 def segment_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Probes planned here from the whole batch (groups intact, whatever rank a trace lands on), scored by the actor
