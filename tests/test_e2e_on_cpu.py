@@ -2,10 +2,12 @@
 
 Each run is a subprocess under a hard timeout in its own process group (recipes/tiny_cpu/run.sh uses setsid +
 timeout), on the committed warm-started model, so a hang ends as a failure and Ray/vLLM are torn down with it.
-Runs serve several assertions where they can: one uninterrupted 3-step grpo run, sent with `ray job submit` to a head
-node started by hand, is the reference both for verl's own sync trainer and for a stopped-and-resumed segment_mc run;
-the rredcot run uses two actor ranks. The fused estimator (``rredcot_ibpo``) is launched by the one-GPU recipe's
-miniature run (tests/test_recipes_miniature_on_cpu.py), which reads its bank and shaped advantage.
+Runs serve several assertions where they can: one uninterrupted 3-step `rredcot` run on two actor ranks, sent with
+`ray job submit` to a head node started by hand and checkpointed after step 2, is the reference both for verl's own
+sync trainer (the same prompts at every step) and for a fresh process that resumes from its step-2 checkpoint (step 3
+on the same batch, the value gate's window restored). The fused estimator (``rredcot_ibpo``) is launched by the
+one-GPU recipe's miniature run (tests/test_recipes_miniature_on_cpu.py), which reads its bank and shaped advantage;
+``segment_mc`` by the code task's miniature run (tests/test_code_miniature_on_cpu.py), which reads its continuations.
 """
 
 import json
@@ -123,33 +125,42 @@ def _assert_finite_steps(out: Path, steps: int) -> list[dict]:
     return rows
 
 
-def test_rredcot_dp2_trains_and_redistributes(build, tmp_path):
-    """Two FSDP2 actor ranks over gloo (two fake Ray GPUs, two vLLM replicas): the driver's probe plans are split
-    across the ranks by verl's DP_COMPUTE_PROTO dispatch and the segment data comes back in batch order."""
-    # Each rank holds 16 / 2 = 8 traces; verl's engine needs micro-batches that divide them.
-    dp2 = [
-        "trainer.n_gpus_per_node=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-    ]
-    result = _train("rredcot", build, tmp_path, extra=dp2)
-    _ok(result)
-    assert "'num_gpus': 2" in result.stdout + result.stderr  # the local cluster follows trainer.n_gpus_per_node
-    rows = _assert_finite_steps(tmp_path, 2)
+# Two FSDP2 actor ranks over gloo (two fake Ray GPUs, two vLLM replicas); each rank holds 16 / 2 = 8 traces and
+# verl's engine needs micro-batches that divide them.
+DP2 = [
+    "trainer.n_gpus_per_node=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+]
+
+
+def _checkpointing(out: Path) -> list[str]:
+    # The value gate off: its decision on one or two batches of 16 traces is noise (a batch's concordance has a
+    # standard deviation of about 0.06 around 0.7). The gate is tested in test_value_gate_on_cpu.py; its window is
+    # still kept, saved and restored here.
+    return [f"trainer.default_local_dir={out / 'checkpoints'}", "algorithm.rredcot.redistribution.min_value_concordance=0.0",
+            f"trainer.rollout_data_dir={out / 'rollouts'}"]  # fmt: skip
+
+
+def test_rredcot_dp2_trains_and_redistributes(build, rredcot_reference):
+    """The driver's probe plans are split across the two ranks by verl's DP_COMPUTE_PROTO dispatch and the segment
+    data comes back in batch order."""
+    out = rredcot_reference
+    rows = _assert_finite_steps(out, 3)
     # verl balances each step's tokens over the actor's dp ranks: the mean per rank is half the total with two.
     assert all(row["perf/total_num_tokens"] == 2 * row["global_seqlen/mean"] for row in rows)
-    assert any(row["rredcot/redistributed_frac"] > 0 for row in rows)
+    assert all(row["rredcot/redistributed_frac"] > 0 for row in rows)
     assert all(row["rredcot/fallback/nonfinite"] == 0 for row in rows)
     # Each rank's segment data landed on its own traces: segments end at the trace's own length (lengths differ
     # between traces) and the value column after the last segment is the trace's own outcome.
-    for snapshot in sorted((tmp_path / "snapshots").glob("step_*.json")):
+    for snapshot in sorted((out / "snapshots").glob("step_*.json")):
         for trace in json.loads(snapshot.read_text())["traces"]:
             ends = [e for e in trace["seg_ends"] if e >= 0]
             if not trace["response_tokens"]:
                 continue
             assert ends and ends[-1] == len(trace["response_tokens"]), (snapshot.name, ends, len(trace["response_tokens"]))
             assert trace["seg_raw_values"][len(ends)] == pytest.approx(trace["outcome"]), snapshot.name
-    traces = _latest_snapshot(tmp_path)["traces"]
+    traces = _latest_snapshot(out)["traces"]
     differing = 0
     for trace in traces:
         ends = [e for e in trace["seg_ends"] if e >= 0]
@@ -163,7 +174,7 @@ def test_rredcot_dp2_trains_and_redistributes(build, tmp_path):
         rewards = [r for r in trace["segment_rewards"][: len(ends)]]
         assert sum(rewards) == pytest.approx(values[-1] - values[0], abs=1e-5)  # telescoping on real data
     assert differing > 0, "no redistributed trace had different advantages between its segments"
-    _assert_step_1_values_equal_one_process(build, tmp_path)
+    _assert_step_1_values_equal_one_process(build, out)
 
 
 def _assert_step_1_values_equal_one_process(build: Path, out: Path) -> None:
@@ -231,17 +242,18 @@ def test_a_reward_that_raises_stops_the_run_with_its_first_error(build, tmp_path
 
 
 @pytest.fixture(scope="module")
-def grpo_reference(build, tmp_path_factory) -> Path:
-    """Three uninterrupted grpo steps through our launcher (the rredcot trainer), rollouts dumped per step, sent with
-    `ray job submit` to a head node started by hand (as on a cluster) and torn down afterwards. The head runs in its
-    own session (`ray start --block`) so teardown kills exactly its processes."""
-    out = tmp_path_factory.mktemp("grpo_reference")
+def rredcot_reference(build, tmp_path_factory) -> Path:
+    """Three uninterrupted `rredcot` steps through our launcher on two actor ranks, checkpointed after step 2,
+    rollouts dumped per step, sent with `ray job submit` to a head node started by hand (as on a cluster, with the
+    two GPUs the ranks ask for) and torn down afterwards. The head runs in its own session (`ray start --block`) so
+    teardown kills exactly its processes."""
+    out = tmp_path_factory.mktemp("rredcot_reference")
     ray = str(Path(sys.executable).parent / "ray")
     gcs_port, dashboard_port = _free_port(), _free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     temp_dir = Path("/tmp") / f"ray_e2e_{os.getpid()}"
     start = [
-        ray, "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=32", "--num-gpus=1",
+        ray, "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=32", "--num-gpus=2",
         "--include-dashboard=true", f"--dashboard-port={dashboard_port}", "--dashboard-host=127.0.0.1",
         # Ports of its own for the agents that take job submissions: Ray's fixed defaults (52365, ...) are taken
         # when another Ray instance runs on the machine, and the head then never gets an agent to submit to.
@@ -257,7 +269,7 @@ def grpo_reference(build, tmp_path_factory) -> Path:
         # ("No available agent to submit job, please try again later").
         for _ in range(6):
             result = _train(
-                "grpo", build, out, steps=3, extra=[f"trainer.rollout_data_dir={out / 'rollouts'}"],
+                "rredcot", build, out, steps=3, extra=[*DP2, *_checkpointing(out), "trainer.save_freq=2"],
                 env_extra={**env, "RAY_ADDRESS": f"http://127.0.0.1:{dashboard_port}"},
             )
             if "No available agent to submit job" not in result.stdout + result.stderr:
@@ -274,22 +286,23 @@ def grpo_reference(build, tmp_path_factory) -> Path:
     return out
 
 
-def test_ray_job_submit_to_a_running_head_node(grpo_reference):
-    """The grpo reference run went through `ray job submit`: the job finished as succeeded, with all its steps."""
-    assert "succeeded" in (grpo_reference / "stdout.log").read_text()
-    _assert_finite_steps(grpo_reference, 3)
+def test_ray_job_submit_to_a_running_head_node(rredcot_reference):
+    """The reference run went through `ray job submit`: the job finished as succeeded, with all its steps."""
+    assert "succeeded" in (rredcot_reference / "stdout.log").read_text()
+    _assert_finite_steps(rredcot_reference, 3)
 
 
-def test_grpo_through_the_launcher_sees_the_prompts_of_verls_sync_trainer(build, grpo_reference, tmp_path):
-    """Same seed and config: verl's PPOTrainerSync and our trainer draw the same prompts at every step (the sync
-    replay buffer on train_batch_size dataloader fetches). Compared: per step, the sorted (prompt, ground truth) pairs
-    of all 16 traces in verl's rollout dump."""
+def test_our_trainer_sees_the_prompts_of_verls_sync_trainer(build, rredcot_reference, tmp_path):
+    """Same seed and data: verl's PPOTrainerSync (running grpo) and our trainer (running the rredcot reference) draw
+    the same prompts at every step (the sync replay buffer on train_batch_size dataloader fetches; the prompt order
+    depends on the data seed, not the estimator or the ranks). Compared: per step, the sorted (prompt, ground truth)
+    pairs of all 16 traces in verl's rollout dump."""
     dumps = [f"trainer.rollout_data_dir={tmp_path / 'rollouts'}", f"algorithm.rredcot.snapshot_dir={tmp_path / 'snapshots'}"]
     _ok(_train_verl_sync("grpo", build, tmp_path, steps=3, extra=dumps))
     _assert_finite_steps(tmp_path, 3)
     # Two different trainer classes ran: only ours writes snapshots.
-    assert (grpo_reference / "snapshots").is_dir() and not (tmp_path / "snapshots").exists()
-    ours, verls = _prompts_per_step(grpo_reference / "rollouts"), _prompts_per_step(tmp_path / "rollouts")
+    assert (rredcot_reference / "snapshots").is_dir() and not (tmp_path / "snapshots").exists()
+    ours, verls = _prompts_per_step(rredcot_reference / "rollouts"), _prompts_per_step(tmp_path / "rollouts")
     assert sorted(ours) == sorted(verls) == [1, 2, 3]
     for step in (1, 2, 3):
         assert len(ours[step]) == 16 and len(set(ours[step])) == 4  # 4 prompts x 4 samples
@@ -297,40 +310,35 @@ def test_grpo_through_the_launcher_sees_the_prompts_of_verls_sync_trainer(build,
     assert ours[1] != ours[2] != ours[3]
 
 
-def test_segment_mc_two_steps_then_resume_trains_step_3_on_the_uninterrupted_batch(build, grpo_reference, tmp_path):
-    """segment_mc end to end for two steps with a checkpoint after step 2 (verl's sync checkpoint: no TransferQueue
-    state), then a fresh process resumes from it and trains step 3. Compared: step 3's sorted (prompt, ground truth)
-    pairs with step 3 of the uninterrupted grpo run (the prompt order depends on the data seed, not the estimator)."""
-    checkpoints = tmp_path / "checkpoints"
-    # The value gate off: its decision on two batches of 16 traces' Monte-Carlo values is noise (a batch's concordance
-    # has a standard deviation of about 0.06 around 0.7; one CI run saw 0.52 and 0.60 and closed the gate). The gate
-    # is tested in test_value_gate_on_cpu.py; its window is still kept, saved and restored here.
-    common = [f"trainer.default_local_dir={checkpoints}", "trainer.save_freq=2", "trainer.resume_mode=auto",
-              "algorithm.rredcot.redistribution.min_value_concordance=0.0"]  # fmt: skip
-    first, resumed = tmp_path / "first", tmp_path / "resumed"
-    _ok(_train("segment_mc", build, first, steps=2, extra=[*common, f"trainer.rollout_data_dir={first / 'rollouts'}"]))
-    rows = _assert_finite_steps(first, 2)
-    assert all(row["segment_mc/continuations"] > 0 for row in rows)
-    assert any(row["segment_mc/redistributed_frac"] > 0 for row in rows)
-    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    assert (checkpoints / "global_step_2" / "data.pt").is_file()
-    assert not (checkpoints / "global_step_2" / "transfer_queue").exists(), "an async-mode checkpoint was written"
-
+def test_a_fresh_process_resumes_the_dp2_checkpoint_and_trains_step_3_on_the_uninterrupted_batch(build, rredcot_reference, tmp_path):
+    """The reference run's checkpoint after step 2 (verl's sync checkpoint, two ranks: no TransferQueue state) is
+    resumed by a fresh local process on two ranks, which trains step 3. Compared with the uninterrupted run: step 3's
+    sorted (prompt, ground truth) pairs, and the value gate's pooled concordance over steps 1-3."""
+    reference_rows = _assert_finite_steps(rredcot_reference, 3)
+    checkpoint = rredcot_reference / "checkpoints" / "global_step_2"
+    assert (checkpoint / "data.pt").is_file()
+    assert not (checkpoint / "transfer_queue").exists(), "an async-mode checkpoint was written"
     # The value gate's window is saved with the checkpoint: both steps' counts, as their metrics report them.
-    saved = json.loads((checkpoints / "global_step_2" / "value_gate.json").read_text())["previous_batches"]
-    assert [comparisons for _, comparisons in saved] == [row["segment_mc/value_concordance_comparisons"] for row in rows]
+    saved = json.loads((checkpoint / "value_gate.json").read_text())["previous_batches"]
+    assert [comparisons for _, comparisons in saved] == [
+        row["rredcot/value_concordance_comparisons"] for row in reference_rows[:2]
+    ]
 
-    _ok(_train("segment_mc", build, resumed, steps=3, extra=[*common, f"trainer.rollout_data_dir={resumed / 'rollouts'}"]))
-    [step_3] = load_metrics(resumed / "metrics.jsonl")
+    resume = [*DP2, *_checkpointing(tmp_path), "trainer.save_freq=-1", "trainer.resume_mode=resume_path",
+              f"trainer.resume_from_path={checkpoint}"]  # fmt: skip
+    result = _train("rredcot", build, tmp_path, steps=3, extra=resume)
+    _ok(result)
+    assert "'num_gpus': 2" in result.stdout + result.stderr  # the local cluster follows trainer.n_gpus_per_node
+    [step_3] = load_metrics(tmp_path / "metrics.jsonl")
     assert step_3["step"] == 3
-    # ... and restored: step 3's pooled concordance counts steps 1 and 2 as the uninterrupted run would.
-    comparisons = step_3["segment_mc/value_concordance_comparisons"]
-    concordant = step_3.get("segment_mc/value_concordance", 0.0) * comparisons
+    # ... and restored: step 3's pooled concordance counts steps 1 and 2 as the uninterrupted run would (with the
+    # window lost it would be this batch's alone, or absent for a batch without comparisons: all 16 traces wrong, as
+    # one verification run drew).
+    comparisons = step_3["rredcot/value_concordance_comparisons"]
+    concordant = step_3.get("rredcot/value_concordance", 0.0) * comparisons
     expected = (concordant + sum(c for c, _ in saved)) / (comparisons + sum(n for _, n in saved))
-    assert step_3["segment_mc/value_concordance_pooled"] == pytest.approx(expected)
-    reference = _prompts_per_step(grpo_reference / "rollouts")
-    assert _prompts_per_step(first / "rollouts") == {1: reference[1], 2: reference[2]}
-    assert _prompts_per_step(resumed / "rollouts") == {3: reference[3]}
+    assert step_3["rredcot/value_concordance_pooled"] == pytest.approx(expected)
+    assert _prompts_per_step(tmp_path / "rollouts") == {3: _prompts_per_step(rredcot_reference / "rollouts")[3]}
 
 
 def _free_port() -> int:
