@@ -311,3 +311,77 @@ def test_verified_repairs_fill_the_bank_of_a_group_without_a_correct_trace(qwen_
     assert bank_metrics(plans, ["g", "g", "h", "h"])["rredcot/bank_groups_empty"] == 1.0
     with pytest.raises(ValueError, match="group_and_repairs needs the step's verified repairs"):
         plan_traces(wrong, settings, tok, PARAGRAPHS)
+
+
+def _tool_agent_record(tokenizer, prompt, turns: list[str], tool_outputs: list[str], outcome: float) -> TraceRecord:
+    """A multi-turn response as verl's tool agent loop lays it out with a ChatML builder: each assistant turn (mask
+    1) ends with <|im_end|>; the builder's separator "\\n", the tool message and the next assistant header follow
+    with mask 0."""
+    ids, mask = [], []
+    for j, turn in enumerate(turns):
+        turn_ids = _encode(tokenizer, turn) + [tokenizer.eos_token_id]
+        ids, mask = ids + turn_ids, mask + [1] * len(turn_ids)
+        if j < len(tool_outputs):
+            context = _encode(tokenizer, f"\n<|im_start|>user\n<tool_response>\n{tool_outputs[j]}\n</tool_response>"
+                                         "<|im_end|>\n<|im_start|>assistant\n")
+            ids, mask = ids + context, mask + [0] * len(context)
+    entropy = torch.tensor([2.0 if i and "\n" in tokenizer.decode([ids[i - 1]]) else 0.1 for i in range(len(ids))])
+    return TraceRecord(prompt, torch.tensor(ids), entropy, outcome, "g", "59", response_mask=torch.tensor(mask))
+
+
+TOOL_TURNS = [
+    "<think>\nOkay, let me add the first two numbers with the tool.\n</think>\n\n<tool_call>23+45</tool_call>",
+    "<think>\nThen subtract:\n68-17=51.\n</think>\n\n<tool_call>51+8</tool_call>",
+]
+
+
+@pytest.mark.parametrize("strategy", ["turns", "hybrid"])
+def test_tool_agent_trace_is_cut_and_probed_turn_by_turn(qwen_tokenizer, strategy):
+    """A thinking model's tool trajectory: each turn's </think> ends its thinking, its tool call is one segment,
+    no state sits on the tool output, and every state is probed as the policy saw it: a state at a later turn's
+    start opens that turn's thinking anew (before, the first </think> ended the thinking of the whole response and
+    later states got no probe)."""
+    tok = qwen_tokenizer
+    prompt = _prompt(tok, QWEN3_TEMPLATE)
+    turns = [*TOOL_TURNS, _qwen3_response(PARAGRAPHS_OK[2:], "59")]
+    traces = [_tool_agent_record(tok, prompt, turns, ["68", "59"], 1.0),
+              _record(tok, prompt, _qwen3_response(PARAGRAPHS_BAD, "58"), 0.0)]
+    settings = dataclasses.replace(
+        _settings("qwen3"), segmentation=SegmentationSettings(strategy=strategy, max_segments=12, min_segment_len=2)
+    )
+    plan = plan_traces(traces, settings, tok, PARAGRAPHS)[0]
+    response, mask = plan.response_ids.tolist(), traces[0].response_mask.tolist()
+    think_end = tok.convert_tokens_to_ids("</think>")
+    think_ends = [p for p, token in enumerate(response) if token == think_end]
+    turn_starts = [p for p in range(1, len(mask)) if mask[p] and not mask[p - 1]]
+    assert len(think_ends) == 3 and len(turn_starts) == 2
+    assert {*think_ends, *turn_starts} <= set(plan.segment_ends)
+    assert plan.segment_ends[-1] == len(response) and all(mask[start] for start in plan.starts)
+    assert {p.value_index for p in plan.probes} == set(range(plan.num_values))  # every state has a value
+    _assert_canonical(tok, plan)
+    forced = {p.boundary: _text(tok, p.forced_ids) for p in plan.probes}
+    exit_text = PROFILE_PRESETS["qwen3"].exit_text
+    for start in [0, *turn_starts]:  # the turn has not opened its thinking yet
+        assert forced[start] == "<think>\n" + exit_text
+    assert all(not forced[b].startswith("<think>") for b in forced if b not in (0, *turn_starts))
+
+
+def test_own_continuation_values_skip_the_tool_output(qwen_tokenizer):
+    """``own_continuation``: a state's value is the probability of the policy's own remaining tokens; the tool output
+    and template tokens in between are the environment's, so they leave the value as if they were not there."""
+    from rredcot_verl.core.probes import own_continuation_values
+
+    tok = qwen_tokenizer
+    prompt = _prompt(tok, QWEN3_TEMPLATE)
+    trace = _tool_agent_record(tok, prompt, TOOL_TURNS, ["68"], 1.0)
+    settings = dataclasses.replace(_settings("qwen3", source="own_continuation"),
+                                   segmentation=SegmentationSettings(strategy="turns"))
+    plan = plan_traces([trace], settings, tok, PARAGRAPHS)[0]
+    assert plan.response_mask is trace.response_mask and not plan.probes
+    mask = trace.response_mask.bool()
+    log_probs = -0.05 * torch.rand(mask.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    holed = own_continuation_values(log_probs, plan.starts, 1.0, plan.response_mask)
+    rank = torch.cat([torch.zeros(1, dtype=torch.long), mask.long().cumsum(0)])
+    plain = own_continuation_values(log_probs[mask], [int(rank[start]) for start in plan.starts], 1.0)
+    torch.testing.assert_close(holed, plain)
+    assert (holed[:2] > own_continuation_values(log_probs, plan.starts, 1.0)[:2]).all()  # states before the tool output

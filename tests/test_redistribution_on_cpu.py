@@ -590,25 +590,147 @@ def one_trace_cases(draw):
 def test_batched_redistribution_equals_the_one_trace_reference(case):
     """``redistribute`` on a batch whose first trace is the case (its group mates carry one segment each) gives that
     trace the token advantages of ``redistribution_reference.redistribute_trace``."""
+    _assert_equals_the_one_trace_reference(case, holes=[0] * case[1][-1])
+
+
+def _assert_equals_the_one_trace_reference(case, holes: list[int]):
+    """The case's trace first in a batch, with ``holes[t]`` context tokens after its model token t."""
     from rredcot_verl.core.redistribution_reference import redistribute_trace
 
     outcomes, ends, raw, options, reward_range, shaped = case
-    size, length = len(outcomes), ends[-1]
-    width = max(length, 4)
-    mask = torch.zeros(size, width)
-    mask[0, :length] = 1
+    size = len(outcomes)
+    row_mask, _, full_ends = _open_holes(ends, ends[-1], holes)
+    mask = torch.zeros(size, max(len(row_mask), 4))
+    mask[0, : len(row_mask)] = torch.tensor(row_mask, dtype=torch.float32)
     mask[1:, :4] = 1
     seg_ends = torch.full((size, len(ends)), -1, dtype=torch.int64)
-    seg_ends[0] = torch.tensor(ends)
+    seg_ends[0] = torch.tensor(full_ends)
     seg_ends[1:, 0] = 4
     raw_values = torch.full((size, len(ends) + 1), float("nan"))
     raw_values[0, : len(ends)] = torch.tensor(raw, dtype=torch.float32)
     raw_values[1:, 0] = 0.5
-    cfg = _config(**options)
-    result = redistribute(torch.tensor(outcomes), mask, ["g"] * size, seg_ends, raw_values, cfg, reward_range=reward_range,
-                          shaped_scores=None if shaped is None else torch.tensor(shaped))
+    result = redistribute(torch.tensor(outcomes), mask, ["g"] * size, seg_ends, raw_values, _config(**options),
+                          reward_range=reward_range, shaped_scores=None if shaped is None else torch.tensor(shaped))
     expected = redistribute_trace(
-        outcomes[0], outcomes, ends, [float(v) for v in raw_values[0, : len(ends)]], reward_range=reward_range,
-        shaped_outcome=None if shaped is None else shaped[0], shaped_group_outcomes=shaped, **options,
+        outcomes[0], outcomes, full_ends, [float(v) for v in raw_values[0, : len(ends)]], reward_range=reward_range,
+        shaped_outcome=None if shaped is None else shaped[0], shaped_group_outcomes=shaped, response_mask=row_mask,
+        **options,
     )  # fmt: skip
-    torch.testing.assert_close(result.advantages[0, :length].double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+    assert all(expected[p] == 0.0 for p, trained in enumerate(row_mask) if not trained)
+    torch.testing.assert_close(
+        result.advantages[0, : len(row_mask)].double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-5
+    )
+
+# ---------------------------------------------------------------------------------------------- multi-turn responses
+# verl's tool agent loop writes a multi-turn response as the model's turns (response_mask 1) with the tool output and
+# the chat template's tokens between them (0: the separator after <|im_end|>, the tool message, the next header),
+# then right padding. Segments start on a model token; a hole sits at the tail of the segment before it.
+
+
+def _open_holes(ends_row: list[int], length: int, holes: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """A right-padded trace of ``length`` model tokens with ``holes[t]`` context tokens after model token t.
+
+    Returns:
+        its mask row (no padding), the full position of each model token, and ``ends_row`` (in model tokens) as
+        positions of the full response.
+    """
+    mask, positions = [], []
+    for t in range(length):
+        positions.append(len(mask))
+        mask += [1] + [0] * holes[t]
+    full_ends = [positions[end] if end < length else positions[-1] + 1 for end in ends_row]
+    return mask, positions, full_ends
+
+
+@PROPERTY_SETTINGS
+@given(batch=batches(), data=st.data(), mix=st.sampled_from([0.0, 0.5, 1.0]), mapping=st.sampled_from(["affine", "raw"]))
+def test_holes_get_zero_and_change_nothing_else(batch, data, mix, mapping):
+    """The same batch with tool output between its tokens: every model token keeps its advantage bit for bit, every
+    hole gets exactly 0, and values, segment rewards (so the per-trace telescoping) and fallbacks are the same."""
+    scores, mask, index, ends, raw = batch
+    lengths = mask.sum(1).long().tolist()
+    rows = []
+    for i, length in enumerate(lengths):
+        holes = data.draw(st.lists(st.sampled_from([0, 0, 0, 1, 3]), min_size=length, max_size=length), label="holes")
+        present = [int(e) for e in ends[i] if e >= 0]
+        rows.append(_open_holes(present, length, holes))
+    width = max([len(row_mask) for row_mask, _, _ in rows] + [1])
+    holed_mask = torch.zeros(len(rows), width, dtype=mask.dtype)
+    holed_ends = ends.clone()
+    for i, (row_mask, _, full_ends) in enumerate(rows):
+        holed_mask[i, : len(row_mask)] = torch.tensor(row_mask, dtype=mask.dtype)
+        holed_ends[i, : len(full_ends)] = torch.tensor(full_ends, dtype=torch.int64)
+    cfg = _config(mix=mix, value_mapping=mapping)
+    plain = redistribute(scores, mask, index, ends, raw, cfg)
+    holed = redistribute(scores, holed_mask, index, holed_ends, raw, cfg)
+    assert torch.all(holed.advantages[holed_mask == 0] == 0)
+    for i, (_, positions, _) in enumerate(rows):
+        assert torch.equal(holed.advantages[i, positions], plain.advantages[i, : lengths[i]])
+    torch.testing.assert_close(holed.values, plain.values, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(holed.segment_rewards, plain.segment_rewards, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(holed.fallback, plain.fallback)
+    assert holed.metrics == pytest.approx(plain.metrics, nan_ok=True)
+
+
+def _tool_trajectory(turn_tokens: list[int], hole: int) -> tuple[list[int], list[int]]:
+    """Mask row and per-turn segment ends (full positions) of turns of ``turn_tokens`` model tokens, each but the
+    last followed by ``hole`` context tokens, one segment per turn."""
+    mask, ends = [], []
+    for j, tokens in enumerate(turn_tokens):
+        mask += [1] * tokens
+        if j + 1 < len(turn_tokens):
+            mask += [0] * hole
+        ends.append(len(mask))
+    return mask, ends
+
+
+@pytest.mark.parametrize("turns", [1, 2, 5])
+def test_telescoping_per_trace_whatever_the_turn_count(turns):
+    """A group whose traces took 1, 2 and 5 turns: each trace's segment rewards sum to its outcome minus the group
+    mean, its advantage sums to L·Â over its own model tokens (its token mean is its GRPO advantage, so the number
+    of turns biases nothing), each turn's share lands on that turn's tokens only, and tool output gets 0."""
+    layouts = [[7] * turns, [5, 9], [4, 6, 3, 8, 5], [11]]  # the trace under test, then its group mates
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    hole = 6  # "\n" + the tool message + "<|im_start|>assistant\n"
+    rows = [_tool_trajectory(turn_tokens, hole) for turn_tokens in layouts]
+    width = max(len(row_mask) for row_mask, _ in rows) + 3  # right padding
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    ends = torch.full((len(rows), 5), -1, dtype=torch.int64)
+    raw = torch.full((len(rows), 6), NAN, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(turns)
+    for i, (row_mask, row_ends) in enumerate(rows):
+        mask[i, : len(row_mask)] = torch.tensor(row_mask)
+        ends[i, : len(row_ends)] = torch.tensor(row_ends)
+        raw[i, : len(row_ends)] = 0.3 + 0.4 * torch.rand(len(row_ends), generator=generator, dtype=torch.float64)
+    result = redistribute(scores, mask, ["g"] * len(rows), ends, raw, _config(value_mapping="raw", clip=50.0,
+                                                                              max_token_advantage_ratio=100.0))
+    grpo, _ = group_outcome_advantage(scores, ["g"] * len(rows), 1e-6, True)
+    assert not result.fallback.any()
+    assert torch.all(result.advantages[mask == 0] == 0)
+    for i, (row_mask, row_ends) in enumerate(rows):
+        rewards = result.segment_rewards[i, : len(row_ends)].double()
+        torch.testing.assert_close(rewards.sum(), scores[i].double() - 0.5)
+        model_tokens = sum(row_mask)
+        torch.testing.assert_close(result.advantages[i].double().sum(), model_tokens * grpo[i].double())
+        for k, (start, end) in enumerate(zip([0, *row_ends[:-1]], row_ends)):  # turn k's share, on turn k only
+            share = model_tokens * float(grpo[i]) * float(rewards[k] / rewards.sum())
+            torch.testing.assert_close(result.advantages[i, start:end].double().sum(), torch.tensor(share).double())
+
+
+def test_a_segment_starting_on_tool_output_is_refused():
+    scores, _, index, _, raw = _valid_batch()
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0]])
+    redistribute(scores, mask, index, torch.tensor([[4, 6], [3, -1]]), raw, _config())  # the turn start: fine
+    with pytest.raises(ValueError, match="segment start on a 0 of response_mask"):
+        redistribute(scores, mask, index, torch.tensor([[2, 6], [3, -1]]), raw, _config())
+    with pytest.raises(ValueError, match="segment end beyond response length"):
+        redistribute(scores, mask, index, torch.tensor([[4, 6], [5, -1]]), raw, _config())
+
+
+@PROPERTY_SETTINGS
+@given(case=one_trace_cases(), data=st.data())
+def test_batched_redistribution_equals_the_one_trace_reference_with_holes(case, data):
+    """As above, the trace's model tokens with tool output between them (after any token, the last included)."""
+    length = case[1][-1]
+    holes = data.draw(st.lists(st.sampled_from([0, 0, 1, 4]), min_size=length, max_size=length), label="holes")
+    _assert_equals_the_one_trace_reference(case, holes)

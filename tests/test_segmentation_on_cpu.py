@@ -10,7 +10,13 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from rredcot_verl.core.segmentation import STRATEGIES, BoundaryVocab, SegmentationSettings, segment_response
+from rredcot_verl.core.segmentation import (
+    STRATEGIES,
+    TURN_STRATEGIES,
+    BoundaryVocab,
+    SegmentationSettings,
+    segment_response,
+)
 
 torch.set_num_threads(1)
 
@@ -307,3 +313,131 @@ def test_contract_on_random_token_sequences(
     _assert_contract(ends, len(ids), cfg, fixed)
     if strategy in ("hybrid", "keyword"):
         assert all(vocab.has_newline[ids[e - 1]] for e in ends if e not in fixed)
+
+
+# ---------------------------------------------------------------------------------------------- multi-turn responses
+
+
+def _tool_loop_response(tokenizer, turns: list[str], tool_outputs: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A response laid out as verl's tool agent loop writes it (ChatML builder): each assistant turn ends with the
+    end-of-turn token (here the tokenizer's EOS) and has mask 1; after it the builder's separator "\\n" and the tool
+    message with the next assistant header, mask 0. A tool output after the last turn is a response cut at
+    ``response_length`` there."""
+    ids, mask = [], []
+    for j, turn in enumerate(turns):
+        turn_ids = tokenizer.encode(turn, add_special_tokens=False) + [tokenizer.eos_token_id]
+        ids, mask = ids + turn_ids, mask + [1] * len(turn_ids)
+        if j < len(tool_outputs):
+            context = tokenizer.encode(f"\nuser\n<tool_response>\n{tool_outputs[j]}\n</tool_response>\nassistant\n",
+                                       add_special_tokens=False)
+            ids, mask = ids + context, mask + [0] * len(context)
+    return torch.tensor(ids), torch.tensor(mask)
+
+
+def _turn_spans(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, stop) of each run of ones, computed here independently of the module."""
+    padded = torch.cat([torch.zeros(1, dtype=torch.long), mask.long(), torch.zeros(1, dtype=torch.long)])
+    steps = padded[1:] - padded[:-1]
+    return list(zip(torch.nonzero(steps == 1).flatten().tolist(), torch.nonzero(steps == -1).flatten().tolist()))
+
+
+TOOL_TURNS = [
+    "First we add 12 and 30.\nSo the sum is 42.\n\nWait, check the carry again:\n",
+    "Let me verify: 12+30=42.\nThus the result is 42.\n",
+    "Some more words about the value of the sum and then the check.\nThe answer is 42.",
+]
+
+
+def test_turns_make_each_assistant_turn_a_segment(tokenizer, vocab):
+    ids, mask = _tool_loop_response(tokenizer, TOOL_TURNS, ["42", "ok", "truncated out"])
+    spans = _turn_spans(mask)
+    assert len(spans) == 3 and mask[-1] == 0  # the trailing tool output is context too
+    ends = segment_response(ids, None, vocab, SegmentationSettings(strategy="turns"), response_mask=mask)
+    assert ends == [spans[1][0], spans[2][0], spans[2][1]]  # starts of turns 2 and 3, then the last model token + 1
+
+
+def test_turns_cut_further_inside_each_turn_only(tokenizer, vocab):
+    ids, mask = _tool_loop_response(tokenizer, TOOL_TURNS, ["42", "ok"])
+    spans = _turn_spans(mask)
+    entropies = torch.rand(len(ids), generator=torch.Generator().manual_seed(0))
+    cfg = SegmentationSettings(strategy="turns", turn_strategy="hybrid", min_segment_len=3)
+    ends = segment_response(ids, entropies, vocab, cfg, response_mask=mask)
+    assert {spans[1][0], spans[2][0]} <= set(ends) and len(ends) > 3  # the turn starts, and cuts inside turns
+    for start, end in zip([0, *ends[:-1]], ends):
+        assert mask[start] == 1  # a segment starts on a model token
+        assert sum(start < s < end for s, _ in spans) == 0  # and never spans two turns
+
+
+def test_think_end_is_found_in_every_turn(tokenizer, vocab):
+    """A thinking model writes <think>...</think> then its tool call in every turn: each turn's answer is one
+    segment, for ``turns`` and for the single-response strategies alike (before, only the first </think> counted)."""
+    turns = [f"{thinking}</think>call add(12, 30)" for thinking in TOOL_TURNS]
+    ids, mask = _tool_loop_response(tokenizer, turns, ["42", "ok"])
+    spans = _turn_spans(mask)
+    think_ends = [p for p, token in enumerate(ids.tolist()) if token == vocab.think_end_id]
+    assert len(think_ends) == 3
+    answers = {think_ends[0], spans[1][0], think_ends[1], spans[2][0], think_ends[2], spans[2][1]}
+    ends = segment_response(ids, None, vocab, SegmentationSettings(strategy="turns"), response_mask=mask)
+    assert ends == sorted(answers)
+    entropies = torch.rand(len(ids), generator=torch.Generator().manual_seed(1))
+    for strategy in ("hybrid", "fixed", "keyword", "entropy"):
+        cfg = SegmentationSettings(strategy=strategy, min_segment_len=2)
+        ends = segment_response(ids, entropies, vocab, cfg, response_mask=mask)
+        assert answers <= set(ends), strategy
+        for think_end in think_ends:  # nothing cuts an answer: the next end is its turn's end
+            following = ends[ends.index(think_end) + 1]
+            assert following in (spans[1][0], spans[2][0], spans[2][1]), (strategy, ends)
+
+
+def test_turn_strategy_needs_the_turns_strategy():
+    with pytest.raises(ValueError, match="needs strategy 'turns'"):
+        SegmentationSettings(strategy="hybrid", turn_strategy="fixed")
+    with pytest.raises(ValueError, match="turn_strategy must be one of"):
+        SegmentationSettings(strategy="turns", turn_strategy="turns")
+    with pytest.raises(ValueError, match="needs token entropies"):
+        segment_response(torch.tensor([1, 2]), None, _any_vocab(), SegmentationSettings("turns", turn_strategy="entropy"))
+
+
+def _any_vocab() -> BoundaryVocab:
+    return BoundaryVocab(torch.zeros(4, dtype=torch.bool), {}, ("",) * 4, None, SegmentationSettings().keywords, "")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    strategy=st.sampled_from([*STRATEGIES, *(f"turns/{inner}" for inner in TURN_STRATEGIES)]),
+    max_segments=st.integers(2, 6),
+    min_segment_len=st.integers(1, 6),
+)
+def test_contract_with_holes_on_random_token_sequences(tokenizer, vocab, data, strategy, max_segments, min_segment_len):
+    """Random turns and holes: the last end is one past the last model token, every segment starts on a model
+    token and holds at least ``min_segment_len`` of them unless both its ends are fixed (0, a turn start under
+    ``turns``, a </think> or the start of the turn after it, the end); with no hole the mask changes nothing."""
+    newline_ids = torch.nonzero(vocab.has_newline).flatten().tolist()
+    pool = newline_ids + list(range(vocab.vocab_size)) + [vocab.think_end_id] * 20
+    ids = torch.tensor(data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=80), label="ids"))
+    mask = torch.tensor(data.draw(st.lists(st.sampled_from([1, 1, 1, 0]), min_size=len(ids), max_size=len(ids))))
+    mask[0] = 1
+    entropies = torch.tensor(data.draw(st.lists(st.floats(0, 5), min_size=len(ids), max_size=len(ids)), label="H"))
+    name, _, inner = strategy.partition("/")
+    cfg = SegmentationSettings(name, max_segments, min_segment_len, turn_strategy=inner or "none")
+    ends = segment_response(ids, entropies, vocab, cfg, response_mask=mask)
+    spans = _turn_spans(mask)
+    assert ends[-1] == spans[-1][1]
+    assert all(a < b for a, b in zip(ends, ends[1:]))
+    fixed = {0, spans[-1][1]}
+    for j, (start, stop) in enumerate(spans):
+        turn = ids[start:stop].tolist()
+        if name == "turns":
+            fixed.add(start)
+        if vocab.think_end_id in turn:
+            fixed.add(start + turn.index(vocab.think_end_id))
+            fixed |= {spans[j + 1][0]} if j + 1 < len(spans) else set()
+    assert fixed - {0} <= set(ends)
+    assert len(set(ends) - fixed) <= max(0, max_segments - len(fixed - {0}))  # free cuts within the budget
+    for start, end in zip([0, *ends[:-1]], ends):
+        assert mask[start] == 1
+        if not {start, end} <= fixed:
+            assert int(mask[start:end].sum()) >= min_segment_len, (start, end, ends)
+    if bool(mask.all()):
+        assert ends == segment_response(ids, entropies, vocab, cfg)

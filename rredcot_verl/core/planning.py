@@ -29,7 +29,7 @@ import torch
 
 from rredcot_verl.core.probes import Probe, build_exit_probes, build_reference_probes
 from rredcot_verl.core.profiles import ProbeProfile, ProbeTokenizer, answer_region_start
-from rredcot_verl.core.segmentation import BoundaryVocab, segment_response
+from rredcot_verl.core.segmentation import BoundaryVocab, segment_response, turn_spans
 from rredcot_verl.core.settings import RRedCoTSettings
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,9 @@ class TraceRecord:
             ``split_steps`` sense (lines for ``arithmetic``, paragraphs for ``boxed_math``).
         question: the last user message of the dataset's chat prompt, if any (IBPO's revision prompts quote it).
         extra_info, data_source: the dataset's fields, passed to the rule reward as verl passes them.
+        response_mask: (L,) 0/1, verl's ``response_mask`` without padding: 0 on the tool output and template tokens
+            between a multi-turn response's assistant turns, which are context, never cut or probed into; None: the
+            whole response is the model's.
     """
 
     prompt_ids: torch.Tensor
@@ -88,6 +91,13 @@ class TraceRecord:
     question: str | None = None
     extra_info: Any = None
     data_source: Any = None
+    response_mask: torch.Tensor | None = None
+
+    def turns(self) -> list[tuple[int, int]]:
+        """(start, stop) of each assistant turn; one turn over the whole response without a mask."""
+        if self.response_mask is None:
+            return [(0, self.response_ids.numel())] if self.response_ids.numel() else []
+        return turn_spans(self.response_mask.bool().tolist())
 
 
 @dataclass
@@ -105,6 +115,7 @@ class TracePlan:
         temperature: the rollout's sampling temperature; probe log-probs are taken from logits / temperature, the
             distribution the traces were sampled from.
         bank_sources: where the group's bank came from (``BANK_FROM_*``; empty: no candidate).
+        response_mask: (L,) the trace's ``TraceRecord.response_mask`` (None: the whole response is the model's).
     """
 
     prompt_ids: torch.Tensor
@@ -117,6 +128,7 @@ class TracePlan:
     no_candidates: bool = False
     temperature: float = 1.0
     bank_sources: frozenset[str] = frozenset()
+    response_mask: torch.Tensor | None = None
 
     @property
     def num_values(self) -> int:
@@ -308,8 +320,7 @@ class _Planner:
     def exit_probes(self, trace, starts, bank, opened) -> list[Probe]:
         response = trace.response_ids.tolist()
         prompt = trace.prompt_ids.tolist()
-        has_end = self.think_end_id is not None and self.think_end_id in response
-        thinking_length = response.index(self.think_end_id) if has_end else len(response)
+        turns = trace.turns()
         correct = [s for a in bank.correct_answers for s in self.answer_sequences(a)]
         every = [s for a in bank.all_answers for s in self.answer_sequences(a)]
         probes = []
@@ -319,8 +330,16 @@ class _Planner:
                 text = text.lstrip()
             forced = self.probe_tokenizer.continuation(prompt + response[:start], text, exit_line=opened[k])
             probes += [dataclasses.replace(p, value_index=k) for p in build_exit_probes(
-                [start], forced, correct, thinking_length=thinking_length, all_answers=every)]
+                [start], forced, correct, thinking_length=self.thinking_end(response, turns, start), all_answers=every)]
         return probes
+
+    def thinking_end(self, response: list[int], turns, start: int) -> int:
+        """Where the thinking of the turn holding ``start`` ends: its first ``think_end`` (each turn of a thinking
+        model thinks anew), else the response's end."""
+        turn_start, turn_stop = next(((a, b) for a, b in turns if a <= start < b), (start, len(response)))
+        if self.think_end_id is not None and self.think_end_id in response[turn_start:turn_stop]:
+            return response.index(self.think_end_id, turn_start, turn_stop)
+        return len(response)
 
     def reference_probes(self, trace, starts, bank, opened, bodies) -> list[Probe]:
         response = trace.response_ids.tolist()
@@ -342,17 +361,29 @@ class _Planner:
 
 
 def _opened_and_bodies(planner: _Planner, trace, starts, by_prompt: bool, need_bodies: bool):
-    """Per state: whether thinking is open at its boundary, and (reference continuation) the thinking text so far."""
+    """Per state: whether thinking is open at its boundary, and (reference continuation) the thinking text so far,
+    both within the assistant turn holding it (a later turn opens its thinking anew, after the tool output)."""
     response = trace.response_ids.tolist()
     start_id = planner.think_start_id
-    opened_in_response = start_id is not None and start_id in response
-    open_at = 0 if by_prompt else (response.index(start_id) + 1 if opened_in_response else None)
-    opened = [open_at is not None and start >= open_at for start in starts]
+    turns = trace.turns() or [(0, 0)]
+    open_at = []  # per turn: where its thinking opens, or None
+    for j, (turn_start, turn_stop) in enumerate(turns):
+        if j == 0 and by_prompt or j > 0 and planner.opened_by_prompt(trace.prompt_ids.tolist() + response[:turn_start]):
+            open_at.append(turn_start)
+        elif start_id is not None and start_id in response[turn_start:turn_stop]:
+            open_at.append(response.index(start_id, turn_start, turn_stop) + 1)
+        else:
+            open_at.append(None)
+    # The turn of a state: the last one starting at or before it (a state past the last turn's end is in it).
+    turn_of = [max([j for j, (turn_start, _) in enumerate(turns) if turn_start <= start], default=0) for start in starts]
+    opened = [open_at[j] is not None and start >= open_at[j] for start, j in zip(starts, turn_of)]
     bodies = []
     if need_bodies:
         # Segment by segment, so the thinking text costs one decode of the response rather than one per state.
-        body, last = "", open_at or 0
-        for start, is_open in zip(starts, opened):
+        body, last, body_turn = "", open_at[0] or 0, 0
+        for start, is_open, j in zip(starts, opened, turn_of):
+            if j != body_turn:
+                body, last, body_turn = "", open_at[j] or turns[j][0], j
             if is_open and start > last:
                 body += planner.probe_tokenizer.decode(response[last:start])
                 last = start
@@ -413,10 +444,11 @@ def plan_traces(
         bank = banks[trace.group]
         plan = TracePlan(trace.prompt_ids, trace.response_ids, float(trace.outcome), [], value_rule=rule,
                          success=settings.success_probability(trace.outcome), temperature=float(temperature),
-                         bank_sources=frozenset(bank.sources))
+                         bank_sources=frozenset(bank.sources), response_mask=trace.response_mask)
         if trace.response_ids.numel() > 0:
-            plan.segment_ends = segment_response(trace.response_ids, trace.entropy, vocab, settings.segmentation)
-            if rule != "own_continuation":
+            plan.segment_ends = segment_response(trace.response_ids, trace.entropy, vocab, settings.segmentation,
+                                                 response_mask=trace.response_mask)
+            if plan.segment_ends and rule != "own_continuation":
                 if bank.correct_answers:
                     reference = source == "reference_continuation"
                     starts = plan.starts
@@ -462,10 +494,12 @@ def records_from_arrays(
     extra_infos: Sequence[Any] | None = None,
     raw_prompts: Sequence[Any] | None = None,
     data_sources: Sequence[Any] | None = None,
+    response_masks: Sequence[torch.Tensor] | None = None,
 ) -> list[TraceRecord]:
     """Build records from per-trace arrays (``entropies`` None before the log-prob pass); ``reward_models[i]
     ['ground_truth']``, ``extra_infos[i]['reference_steps']`` and the last user message of ``raw_prompts[i]`` (chat
-    messages) are read when present."""
+    messages) are read when present. ``response_masks``: each response's unpadded ``response_mask`` when its
+    ``responses`` row is the full interleaved multi-turn response (``TraceRecord.response_mask``)."""
 
     def at(values, i):
         return values[i] if values is not None else None
@@ -488,6 +522,7 @@ def records_from_arrays(
                 question=str(user[-1]) if user else None,
                 extra_info=extra,
                 data_source=at(data_sources, i),
+                response_mask=at(response_masks, i),
             )
         )
     return records

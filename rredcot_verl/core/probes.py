@@ -260,7 +260,12 @@ def values_from_probe_logp(
     return values.masked_fill(~has_correct | skipped, float("nan"))
 
 
-def own_continuation_values(trace_log_probs: torch.Tensor, boundaries: Sequence[int], outcome: float) -> torch.Tensor:
+def own_continuation_values(
+    trace_log_probs: torch.Tensor,
+    boundaries: Sequence[int],
+    outcome: float,
+    response_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Own-continuation baseline: v_k = ζ · Π_{n ≥ b_k} π(o_n | o_<n), from the trace log-probs alone.
 
     A one-sample lower bound; ~0 for long traces and 0 for every incorrect trace, so it pushes credit to the last segments.
@@ -269,6 +274,8 @@ def own_continuation_values(trace_log_probs: torch.Tensor, boundaries: Sequence[
         trace_log_probs: (L,) log π(response[n] | prompt, response[:n]).
         boundaries: (K,) response-token counts, 0 ≤ b_k ≤ L.
         outcome: ζ ∈ [0, 1], the trace's verified reward.
+        response_mask: (L,) 0/1 or None: the product runs over the 1s only (a multi-turn response's tool output is
+            the environment's, not a choice of the policy).
 
     Returns:
         (K,) fp32 in [0, 1].
@@ -281,6 +288,9 @@ def own_continuation_values(trace_log_probs: torch.Tensor, boundaries: Sequence[
     bounds = torch.as_tensor(list(boundaries), dtype=torch.long)
     if bounds.numel() and (bounds.min() < 0 or bounds.max() > response_len):
         raise ValueError(f"boundaries must lie in [0, {response_len}], got {bounds.tolist()}")
+    log_probs = trace_log_probs.float()
+    if response_mask is not None:
+        log_probs = log_probs.where(response_mask.bool(), 0.0)
     # suffix[n] = Σ_{m ≥ n} log p_m, with suffix[L] = 0.
-    suffix = torch.cat([trace_log_probs.float().flip(0).cumsum(0).flip(0), torch.zeros(1)])
+    suffix = torch.cat([log_probs.flip(0).cumsum(0).flip(0), torch.zeros(1)])
     return outcome * suffix[bounds].exp()

@@ -281,10 +281,14 @@ def redistribute(
 
     Args:
         scores: (bs,) float outcome ζ per trace, on ``reward_range``.
-        response_mask: (bs, T) 0/1, right-padded (responses start at column 0, verl's layout).
+        response_mask: (bs, T) 0/1, 1 on the model's tokens from column 0; 0 on right padding and, in multi-turn
+            responses (verl's tool agent loop), on the tool output and template tokens between turns. Those holes
+            get advantage 0 and count in no segment: L and n_k below count the model's tokens only, so the
+            per-trace telescoping Σ_k R_k = V_K − V_0 holds whatever the number of turns.
         index: (bs,) hashables, group (prompt) id of each trace.
-        segment_ends: (bs, Kmax) int64 exclusive segment ends, strictly increasing, padded with -1 at the end.
-            A trace has segment data when its last end equals its response length.
+        segment_ends: (bs, Kmax) int64 exclusive segment ends in positions of the full response, strictly
+            increasing, padded with -1 at the end; every segment starts on a 1 of ``response_mask``. A trace has
+            segment data when its last end is one past its last 1.
         raw_values: (bs, Kmax + 1) float probe values v̂_0..v̂_K in [0, 1] (column K is replaced by ζ and not read),
             NaN-padded.
         cfg: settings.
@@ -326,18 +330,20 @@ def redistribute(
     ``abs_segment_reward/last``.
 
     Raises:
-        ValueError: on shape or dtype mismatches, masks that are not right-padded 0/1, segment ends that are not
-            strictly increasing and positive, that exceed the response length or have padding before data, finite
+        ValueError: on shape or dtype mismatches, masks that are not 0/1 or start with a 0, segment ends that are not
+            strictly increasing and positive, that exceed the response, start a segment on a 0 of the mask or have
+            padding before data, finite
             probe values outside [0, 1], and a reward range that is not two finite numbers low < high.
     """
     low, high = check_reward_range(reward_range)
-    lengths, num_segments = _check_batch(scores, response_mask, index, segment_ends, raw_values)
+    lengths, num_segments, policy_ends = _check_batch(scores, response_mask, index, segment_ends, raw_values)
     baseline = scores if shaped_scores is None else _check_shaped(shaped_scores, scores)
     advantage, group_mean = group_outcome_advantage(baseline, index, cfg.epsilon, cfg.norm_adv_by_std)
     traces = _Traces(
         index=index, scores=scores.double(), baseline=baseline.double(), group_mean=group_mean.double(),
         advantage=advantage, grpo=advantage.unsqueeze(-1) * response_mask, lengths=lengths,
-        num_segments=num_segments, segment_ends=segment_ends, raw_values=raw_values, low=low, high=high,
+        num_segments=num_segments, segment_ends=policy_ends, raw_values=raw_values, low=low, high=high,
+        in_response=response_mask != 0,
     )  # fmt: skip
 
     # 1. all-equal groups (of the shaped scores when given: their Â' is 0)
@@ -392,6 +398,9 @@ class _Traces:
         advantage: (bs,) GRPO's Â in the scores' dtype; grpo: (bs, T) verl's GRPO token advantages Â · mask.
         lengths, num_segments: (bs,) int64 L and K; segment_ends: (bs, M) int64 b_1..b_K, -1 padded.
         raw_values: (bs, M+1) probe values v̂_0..v̂_K, NaN padded.
+        in_response: (bs, T) bool, the policy's tokens (``response_mask``).
+        L, b_k and n_k count the policy's tokens only: a multi-turn response's tool output and template tokens are
+        left out, so every formula reads as on a response without them (``_token_rows`` puts them back).
         Set by the steps of ``redistribute``:
         degenerate, differences: (bs,) bool, traces of all-equal groups and those of them that learn from value
             differences (step 1).
@@ -413,6 +422,7 @@ class _Traces:
     raw_values: torch.Tensor
     low: float
     high: float
+    in_response: torch.Tensor
     # Step 1.
     degenerate: torch.Tensor = field(init=False)
     differences: torch.Tensor = field(init=False)
@@ -444,11 +454,6 @@ class _Traces:
         """(bs, M) int64 n_k, meaningless beyond K."""
         first_starts = torch.zeros(self.segment_ends.shape[0], 1, dtype=torch.int64)
         return self.segment_ends - torch.cat([first_starts, self.segment_ends[:, :-1]], dim=1)
-
-    @cached_property
-    def in_response(self) -> torch.Tensor:
-        """(bs, T) bool, t < L."""
-        return torch.arange(self.grpo.shape[1]) < self.lengths.unsqueeze(1)
 
     @property
     def width(self) -> float:
@@ -585,16 +590,16 @@ def _value_differences(traces: _Traces, live: torch.Tensor, cfg: RedistributionS
 
 def _token_rows(traces: _Traces, advantages: torch.Tensor) -> torch.Tensor:
     """Step 6. (bs, T) in GRPO's dtype: each token's advantage is its segment's (``advantages``, (bs, M)); read only
-    within a response."""
+    on the policy's tokens (``in_response``)."""
     bsz, max_segments = traces.segment_ends.shape
     if max_segments == 0:  # no trace has segment data
         return torch.zeros_like(traces.grpo)
     horizon = traces.grpo.shape[1]
+    # Each policy token's place among the policy's tokens (t itself on a right-padded row).
+    policy_position = (traces.in_response.long().cumsum(1) - 1).clamp(min=0).contiguous()
     # Segment of each token: the number of ends at or before it (padding ends sort last).
     sorted_ends = traces.segment_ends.where(traces.segment_ends >= 0, horizon + 1).contiguous()
-    token_segment = torch.searchsorted(
-        sorted_ends, torch.arange(horizon).expand(bsz, horizon).contiguous(), right=True
-    ).clamp(max=max_segments - 1)
+    token_segment = torch.searchsorted(sorted_ends, policy_position, right=True).clamp(max=max_segments - 1)
     return advantages.gather(1, token_segment).to(traces.grpo.dtype)
 
 
@@ -633,8 +638,9 @@ def _check_shaped(shaped_scores: torch.Tensor, scores: torch.Tensor) -> torch.Te
     return shaped_scores.to(scores.dtype)
 
 
-def _check_batch(scores, response_mask, index, segment_ends, raw_values) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate a batch; returns response lengths (bs,) and segment counts (bs,), both int64."""
+def _check_batch(scores, response_mask, index, segment_ends, raw_values) -> tuple[torch.Tensor, ...]:
+    """Validate a batch; returns the policy tokens per response (bs,), the segment counts (bs,) and the segment ends
+    counted in policy tokens (bs, Kmax), -1 padded, all int64."""
     bsz = check_outcome_batch(scores, response_mask, index)
     if segment_ends.dim() != 2 or segment_ends.shape[0] != bsz or segment_ends.dtype != torch.int64:
         raise ValueError(
@@ -648,13 +654,22 @@ def _check_batch(scores, response_mask, index, segment_ends, raw_values) -> tupl
             f"{raw_values.dtype}"
         )
 
-    token_present = response_mask != 0
+    trained = response_mask != 0
     if not ((response_mask == 0) | (response_mask == 1)).all():
         raise ValueError("response_mask must hold only 0 and 1")
-    lengths = token_present.sum(1)
-    if not torch.equal(token_present, torch.arange(response_mask.shape[1]) < lengths.unsqueeze(1)):
-        bad = _first_row(token_present != (torch.arange(response_mask.shape[1]) < lengths.unsqueeze(1)))
-        raise ValueError(f"response_mask must be right-padded (tokens from column 0, then zeros); row {bad} is not")
+    lengths = trained.sum(1)
+    late_start = (lengths > 0) & ~trained[:, :1].any(1)
+    if late_start.any():
+        raise ValueError(
+            "response_mask must be right-padded, holes between turns allowed (the model's tokens from column 0); "
+            f"row {_first_row(late_start.unsqueeze(1))} starts with a 0"
+        )
+    no_token = torch.zeros(bsz, 1, dtype=torch.int64)
+    # Policy tokens before each position: position b of the full response is position rank[b] of the policy's
+    # tokens alone, where the redistribution is computed.
+    rank = torch.cat([no_token, trained.long().cumsum(1)], dim=1)
+    # One past the last policy token: where the last segment ends.
+    extent = torch.cat([no_token, torch.where(trained, torch.arange(1, trained.shape[1] + 1), 0)], dim=1).amax(1)
 
     present = segment_ends != -1
     if (segment_ends < -1).any():
@@ -669,14 +684,25 @@ def _check_batch(scores, response_mask, index, segment_ends, raw_values) -> tupl
         raise ValueError(
             f"segment_ends must be positive and strictly increasing; row {row}: {segment_ends[row].tolist()}"
         )
-    beyond = present & (segment_ends > lengths.unsqueeze(1))
+    beyond = present & (segment_ends > extent.unsqueeze(1))
     if beyond.any():
         row = _first_row(beyond)
         raise ValueError(
             f"segment end beyond response length in row {row}: ends {segment_ends[row].tolist()}, "
-            f"length {int(lengths[row])}"
+            f"length {int(extent[row])}"
         )
-    return lengths, present.sum(1)
+    # A segment starts on a policy token (b_0 = 0 is one, checked above), so it holds at least one.
+    inner_end = present & torch.cat([present[:, 1:], torch.zeros(bsz, 1, dtype=torch.bool)], dim=1)
+    trained_or_end = torch.cat([trained, torch.zeros(bsz, 1, dtype=torch.bool)], dim=1)  # ends <= T index it
+    starts_on_hole = inner_end & ~trained_or_end.gather(1, segment_ends.clamp(min=0))
+    if starts_on_hole.any():
+        row = _first_row(starts_on_hole)
+        raise ValueError(
+            f"segment start on a 0 of response_mask (tool output or template) in row {row}: "
+            f"ends {segment_ends[row].tolist()}"
+        )
+    policy_ends = torch.where(present, rank.gather(1, segment_ends.clamp(min=0)), segment_ends)
+    return lengths, present.sum(1), policy_ends
 
 
 def _first_row(mask: torch.Tensor) -> int:

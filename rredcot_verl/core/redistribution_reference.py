@@ -2,7 +2,8 @@
 
 ``redistribution.redistribute`` does the same for a whole batch with tensors, fallbacks and metrics; a property test
 (``tests/test_redistribution_on_cpu.py``) holds it to this function on random traces. Covered: a trace with segment
-data in a group of two or more with mixed outcomes, the value gate open. Not covered (the batched version keeps the
+data in a group of two or more with mixed outcomes, the value gate open, multi-turn responses (a mask with
+holes) included. Not covered (the batched version keeps the
 GRPO advantage there and counts why): empty responses, groups of one, outcomes outside the reward range, all-equal
 groups (``degenerate_groups``), missing or non-finite values. Imports nothing but the standard library.
 """
@@ -57,28 +58,34 @@ def redistribute_trace(
     reward_range: tuple[float, float] = (0.0, 1.0),
     shaped_outcome: float | None = None,
     shaped_group_outcomes: Sequence[float] | None = None,
+    response_mask: Sequence[int] | None = None,
 ) -> list[float]:
     """Token advantages of one trace.
 
     Args:
         outcome: ζ. group_outcomes: the outcomes of its group, itself included.
-        segment_ends: b_1 < ... < b_K = L, exclusive segment ends. raw_values: v̂_0..v̂_{K-1}, probabilities.
+        segment_ends: b_1 < ... < b_K, exclusive segment ends in positions of the response; b_K is one past its
+            last model token. raw_values: v̂_0..v̂_{K-1}, probabilities.
         The keyword arguments are ``RedistributionSettings``' fields; reward_range: (low, high).
         shaped_outcome, shaped_group_outcomes: the same after reward shaping (IBPO's R'), or None: the advantage
             and the anchor V_0 come from them, the values still end at ζ.
+        response_mask: 1 on the model's tokens, 0 on the tool output and template tokens between its turns (and
+            after them); None: b_K ones. Everything below counts the model's tokens only; the holes get 0.
 
     Returns:
-        L token advantages A_t.
+        A token advantage per position of ``response_mask`` (b_K of them without one).
     """
     low, high = reward_range
     width = high - low
-    length, k_segments = segment_ends[-1], len(segment_ends)
-    boundaries = [0, *segment_ends]
+    mask = [1] * segment_ends[-1] if response_mask is None else list(response_mask)
+    policy_ends = [sum(mask[:end]) for end in segment_ends]  # segment ends counted in the model's tokens
+    length, k_segments = policy_ends[-1], len(policy_ends)
+    boundaries = [0, *policy_ends]
     baseline, baseline_group = (
         (outcome, group_outcomes) if shaped_outcome is None else (shaped_outcome, shaped_group_outcomes)
     )
     advantage = grpo_advantage(baseline, baseline_group, epsilon, norm_adv_by_std)
-    grpo = [advantage] * length
+    grpo = [advantage if trained else 0.0 for trained in mask]
 
     # 1. Values V_0..V_K on the probability scale [0, 1], where the probes live.
     zeta = (outcome - low) / width
@@ -124,5 +131,6 @@ def redistribute_trace(
     if any(abs(f) > max_token_advantage_ratio for f in factors):
         factors = _project(factors, tokens, max_token_advantage_ratio, float(length))
 
-    # 5. A_t = Â · f_k for every token t of segment k.
-    return [advantage * factors[k] for k in range(k_segments) for _ in range(tokens[k])]
+    # 5. A_t = Â · f_k for every token t of segment k, 0 on the holes.
+    policy_advantages = iter([advantage * factors[k] for k in range(k_segments) for _ in range(tokens[k])])
+    return [next(policy_advantages) if trained else 0.0 for trained in mask]

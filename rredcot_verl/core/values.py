@@ -84,7 +84,7 @@ def score_plans(
         if plan.num_values == 0:
             continue
         if is_own:
-            values = own_continuation_values(score.trace_log_probs, plan.starts, plan.success)
+            values = own_continuation_values(score.trace_log_probs, plan.starts, plan.success, plan.response_mask)
         elif plan.probes:
             values = values_from_probe_logp(score.probe_logp, plan.probes, plan.num_values, plan.value_rule)
         else:
