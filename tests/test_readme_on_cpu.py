@@ -309,6 +309,111 @@ def test_shipped_gpu_recipes_ran_what_was_measured_or_say_so(recipe_env):
         assert keys in measured or "NOT MEASURED HERE" in head, path.name
 
 
+GPU_SINGLE = ROOT / "recipes" / "gpu_single"
+ONE_GPU_RECIPE = GPU_SINGLE / "qwen3_0p6b_gsm8k.yaml"
+COMPARE = GPU_SINGLE / "compare.sh"
+
+
+def header(path: Path) -> str:
+    """A recipe's or script's first comment block (its first lines, up to the first line of code)."""
+    lines = path.read_text().splitlines()
+    code = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    return "\n".join(lines[:code])
+
+
+def reads_solutions(config) -> bool:
+    """Whether a run's estimator reads the dataset's worked solutions (reference continuations of them)."""
+    s = settings_from_config(config.algorithm)
+    return (str(config.algorithm.adv_estimator) in ("rredcot", "rredcot_ibpo")
+            and s.probe.value_source == "reference_continuation" and s.candidates.uses_dataset)
+
+
+@functools.cache
+def readme_row_keys(label: str) -> dict:
+    """The estimator keys of the README's launch command for row ``label``."""
+    config_dir, name, overrides = parse_launch(choice_commands()[label])
+    return method_keys(_compose(config_dir, name, overrides))
+
+
+def compare_runs(tmp_path: Path) -> dict[str, list[str]]:
+    """Run name -> overrides of each launch ``compare.sh`` makes (``python`` stood in by a script that prints the
+    metrics path it was given and its arguments)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    script = '#!/bin/sh\necho "run $VERL_FILE_LOGGER_PATH"\nfor a in "$@"; do echo "arg $a"; done\n'
+    (fake / "python").write_text(script)
+    (fake / "python").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "DATA_DIR": "/data", "OUT": str(tmp_path / "out")}
+    result = subprocess.run(["bash", str(COMPARE)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    runs: dict[str, list[str]] = {}
+    for line in result.stdout.splitlines():
+        kind, _, value = line.partition(" ")
+        if kind == "run":
+            name = Path(value).parent.name
+            runs[name] = []
+        else:
+            runs[name].append(value)
+    for name, argv in runs.items():
+        assert argv[:4] == ["-m", "rredcot_verl.main", "--config-dir", str(GPU_SINGLE)], argv
+        assert argv[4:6] == ["--config-name", ONE_GPU_RECIPE.stem], argv
+        assert f"trainer.experiment_name={ONE_GPU_RECIPE.stem}_{name}" in argv, "its logs are not named for the run"
+        runs[name] = argv[6:]
+    return runs
+
+
+def test_one_gpu_recipe_runs_the_readme_row_it_names(recipe_env):
+    """The one-GPU recipe as written is the README's row its header names: the same estimator keys as that row's
+    README command (which the study measured, test above) and the study's group size; the rest is GPU scale."""
+    row = re.search(r"As written: the README's row ([A-F])\b", header(ONE_GPU_RECIPE))
+    assert row, "the one-GPU recipe's header names no README row it runs"
+    config = _compose(GPU_SINGLE, ONE_GPU_RECIPE.stem)
+    assert method_keys(config) == readme_row_keys(row.group(1)) == measured_keys(row_runs()[row.group(1)])
+    study = _compose(ROOT / "recipes" / "tiny_cpu", STUDY_RECIPES[row_runs()[row.group(1)]])
+    assert config.actor_rollout_ref.rollout.n == study.actor_rollout_ref.rollout.n, "not the study's group size"
+    assert "NOT MEASURED HERE" not in header(ONE_GPU_RECIPE)
+
+
+def test_compare_runs_are_the_readme_rows_named_for_their_solutions(tmp_path, recipe_env):
+    """``compare.sh`` trains GRPO and every README row whose command starts from the one-GPU recipe, each with
+    that row's keys; its header lists each run with its row; a run's name says whether it reads the dataset's
+    solutions; a run at a setting the study did not measure is named on a NOT MEASURED HERE line."""
+    runs, text = compare_runs(tmp_path), header(COMPARE)
+    rows = {label for label, argv in choice_commands().items() if parse_launch(argv)[0] == GPU_SINGLE}
+    listed = dict(re.findall(r"^#\s+([a-z_]+)\s+(?:README row ([A-F])\b|the baseline)", text, re.M))
+    assert set(listed) == set(runs), f"compare.sh's header lists {sorted(listed)}, it runs {sorted(runs)}"
+    assert sorted(label for label in listed.values() if label) == sorted(rows), "not every one-GPU row is run once"
+    measured = [measured_keys(run) for run in HARD["meta"]["method_overrides"]]
+    for name, overrides in runs.items():
+        config = _compose(GPU_SINGLE, ONE_GPU_RECIPE.stem, overrides)
+        keys = method_keys(config)
+        label = listed[name]
+        expected = readme_row_keys(label) if label else measured_keys("grpo")
+        differ = {key: (keys.get(key), expected.get(key)) for key in {*keys, *expected}
+                  if keys.get(key) != expected.get(key)}
+        assert not differ, f"compare.sh's {name} is not README row {label or 'GRPO'} (key: (run, README)): {differ}"
+        suffix = "_with_solutions" if reads_solutions(config) else "_without_solutions"
+        assert name == keys["adv_estimator"] + suffix, f"{name}: expected {keys['adv_estimator'] + suffix}"
+        assert keys in measured or re.search(rf"NOT MEASURED HERE.*\b{name}\b", text), name
+
+
+def test_paper_recipes_say_how_to_switch_to_the_measured_value_source(recipe_env):
+    """A paper recipe left at the exit probe names the README's measured row that replaces it, with the exact
+    overrides, and those overrides on the recipe compose into that row's keys."""
+    recommended = readme_row_keys("A")["value_source"]
+    for path in sorted((ROOT / "recipes" / "paper").glob("*_rredcot.yaml")):
+        config = _compose(path.parent, path.stem)
+        if settings_from_config(config.algorithm).probe.value_source == recommended:
+            continue
+        text = header(path)
+        assert "NOT MEASURED HERE" in text and "reproduces the paper's setting" in text, path.name
+        row = re.findall(r"README's row ([A-F])\b", text)[-1]
+        overrides = [word for line in text.splitlines() if re.fullmatch(r"#\s+(algorithm\.\S+=\S+\s*)+", line)
+                     for word in line[1:].split()]
+        assert overrides, f"{path.name} names no overrides to the measured value source"
+        assert method_keys(_compose(path.parent, path.stem, overrides)) == readme_row_keys(row), path.name
+
+
 def test_submit_takes_a_recipe_from_anywhere(tmp_path):
     """``recipes/paper/submit.sh`` with a recipe outside recipes/paper, a paper name, and plain overrides (``ray``
     stood in by a script that prints its arguments)."""

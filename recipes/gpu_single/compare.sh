@@ -1,26 +1,35 @@
 #!/usr/bin/env bash
-# GRPO, RREDCoT, IBPO and RREDCoT+IBPO on one GPU, one after the other, same settings:
-# NOT MEASURED HERE as run: the rredcot run is the recipe as written (bank both, value_mapping affine) and the
-# rredcot_ibpo run keeps value_mapping affine, while the measured runs (README rows A and D) used log_affine; pass
-# algorithm.rredcot.redistribution.value_mapping=log_affine to run what was measured. Only the rredcot_ibpo run trains
-# without the dataset's solutions.
-#   recipes/gpu_single/compare.sh [overrides...]
+# GRPO and the README's rows A-D on one GPU, one after the other, each run with the study's keys for its row on top
+# of qwen3_0p6b_gsm8k.yaml (same data, seed, group size, budget and learning rate for every run). Each run's name says
+# whether it reads the dataset's worked solutions:
+#   grpo_without_solutions          the baseline every row is measured against
+#   rredcot_with_solutions          README row A: the recipe as written (the solutions value each boundary)
+#   ibpo_without_solutions          README row B: IBPO, repairs by rewrite
+#   rredcot_without_solutions       README row C: bank of the group's correct traces, else its verified repairs;
+#                                   all-equal groups by value differences
+#   rredcot_ibpo_without_solutions  README row D: IBPO's shaped outcome placed on the segments by values of that bank
+# B-D repair by rewrite as measured, with the package's compare-and-correct prompt for chat models (the study's tiny
+# model was asked to solve the question afresh).
+#   recipes/gpu_single/compare.sh [overrides...]   # the overrides apply to every run
 #   DATA_DIR  folder holding gsm8k/{train,val}.parquet (recipes/paper/prepare_math_data.py --dataset openai/gsm8k)
 #   OUT       where each run's metrics go (default outputs/gpu_single): <run>/metrics.jsonl
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 : "${DATA_DIR:?set DATA_DIR to the prepared data folder}"
 OUT="${OUT:-$ROOT/outputs/gpu_single}"
+k=algorithm.rredcot
 train() {  # train <run name> <overrides...>
   local name=$1
   shift
   mkdir -p "$OUT/$name"
   VERL_FILE_LOGGER_PATH="$OUT/$name/metrics.jsonl" python -m rredcot_verl.main \
     --config-dir "$ROOT/recipes/gpu_single" --config-name qwen3_0p6b_gsm8k \
-    trainer.default_local_dir="$OUT/$name/checkpoints" "$@"
+    trainer.experiment_name="qwen3_0p6b_gsm8k_$name" trainer.default_local_dir="$OUT/$name/checkpoints" "$@"
 }
-for estimator in grpo rredcot ibpo; do
-  train "$estimator" algorithm.adv_estimator="$estimator" "$@"
-done
-# Without the dataset's solutions: each group's bank is its own correct traces, else its verified repairs.
-train rredcot_ibpo algorithm.adv_estimator=rredcot_ibpo algorithm.rredcot.candidates.source=group_and_repairs "$@"
+train grpo_without_solutions algorithm.adv_estimator=grpo "$@"
+train rredcot_with_solutions "$@"
+train ibpo_without_solutions algorithm.adv_estimator=ibpo $k.ibpo.repair_operator=rewrite "$@"
+train rredcot_without_solutions $k.candidates.source=group_and_repairs \
+  $k.redistribution.degenerate_groups=value_differences $k.ibpo.repair_operator=rewrite "$@"
+train rredcot_ibpo_without_solutions algorithm.adv_estimator=rredcot_ibpo $k.candidates.source=group_and_repairs \
+  $k.ibpo.repair_operator=rewrite "$@"
