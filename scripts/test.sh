@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_cpu.sh
 # --durations: the slowest tests in every CI log, to keep the suite inside its 30-minute budget.
+# The tiers share two cores with the launches' processes: OpenMP threads that spin while waiting starve the others
+# (rredcot_verl/compat/cpu.py sets the same for every process of a CPU run).
+export OMP_WAIT_POLICY=PASSIVE
 PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1500 --durations=15)
 if [ "$#" -gt 0 ]; then
   exec "${PYTEST[@]}" tests "$@"

@@ -32,8 +32,8 @@ RECIPES = {
     "qwen3_4b_numina_grpo": ("paper", "qwen3", "numina", {}),
     "qwen3_4b_numina_rredcot": ("paper", "qwen3", "numina", {}),
     "r1_distill_1p5b_openrs_rredcot": ("paper", "r1_distill", "open_rs", {}),
-    # The one-GPU recipe's comparison runs grpo, rredcot, ibpo and rredcot_ibpo without the dataset's solutions; the
-    # paper recipes cover the first two, this run the last (IBPO's repairs and the value pass, on a chat template).
+    # compare.sh trains grpo and the README's rows A-D on the one-GPU recipe; the paper recipes cover grpo and rredcot,
+    # this run row D without the dataset's solutions (IBPO's repairs and the value pass, on a chat template).
     "qwen3_0p6b_gsm8k": ("gpu_single", "qwen3", "gsm8k",
                          {"algorithm.adv_estimator": "rredcot_ibpo",
                           "algorithm.rredcot.candidates.source": "group_and_repairs",

@@ -48,6 +48,10 @@ CPU_PROCESS_ENV = {
     "WANDB_MODE": "disabled",
     "TOKENIZERS_PARALLELISM": "false",
     "RAY_AUTH_MODE": "disabled",
+    # A CPU run's processes (vLLM's engine, the FSDP ranks, Ray's actors) share a few cores: OpenMP threads that
+    # spin while they wait hold cores the others need (two 2-thread processes on 2 cores: 310 s each spinning,
+    # 42 s passive).
+    "OMP_WAIT_POLICY": "PASSIVE",
 }
 
 # verl's ReplayBuffer default is 2.0 s (tests/test_compat_on_cpu.py checks it).
