@@ -203,3 +203,32 @@ def test_an_estimator_is_one_spec_that_verl_the_launcher_and_the_trainer_read(mo
             check_value_pass_parallelism(config, new.name)
     finally:
         ADV_ESTIMATOR_REGISTRY.pop(new.name, None)
+
+
+@pytest.mark.parametrize("estimator", ["rredcot", "segment_mc", "rredcot_ibpo"])
+def test_tool_output_gets_no_advantage_from_any_value_estimator(estimator):
+    """verl's multi-turn response_mask (model turns, a hole of tool output and template tokens, right padding) and
+    segment ends in its positions, as the value pass writes them: the holes get nothing, each trace's model tokens
+    carry its GRPO credit, moved by the values."""
+    uid = np.array(["t"] * 4, dtype=object)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0],
+                         [1, 1, 0, 1, 1, 0, 0, 0]], dtype=torch.float32)  # fmt: skip
+    outcomes = [1.0, 0.0, 1.0, 0.0]
+    rewards = torch.zeros(4, 8)
+    for i, outcome in enumerate(outcomes):
+        rewards[i, int(mask[i].nonzero()[-1])] = outcome
+    ends = torch.tensor([[5, 7], [5, 8], [2, 4], [3, 5]])  # a second turn starts a segment; a hole ends one
+    values = torch.tensor([[0.5, 0.9, 1.0], [0.5, 0.2, 0.0], [0.5, 0.7, 1.0], [0.5, 0.1, 0.0]])
+    tensors = SegmentInputs(ends, values).to_batch()
+    if estimator == "rredcot_ibpo":
+        tensors.update(IBPOInputs(phi=torch.zeros(4), edited_mask=torch.zeros(4, 8, dtype=torch.bool)).to_batch())
+    config = OmegaConf.create({"adv_estimator": estimator, "norm_adv_by_std_in_grpo": True,
+                               "rredcot": {"redistribution": {"min_value_concordance": 0.0}}})
+    data = DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": mask},
+                               non_tensors={"uid": uid.copy()})
+    with estimator_inputs(uid, tensors):
+        advantages = compute_advantage(data, adv_estimator=estimator, config=config).batch["advantages"]
+    grpo, _ = compute_grpo_outcome_advantage(rewards, mask, uid)
+    assert torch.all(advantages[mask == 0] == 0)
+    torch.testing.assert_close(advantages.sum(1), grpo.sum(1))
+    assert advantages[0, 0] != advantages[0, 5]  # the turns of a trace get different credit

@@ -385,3 +385,16 @@ def test_own_continuation_values_skip_the_tool_output(qwen_tokenizer):
     plain = own_continuation_values(log_probs[mask], [int(rank[start]) for start in plan.starts], 1.0)
     torch.testing.assert_close(holed, plain)
     assert (holed[:2] > own_continuation_values(log_probs, plan.starts, 1.0)[:2]).all()  # states before the tool output
+
+
+def test_answers_in_tool_output_are_not_the_models(qwen_tokenizer):
+    """The group's answers (exit probes' candidates, the self-normalising denominator) are read from the model's
+    tokens only: a tool that prints a boxed number has not answered for the policy."""
+    tok = qwen_tokenizer
+    prompt = _prompt(tok, QWEN3_TEMPLATE)
+    unfinished = _tool_agent_record(tok, prompt, TOOL_TURNS, ["The answer is $\\boxed{68}$."], 0.0)
+    traces = [_record(tok, prompt, _qwen3_response(PARAGRAPHS_OK, "59"), 1.0), unfinished]
+    plans = plan_traces(traces, _settings("qwen3"), tok, PARAGRAPHS)
+    scored = {_text(tok, probe.scored_ids) for plan in plans for probe in plan.probes}
+    assert not any("68" in text for text in scored)
+    assert {probe.kind for plan in plans for probe in plan.probes} == {KIND_CORRECT}

@@ -42,9 +42,6 @@ REFUSED_SHAPES = {
                 "critic.ppo_micro_batch_size_per_gpu=16"], "critic.enable=true"),
     "n_1": (["actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"], "actor_rollout_ref.rollout.n=1"),
-    "multi_turn": (["actor_rollout_ref.rollout.multi_turn.enable=true"], "multi_turn.enable=true"),
-    "tool_agent_loop": (["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"],
-                        "default_agent_loop=tool_agent"),
     "kl_in_reward": (["algorithm.use_kl_in_reward=true", REF_MICRO_BATCH], "algorithm.use_kl_in_reward=true"),
     "reward_model": (["reward.reward_model.enable=true"], "reward.reward_model.enable=true"),
     "async_trainer_mode": (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode=colocate_async"),
@@ -61,9 +58,43 @@ def test_shapes_the_estimators_cannot_serve_are_refused_naming_the_key(cpu_build
     assert key in message and f"algorithm.adv_estimator={estimator}" in message and "\n" not in message
 
 
-@pytest.mark.parametrize("shape", sorted(REFUSED_SHAPES))
+# Multi-turn rollouts (tool output in the response, response_mask with holes): shape -> (overrides, the key named)
+MULTI_TURN_SHAPES = {
+    "multi_turn": (["actor_rollout_ref.rollout.multi_turn.enable=true"], "multi_turn.enable=true"),
+    "tool_agent_loop": (["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"],
+                        "default_agent_loop=tool_agent"),
+}  # fmt: skip
+# estimator -> (its overrides, what the refusal names): the runs whose extra generations are single-turn, tool-less
+SINGLE_TURN_GENERATIONS = {
+    "ibpo": ([], "IBPO's repairs"),
+    "rredcot_ibpo": ([], "IBPO's repairs"),
+    "segment_mc": ([], "Monte-Carlo continuations"),
+    "rredcot": (["algorithm.rredcot.candidates.source=group_and_repairs"], "candidates.source=group_and_repairs"),
+}
+
+
+@pytest.mark.parametrize("estimator", sorted(SINGLE_TURN_GENERATIONS))
+@pytest.mark.parametrize("shape", sorted(MULTI_TURN_SHAPES))
+def test_multi_turn_is_refused_where_repairs_or_continuations_would_leave_the_agent_loop(cpu_build, shape, estimator):
+    overrides, key = MULTI_TURN_SHAPES[shape]
+    extra, named = SINGLE_TURN_GENERATIONS[estimator]
+    with pytest.raises(LaunchError) as error:
+        check(_config(estimator, [*overrides, *extra]))
+    message = str(error.value)
+    assert key in message and named in message and f"algorithm.adv_estimator={estimator}" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("shape", sorted(MULTI_TURN_SHAPES))
+def test_rredcot_values_multi_turn_traces_from_the_group_and_the_dataset(cpu_build, shape):
+    overrides, _ = MULTI_TURN_SHAPES[shape]
+    for source in ("both", "group", "ground_truth"):
+        assert check(_config("rredcot", [*overrides, f"algorithm.rredcot.candidates.source={source}"])) == []
+
+
+@pytest.mark.parametrize("shape", sorted({**REFUSED_SHAPES, **MULTI_TURN_SHAPES}))
 def test_grpo_accepts_every_shape_verl_accepts(cpu_build, shape):
-    overrides, _ = REFUSED_SHAPES[shape]
+    overrides, _ = {**REFUSED_SHAPES, **MULTI_TURN_SHAPES}[shape]
     assert check(_config("grpo", overrides)) == []
 
 

@@ -2,18 +2,32 @@
 actor forwards and extra generation; the failed-group count; the checkpoint order. (The end-to-end runs exercise the
 same hooks with the real stack, where CPU mode turns vLLM's sleep mode off, so the order is only observable here.)"""
 
+import contextlib
+import functools
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 from omegaconf import OmegaConf
+from verl import DataProto
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+from verl.trainer.ppo.ray_trainer import compute_advantage
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
-from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
+from rredcot_verl.core.segmentation import turn_spans
+from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings, settings_from_config
 from rredcot_verl.integration import failures, trainer as trainer_module
-from rredcot_verl.integration.estimators import ESTIMATORS, EngineUse, Stage
+from rredcot_verl.integration.estimators import ESTIMATORS, EngineUse, Stage, StepContext
+from rredcot_verl.integration.estimators.rredcot import VALUE_STAGE
 from rredcot_verl.integration.trainer import VALUE_GATE_FILE, SegmentCreditTrainer
+from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
+from rredcot_verl.tasks.arithmetic import ArithmeticProblem, reference_steps
+from rredcot_verl.tasks.base import ARITHMETIC
+from rredcot_verl.tasks.model import chat_prompt_ids, load_model_dir
 
 
 class Engine:
@@ -188,3 +202,196 @@ def test_the_log_says_when_the_value_gate_closes_and_what_the_batch_trains_with(
     assert len(messages) == 2
     assert "value gate closed (pooled value-outcome concordance 0.540, threshold 0.6)" in messages[0]
     assert f"this batch trains with {fallback}" in messages[0] and "value gate opened" in messages[1]
+
+
+# ------------------------------------------------------------------------------- multi-turn traces, end to end
+# A batch as verl's tool agent loop leaves it in TransferQueue (Qwen's continuous-token layout): the model's turns
+# (mask 1, each closed by its own <|im_end|>), then the separator verl inserts after <|im_end|> and the tool message
+# up to the next assistant header (mask 0). Read by the trainer, valued by the real value pass on the warm-start
+# model, redistributed through verl's compute_advantage.
+
+WARM_START = Path(__file__).resolve().parents[1] / "rredcot_verl" / "tasks" / "assets" / "warmstart"
+PROBLEM = ArithmeticProblem(operands=(23, 45, 17, 8), ops=("+", "-", "+"))
+TOOL_TURNS = {  # (outcome, [turn texts], [tool answers])
+    "two_turns_correct": (1.0, ["<think>\n23+45=68\n68-17=51\n</think>\nadd(51,8)",
+                                "<think>\n51+8=59\n</think>\n\\boxed{59}"], ["59"]),
+    "two_turns_wrong": (0.0, ["<think>\n23+45=68\n68-17=50\n</think>\nadd(50,8)",
+                              "<think>\n50+8=58\n</think>\n\\boxed{58}"], ["58"]),
+    "one_turn_correct": (1.0, ["<think>\n23+45=68\n68-17=51\n51+8=59\n</think>\n\\boxed{59}"], []),
+    "one_turn_wrong": (0.0, ["<think>\n23+45=68\n68-17=50\n50+8=58\n</think>\n\\boxed{58}"], []),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def warm_start():
+    torch.set_num_threads(1)
+    model, tokenizer = load_model_dir(str(WARM_START))
+    return model.eval(), tokenizer
+
+
+def _tool_agent_response(tokenizer, turns, tool_answers):
+    """Response ids and mask as verl's tool agent loop writes them for a Qwen chat template."""
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    ids, mask = [], []
+    for j, turn in enumerate(turns):
+        if j:
+            context = ("\n<|im_start|>user\n<tool_response>\n" + tool_answers[j - 1]
+                       + "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+            ids += encode(context)
+            mask += [0] * len(encode(context))
+        own = encode(turn) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        ids += own
+        mask += [1] * len(own)
+    return torch.tensor(ids), torch.tensor(mask)
+
+
+def _fields(tokenizer, names, ragged: bool) -> dict:
+    """TransferQueue's fields of the step (``ragged``: each row its own length, as verl writes them; else right
+    padded)."""
+    prompt = torch.tensor(chat_prompt_ids(tokenizer, PROBLEM.prompt))
+    rows = [_tool_agent_response(tokenizer, *TOOL_TURNS[name][1:]) for name in names]
+    entropy = [torch.linspace(0.1, 2.0, len(ids)) for ids, _ in rows]
+    scores = []
+    for (ids, _), name in zip(rows, names):
+        score = torch.zeros(len(ids))
+        score[-1] = TOOL_TURNS[name][0]
+        scores.append(score)
+
+    def field(values, dtype=None):
+        values = [value if dtype is None else value.to(dtype) for value in values]
+        if ragged:
+            return torch.nested.nested_tensor(values, layout=torch.jagged)
+        return torch.nn.utils.rnn.pad_sequence(values, batch_first=True)
+
+    return {
+        "prompts": field([prompt] * len(names)),
+        "responses": field([ids for ids, _ in rows]),
+        "response_mask": field([mask for _, mask in rows]),
+        "entropy": field(entropy),
+        "rm_scores": field(scores),
+        "uid": ["q"] * len(names),
+        "reward_model": [{"ground_truth": "59"}] * len(names),
+        "extra_info": [{"reference_steps": reference_steps(PROBLEM)}] * len(names),
+        "data_source": ["arithmetic"] * len(names),
+        "raw_prompt": [[{"role": "user", "content": PROBLEM.prompt}]] * len(names),
+    }
+
+
+def _algorithm(value_source: str):
+    return OmegaConf.create({
+        "adv_estimator": "rredcot", "norm_adv_by_std_in_grpo": True,
+        "rredcot": {
+            "task": "arithmetic",
+            # max_segments below the segments of a two-turn trace: turn starts and </think> cuts are kept anyway.
+            "segmentation": {"strategy": "turns", "max_segments": 2, "min_segment_len": 2},
+            "probe": {"value_source": value_source, "profile": "embedded"},
+            "redistribution": {"min_value_concordance": 0.0},
+        },
+    })  # fmt: skip
+
+
+def _stored_trainer(algorithm, tokenizer, store, monkeypatch):
+    """The rredcot trainer with TransferQueue replaced by ``store`` and verl's advantage step by its core (verl's
+    ``compute_advantage`` on the padded fields, as ``PPOTrainer._compute_advantage`` calls it)."""
+    trainer = object.__new__(SegmentCreditTrainer)
+    trainer.estimator, trainer.spec = "rredcot", ESTIMATORS["rredcot"]
+    trainer.settings = settings_from_config(algorithm)
+    trainer.tokenizer = tokenizer
+    trainer.timing_raw, trainer.global_steps = {}, 1
+    trainer.value_window = trainer_module.ConcordanceWindow(trainer.settings.redistribution.concordance_window)
+    trainer.value_gate_open = True
+    trainer._fetch = lambda batch, fields: {key: store[key] for key in fields}
+    trainer._put = lambda batch, tensors: store.update(tensors)
+
+    def verl_advantage(self, batch, metrics):
+        padded = {key: trainer_module._padded(store[key]) for key in ("response_mask", "rm_scores")}
+        data = DataProto.from_dict(
+            tensors={"token_level_rewards": padded["rm_scores"].float(), "response_mask": padded["response_mask"]},
+            non_tensors={"uid": np.array(store["uid"], dtype=object)},
+        )
+        store["advantages"] = compute_advantage(data, adv_estimator="rredcot", config=algorithm).batch["advantages"]
+        return batch
+
+    monkeypatch.setattr(PPOTrainer, "_compute_advantage", verl_advantage)
+    return trainer
+
+
+def _sharded_value_pass(model):
+    """The actor workers' value pass on two data-parallel shards (verl's DP_COMPUTE_PROTO: contiguous chunks, the
+    outputs concatenated), each running the worker's own ``compute_segment_data``."""
+    worker = SimpleNamespace(actor=SimpleNamespace(engine=SimpleNamespace(module=model, eval_mode=contextlib.nullcontext)))
+
+    def value_pass(request: DataProto) -> DataProto:
+        return DataProto.concat([SegmentActorRolloutRefWorker.compute_segment_data(worker, shard)
+                                 for shard in request.chunk(2)])
+
+    return value_pass
+
+
+def _run_step(trainer, model, tokenizer, store):
+    context = StepContext(
+        settings=trainer.settings, tokenizer=tokenizer, task=ARITHMETIC,
+        boundary_vocab=trainer.settings.boundary_vocab(tokenizer), step=1, temperature=1.0, rollout=None,
+        value_pass=_sharded_value_pass(model),
+    )  # fmt: skip
+    metrics = {}
+    trainer._produce(VALUE_STAGE, context, batch=None, metrics=metrics, with_entropy=True)
+    return metrics
+
+
+@pytest.mark.parametrize("value_source", ["exit_probe", "reference_continuation"])
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "padded"])
+def test_tool_output_is_context_never_credited(warm_start, value_source, ragged, monkeypatch):
+    model, tokenizer = warm_start
+    names = list(TOOL_TURNS)
+    store = _fields(tokenizer, names, ragged)
+    algorithm = _algorithm(value_source)
+    trainer = _stored_trainer(algorithm, tokenizer, store, monkeypatch)
+
+    traces = trainer._trace_batch(None, with_entropy=True)
+    for record, name in zip(traces.records, names):
+        ids, mask = _tool_agent_response(tokenizer, *TOOL_TURNS[name][1:])
+        assert torch.equal(record.response_ids, ids)  # tool output and template tokens kept in place
+        assert (record.response_mask is None) == bool(mask.all())
+        if record.response_mask is not None:
+            assert torch.equal(record.response_mask, mask.bool())
+        assert record.entropy.numel() == ids.numel()
+
+    _run_step(trainer, model, tokenizer, store)
+    ends, values = store["seg_ends"], store["seg_raw_values"]
+    assert ends.shape[1] == 4  # two turns, each thinking + answer: beyond max_segments, one width on both shards
+    trainer._compute_advantage(batch=None, metrics={})
+    advantages = store["advantages"]
+    mask = trainer_module._padded(store["response_mask"]).bool()
+    assert (advantages[~mask] == 0).all()  # tool output, template tokens and padding get nothing
+
+    uid = np.array(store["uid"], dtype=object)
+    grpo, _ = compute_grpo_outcome_advantage(trainer_module._padded(store["rm_scores"]).float(), mask.float(), uid)
+    for i, name in enumerate(names):
+        row_ends = [end for end in ends[i].tolist() if end >= 0]
+        assert len(row_ends) == 2 * len(TOOL_TURNS[name][1])
+        starts = [0, *row_ends[:-1]]
+        # every assistant turn starts a valued state, with a finite value; no segment starts in a hole
+        assert {start for start, _ in turn_spans(mask[i].tolist())} <= set(starts)
+        assert all(mask[i, start] for start in starts)
+        assert torch.isfinite(values[i, : len(row_ends) + 1]).all()
+        # per trace, the redistribution only moves GRPO's credit: the same sum over the model's tokens
+        assert float(advantages[i][mask[i]].sum()) == pytest.approx(float(grpo[i][mask[i]].sum()), abs=1e-4)
+    # and the values did move it: the two turns of the wrong two-turn trace get different advantages
+    own = mask[1].nonzero()[:, 0]
+    assert advantages[1, own[0]] != advantages[1, own[-1]]
+
+
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "padded"])
+def test_single_turn_rows_are_read_as_before(warm_start, ragged, monkeypatch):
+    """Rows without holes give the records the trainer built before multi-turn support (the mask's 1s kept, no
+    mask carried), so single-turn runs are unchanged."""
+    _, tokenizer = warm_start
+    store = _fields(tokenizer, ["one_turn_correct", "one_turn_wrong"], ragged)
+    trainer = _stored_trainer(_algorithm("exit_probe"), tokenizer, store, monkeypatch)
+    records = trainer._trace_batch(None, with_entropy=True).records
+    masks = [mask.bool() for mask in store["response_mask"].unbind(0)]
+    for record, response, entropy, mask in zip(records, store["responses"].unbind(0), store["entropy"].unbind(0), masks):
+        assert torch.equal(record.response_ids, response[: mask.numel()][mask[: response.numel()]])
+        assert torch.equal(record.entropy, entropy[: mask.numel()][mask[: entropy.numel()]].float())
+        assert record.response_mask is None

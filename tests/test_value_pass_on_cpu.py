@@ -314,3 +314,28 @@ def test_models_that_cannot_take_the_value_pass_attention_are_refused(model, mon
         score_batch_packed(model, [torch.tensor([1])], [torch.tensor([3])], [[Probe(1, [], [4], value_index=0)]],
                            max_positions=2)[0].probe_logp[0]
     )
+
+
+def test_probes_of_a_multi_turn_trace_read_the_tool_output_the_policy_saw(model):
+    # A response as verl's tool agent loop writes it: turn 1 (mask 1), tool output and template tokens (mask 0),
+    # turn 2 (mask 1). The state after the tool call is scored with the tool output in its prefix, as the policy
+    # read it when it wrote turn 2; a different tool answer gives that state (and only later ones) other values.
+    rng = random.Random(5)
+    prompt, turn_one, tool, turn_two = (random_ids(rng, n) for n in (6, 10, 7, 9))
+    response = torch.cat([turn_one, tool, turn_two])
+    mask = torch.tensor([1] * 10 + [0] * 7 + [1] * 9, dtype=torch.bool)
+    ends = [5, 17, response.numel()]  # the second state starts turn 2, after the tool output
+
+    def plan(response_ids):
+        traced = TracePlan(prompt, response_ids, outcome=1.0, segment_ends=ends, value_rule="self_normalized",
+                           success=1.0, response_mask=mask)
+        traced.probes = build_exit_probes(traced.starts, [9, 10], [[1, 2]], thinking_length=response_ids.numel(),
+                                          all_answers=[[1, 2], [3]])
+        return traced
+
+    seen = plan(response)
+    other_tool = plan(torch.cat([turn_one, random_ids(rng, 7), turn_two]))
+    out = score_plans(model, [seen, other_tool], max_segments=3)
+    assert relative_error(out.raw_values[0, :3], expected_values(model, seen)) < REL_TOL
+    assert out.raw_values[0, :2].tolist() == out.raw_values[1, :2].tolist()  # states before the tool output
+    assert out.raw_values[0, 2] != out.raw_values[1, 2]

@@ -433,10 +433,13 @@ def plan_traces(
     vocab = vocab or settings.boundary_vocab(tokenizer)
     planner = _Planner(settings, tokenizer, task)
     texts = [planner.probe_tokenizer.decode(t.response_ids.tolist()) for t in traces]
+    # Answers and reference steps are the model's own: a tool's output (mask 0) is neither.
+    own_texts = [text if t.response_mask is None else planner.probe_tokenizer.decode(
+        t.response_ids[t.response_mask.bool()].tolist()) for t, text in zip(traces, texts)]
     by_prompt = [planner.opened_by_prompt(t.prompt_ids.tolist()) for t in traces]
     repair_texts = {group: [planner.probe_tokenizer.decode(list(ids)) for ids in ids_of_group]
                     for group, ids_of_group in (repairs or {}).items()}
-    banks = _group_banks(traces, texts, by_prompt, settings, task, repair_texts, planner.profile)
+    banks = _group_banks(traces, own_texts, by_prompt, settings, task, repair_texts, planner.profile)
     rule = _value_rule(settings)
     source = settings.probe.value_source
     plans = []

@@ -13,8 +13,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from rredcot_verl.core.settings import settings_from_config
+from rredcot_verl.integration.estimators import EngineUse
+from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE
+
 # verl's agent loop for plain single-turn generation; any other loop (tool_agent, a custom one) returns multi-turn
-# trajectories whose response_mask has holes over tool output, which the estimators cannot read yet.
+# trajectories whose response_mask has holes over the tool output and template tokens between turns.
 SINGLE_TURN_AGENT_LOOP = "single_turn_agent"
 
 
@@ -70,7 +74,9 @@ def attention_kind(config: DictConfig, spec, hf_config) -> str | None:
 
 
 def multi_turn(config: DictConfig, spec, hf_config) -> str | None:
-    """Multi-turn tool trajectories hold tool output inside the response (a response_mask with holes)."""
+    """Multi-turn tool trajectories: the value pass and the redistribution read them with their holes (tool output
+    and template tokens are context, never credited), but IBPO's repairs and ``segment_mc``'s continuations are
+    single-turn generations without tools, which cannot continue an agent's trajectory."""
     agent_loop = str(_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", SINGLE_TURN_AGENT_LOOP))
     if bool(_get(config, "actor_rollout_ref.rollout.multi_turn.enable", False)):
         key = "actor_rollout_ref.rollout.multi_turn.enable=true"
@@ -80,9 +86,17 @@ def multi_turn(config: DictConfig, spec, hf_config) -> str | None:
         key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
     else:
         return None
+    settings = settings_from_config(_get(config, "algorithm"))
+    stages = spec.stages(settings)
+    if all(stage.engine_use is EngineUse.NONE for stage in stages):
+        return None
+    generated = "IBPO's repairs" if REPAIR_STAGE in stages else "Monte-Carlo continuations"
+    source = settings.candidates.source
+    estimator = f"{spec.name} and algorithm.rredcot.candidates.source={source}" if spec.name == "rredcot" else spec.name
     return (
-        f"{key} (multi-turn rollouts) is not supported with algorithm.adv_estimator={spec.name} yet: its segments "
-        "and repairs assume one assistant turn per response; use a single-turn rollout or adv_estimator=grpo"
+        f"{key} (multi-turn rollouts) is not supported with algorithm.adv_estimator={estimator}: its {generated} "
+        "are single-turn generations without tools; use a single-turn rollout, or adv_estimator=rredcot with a "
+        "candidates.source other than group_and_repairs"
     )
 
 

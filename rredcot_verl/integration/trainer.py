@@ -58,6 +58,14 @@ def _rows(value) -> list[torch.Tensor]:
     return list(value.unbind(0))
 
 
+def _response_lengths(masks: list[torch.Tensor], ragged: bool) -> list[int]:
+    """Each response's length without padding: a ragged row is its own length (trailing tool output included); a
+    padded (dense) row ends one past its last 1, since its padding and a trailing hole are both 0."""
+    if ragged:
+        return [mask.numel() for mask in masks]
+    return [int(mask.nonzero()[-1, 0]) + 1 if mask.any() else 0 for mask in masks]
+
+
 def _non_tensor(data: TensorDict, key: str):
     if key not in data.keys():
         return None
@@ -211,12 +219,16 @@ class SegmentCreditTrainer(PPOTrainerSync):
                   "data_source", "raw_prompt"]  # fmt: skip
         data = self._fetch(batch, [*fields, "entropy"] if with_entropy else fields)
         masks = [mask.bool() for mask in _rows(data["response_mask"])]
-        # A row of a padded (dense) field is cut to its mask's length first; ragged rows are their own length.
-        kept = lambda rows: [row[: mask.numel()][mask[: row.numel()]] for row, mask in zip(rows, masks)]  # noqa: E731
+        lengths = _response_lengths(masks, ragged=bool(getattr(data["response_mask"], "is_nested", False)))
+        # Rows stay whole: a multi-turn response keeps its tool output and template tokens (mask 0), the context the
+        # policy saw, and carries its mask; a response without holes carries none and reads as before.
+        masks = [mask[:length] for mask, length in zip(masks, lengths)]
+        cut = lambda rows: [row[:length] for row, length in zip(rows, lengths)]  # noqa: E731
         records = records_from_arrays(
             prompts=_rows(data["prompts"]),
-            responses=kept(_rows(data["responses"])),
-            entropies=[row.float() for row in kept(_rows(data["entropy"]))] if with_entropy else None,
+            responses=cut(_rows(data["responses"])),
+            entropies=[row.float() for row in cut(_rows(data["entropy"]))] if with_entropy else None,
+            response_masks=[None if mask.all() else mask for mask in masks],
             outcomes=[float(row.float().sum()) for row in _rows(data["rm_scores"])],
             groups=_non_tensor(data, "uid"),
             reward_models=_non_tensor(data, "reward_model"),

@@ -48,8 +48,9 @@ class StepTraces:
     """A training step's traces as every producer takes them, built once from verl's ragged tensors.
 
     Attributes:
-        records: per trace, in batch order (``core.planning.TraceRecord``: tokens without padding, outcome, prompt
-            group, dataset fields; entropies when built after the log-prob pass).
+        records: per trace, in batch order (``core.planning.TraceRecord``: tokens without padding, a multi-turn
+            response whole with its ``response_mask``, outcome, prompt group, dataset fields; entropies when built
+            after the log-prob pass).
         response_width: R, the batch's padded response width, the width of per-token fields a producer writes.
     """
 

@@ -38,7 +38,8 @@ class SegmentInputs(StepInputs):
     read by the redistribution, under batch keys ``seg_ends`` and ``seg_raw_values``.
 
     Attributes:
-        ends: (bs, Kmax) int64, each trace's segment ends, padded past its K.
+        ends: (bs, Kmax) int64, each trace's segment ends in positions of the full response (a multi-turn one's
+            tool output included), padded past its K.
         raw_values: (bs, Kmax + 1) float32, the values of S_0..S_K, padded past them.
     """
 
@@ -69,7 +70,8 @@ def segment_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torc
         tensors={"outcome": traces.outcomes},
         non_tensors={"plan": object_array(plans)},
         meta_info={
-            "max_segments": ctx.settings.segmentation.max_segments,
+            # One width for every shard: turn starts and each turn's </think> are cut beyond max_segments.
+            "max_segments": max([ctx.settings.segmentation.max_segments, *(plan.num_values for plan in plans)]),
             "value_pass": dataclasses.asdict(ctx.settings.value_pass),
         },
     )

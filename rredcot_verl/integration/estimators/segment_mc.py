@@ -35,7 +35,10 @@ def monte_carlo_values(
     vocab = ctx.settings.boundary_vocab(tokenizer)
     records = traces.records
     ends = [
-        segment_response(record.response_ids, record.entropy.float(), vocab, ctx.settings.segmentation)
+        segment_response(
+            record.response_ids, record.entropy.float(), vocab, ctx.settings.segmentation,
+            response_mask=record.response_mask,
+        )  # fmt: skip
         if record.response_ids.numel()
         else []
         for record in records
