@@ -12,21 +12,32 @@ PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1500 --durat
 if [ "$#" -gt 0 ]; then
   exec "${PYTEST[@]}" tests "$@"
 fi
-# Without arguments: the end-to-end launches (one Ray cluster at a time) and the fast tier in two processes side by
-# side. A launch keeps the two cores only 50-80% busy while its Ray, FSDP and vLLM processes start; the fast tier
-# fills the rest.
-E2E_LOG="$(mktemp /tmp/rredcot_e2e.XXXXXX.log)"
-"${PYTEST[@]}" -m e2e tests >"$E2E_LOG" 2>&1 &
-E2E_PID=$!
-trap 'kill "$E2E_PID" 2>/dev/null || true' INT TERM
+# Without arguments: the end-to-end launches in two streams that share their tests (tests/conftest.py: each claims
+# the next group of launches left), and the fast tier beside them. A launch keeps the two cores only 50-80% busy while
+# its Ray, FSDP and vLLM processes start: the first stream runs beside the fast tier, the second once it is done.
+CLAIMS="$(mktemp -d /tmp/rredcot_e2e_claims.XXXXXX)"
+export RREDCOT_E2E_CLAIMS="$CLAIMS"
+E2E_LOG_1="$(mktemp /tmp/rredcot_e2e_1.XXXXXX.log)"
+E2E_LOG_2="$(mktemp /tmp/rredcot_e2e_2.XXXXXX.log)"
+"${PYTEST[@]}" -m e2e tests >"$E2E_LOG_1" 2>&1 &
+E2E_PID_1=$!
+E2E_PID_2=
+trap 'kill $E2E_PID_1 $E2E_PID_2 2>/dev/null || true' INT TERM
 set +e
-echo "== fast tier (the end-to-end tier runs beside it; its log follows) =="
-"${PYTEST[@]}" -m "not e2e" tests
+echo "== fast tier (the end-to-end streams run beside it; their logs follow) =="
+RREDCOT_E2E_CLAIMS= "${PYTEST[@]}" -m "not e2e" tests
 FAST_RC=$?
-wait "$E2E_PID"
-E2E_RC=$?
+"${PYTEST[@]}" -m e2e tests >"$E2E_LOG_2" 2>&1 &
+E2E_PID_2=$!
+wait "$E2E_PID_1"
+E2E_RC_1=$?
+wait "$E2E_PID_2"
+E2E_RC_2=$?
 set -e
-echo "== end-to-end tier =="
-cat "$E2E_LOG"
-echo "fast tier exit $FAST_RC, end-to-end tier exit $E2E_RC"
-[ "$FAST_RC" -eq 0 ] && [ "$E2E_RC" -eq 0 ]
+echo "== end-to-end tier, stream 1 =="
+cat "$E2E_LOG_1"
+echo "== end-to-end tier, stream 2 =="
+cat "$E2E_LOG_2"
+rm -rf "$CLAIMS"
+echo "fast tier exit $FAST_RC, end-to-end streams exit $E2E_RC_1 and $E2E_RC_2"
+[ "$FAST_RC" -eq 0 ] && [ "$E2E_RC_1" -eq 0 ] && [ "$E2E_RC_2" -eq 0 ]

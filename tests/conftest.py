@@ -1,4 +1,6 @@
-"""Fixtures shared by the launcher tests."""
+"""Fixtures shared by the launcher tests, and the streams the end-to-end tier runs in."""
+
+from __future__ import annotations
 
 import shutil
 from pathlib import Path
@@ -20,3 +22,83 @@ def build(tmp_path, monkeypatch):
     monkeypatch.setenv("RREDCOT_BUILD", str(tmp_path))
     monkeypatch.setenv("RREDCOT_REWARD_FILE", str(ROOT / "rredcot_verl/tasks/reward.py"))
     return tmp_path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Streams of end-to-end launches (scripts/test.sh). With RREDCOT_E2E_CLAIMS naming a folder, several pytest processes
+# over the same tests share the work: each runs the groups it claims first (an exclusive file per group), the largest
+# groups first, and skips the rest without reporting them. A group is the items marked with the same
+# ``launch_group`` (tests that read one launch, or builds worth sharing); any other item is a group of its own.
+CLAIMS_ENV = "RREDCOT_E2E_CLAIMS"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "launch_group(name): items that one stream runs together (see CLAIMS_ENV)")
+    config.claimed_groups = []
+
+
+def _groups(items) -> dict[str, list]:
+    groups: dict[str, list] = {}
+    for item in items:
+        marker = item.get_closest_marker("launch_group")
+        groups.setdefault(marker.args[0] if marker else item.nodeid, []).append(item)
+    # The largest first (sorted is stable: collection order otherwise), so a stream that starts late finds small ones.
+    return dict(sorted(groups.items(), key=lambda group: -len(group[1])))
+
+
+def _claim(folder: Path, name: str) -> bool:
+    import hashlib
+    import os
+
+    path = folder / hashlib.sha1(name.encode()).hexdigest()
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    path.write_text(name)
+    return True
+
+
+def pytest_runtestloop(session):
+    import os
+
+    folder = os.environ.get(CLAIMS_ENV)
+    if not folder or session.config.option.collectonly or not session.items:
+        return None  # pytest's own loop
+    if session.testsfailed and not session.config.option.continue_on_collection_errors:
+        raise session.Interrupted(f"{session.testsfailed} error(s) during collection")
+    groups = _groups(session.items)
+    pending = iter(groups)
+
+    def next_claimed() -> str | None:
+        for name in pending:
+            if _claim(Path(folder), name):
+                session.config.claimed_groups.append(name)
+                return name
+        return None
+
+    current = next_claimed()
+    while current is not None:
+        items = groups[current]
+        upcoming = None
+        for index, item in enumerate(items):
+            if index + 1 < len(items):
+                nextitem = items[index + 1]
+            else:
+                # Claimed before the teardown so pytest knows which fixtures the next item keeps.
+                upcoming = next_claimed()
+                nextitem = groups[upcoming][0] if upcoming is not None else None
+            item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+            if session.shouldfail:
+                raise session.Failed(session.shouldfail)
+            if session.shouldstop:
+                raise session.Interrupted(session.shouldstop)
+        current = upcoming
+    return True
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    import os
+
+    if os.environ.get(CLAIMS_ENV) and not config.option.collectonly:
+        terminalreporter.write_line(f"this stream ran {len(config.claimed_groups)} group(s): {config.claimed_groups}")

@@ -148,3 +148,22 @@ def test_verls_fsdp2_reference_offload_pins_memory_upstream_and_not_on_cpu():
     assert "CPUOffloadPolicy(pin_memory=True)" in inspect.getsource(transformer_impl)
     patch_fsdp2_offload_pinning()  # the plugin's call in CPU mode
     assert transformer_impl.CPUOffloadPolicy().pin_memory is False
+
+
+def test_vllm_cpu_runs_the_worker_in_the_engine_core_only_with_multiprocessing_off():
+    """Reason for VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor on CPU: verl asks for vLLM's multiprocess
+    executor (its engine_kwargs come after, so they can override it), and vLLM's CPU platform turns "uni" back into
+    "mp" unless multiprocessing is off. The launcher's prepared CPU config asks for "uni" at tensor parallel size 1."""
+    import inspect
+    import re
+
+    from vllm.platforms import cpu as vllm_cpu
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+
+    from rredcot_verl.compat.cpu import CPU_PROCESS_ENV
+
+    launch = inspect.getsource(vLLMHttpServer.launch_server)
+    assert re.search(r'"distributed_executor_backend": "mp",(.|\n)*\*\*engine_kwargs,', launch)
+    platform = inspect.getsource(vllm_cpu)
+    assert re.search(r'VLLM_ENABLE_V1_MULTIPROCESSING", "1"\) == "1"\s*and parallel_config.distributed_executor_backend == "uni"', platform)
+    assert CPU_PROCESS_ENV["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"

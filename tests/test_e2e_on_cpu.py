@@ -134,6 +134,10 @@ DP2 = [
 ]
 
 
+# The tests that read the reference run (or a run that needs it) go to one stream of the end-to-end tier (conftest.py).
+REFERENCE_GROUP = pytest.mark.launch_group("rredcot_reference")
+
+
 def _checkpointing(out: Path) -> list[str]:
     # The value gate off: its decision on one or two batches of 16 traces is noise (a batch's concordance has a
     # standard deviation of about 0.06 around 0.7). The gate is tested in test_value_gate_on_cpu.py; its window is
@@ -142,6 +146,7 @@ def _checkpointing(out: Path) -> list[str]:
             f"trainer.rollout_data_dir={out / 'rollouts'}"]  # fmt: skip
 
 
+@REFERENCE_GROUP
 def test_rredcot_dp2_trains_and_redistributes(build, rredcot_reference):
     """The driver's probe plans are split across the two ranks by verl's DP_COMPUTE_PROTO dispatch and the segment
     data comes back in batch order."""
@@ -304,12 +309,14 @@ def rredcot_reference(build, tmp_path_factory) -> Path:
     return out
 
 
+@REFERENCE_GROUP
 def test_ray_job_submit_to_a_running_head_node(rredcot_reference):
     """The reference run went through `ray job submit`: the job finished as succeeded, with all its steps."""
     assert "succeeded" in (rredcot_reference / "stdout.log").read_text()
     _assert_finite_steps(rredcot_reference, 3)
 
 
+@REFERENCE_GROUP
 def test_our_trainer_sees_the_prompts_of_verls_sync_trainer(build, rredcot_reference, tmp_path):
     """Same seed and data: verl's PPOTrainerSync (running grpo) and our trainer (running the rredcot reference) draw
     the same prompts at every step (the sync replay buffer on train_batch_size dataloader fetches; the prompt order
@@ -328,6 +335,7 @@ def test_our_trainer_sees_the_prompts_of_verls_sync_trainer(build, rredcot_refer
     assert ours[1] != ours[2] != ours[3]
 
 
+@REFERENCE_GROUP
 def test_a_fresh_process_resumes_the_dp2_checkpoint_and_trains_step_3_on_the_uninterrupted_batch(build, rredcot_reference, tmp_path):
     """The reference run's checkpoint after step 2 (verl's sync checkpoint, two ranks: no TransferQueue state) is
     resumed by a fresh local process on two ranks, which trains step 3. Compared with the uninterrupted run: step 3's

@@ -29,6 +29,10 @@ def test_valid_config_is_prepared_for_cpu(build, monkeypatch):
     assert config.actor_rollout_ref.actor.strategy == "fsdp2"
     assert config.ray_kwargs.ray_init.address == "local" and config.ray_kwargs.ray_init.num_gpus == 1
     assert config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "rredcot_verl.integration.plugin"
+    # One vLLM process fewer per server, no dashboard (compat test: vLLM keeps "uni" with multiprocessing off).
+    assert config.actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend == "uni"
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.VLLM_ENABLE_V1_MULTIPROCESSING == "0"
+    assert config.ray_kwargs.ray_init.include_dashboard is False
 
 
 def test_local_cluster_declares_one_fake_gpu_per_actor_rank(build, monkeypatch):
@@ -36,6 +40,13 @@ def test_local_cluster_declares_one_fake_gpu_per_actor_rank(build, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     config = prepare(_config(["trainer.n_gpus_per_node=2"]))
     assert config.ray_kwargs.ray_init.num_gpus == 2
+
+
+def test_tensor_parallel_engines_keep_vllms_multiprocess_executor(build, monkeypatch):
+    monkeypatch.setenv("RREDCOT_CPU", "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = prepare(_config(["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
+    assert "distributed_executor_backend" not in config.actor_rollout_ref.rollout.engine_kwargs.vllm
 
 
 @pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])

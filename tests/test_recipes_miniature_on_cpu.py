@@ -166,25 +166,34 @@ def _flatten(tree, prefix=""):
 
 
 @pytest.fixture(scope="module")
-def miniatures(tmp_path_factory) -> dict[str, Path]:
-    """One build per family, shared by the runs (data + warm-started tiny model)."""
-    builds = {}
-    launched = set(RECIPES) - set(COVERED_BY_ANOTHER_LAUNCH)
-    for family in sorted({RECIPES[recipe][1] for recipe in launched}):
-        out = tmp_path_factory.mktemp(f"miniature_{family}")
-        subprocess.run(
-            [sys.executable, "-m", "rredcot_verl.tasks.miniature", "--family", family, "--out", str(out)],
-            check=True, capture_output=True, timeout=900,
-        )  # fmt: skip
-        builds[family] = out
-    return builds
+def miniatures(tmp_path_factory):
+    """A family's build (data + warm-started tiny model), made when a run first needs it and shared by the runs."""
+    builds: dict[str, Path] = {}
+
+    def build(family: str) -> Path:
+        if family not in builds:
+            out = tmp_path_factory.mktemp(f"miniature_{family}")
+            subprocess.run(
+                [sys.executable, "-m", "rredcot_verl.tasks.miniature", "--family", family, "--out", str(out)],
+                check=True, capture_output=True, timeout=900,
+            )  # fmt: skip
+            builds[family] = out
+        return builds[family]
+
+    return build
 
 
+LAUNCHED = sorted(set(RECIPES) - set(COVERED_BY_ANOTHER_LAUNCH))
+
+
+# One stream of the end-to-end tier runs a family's recipes, on one build (conftest.py).
 @pytest.mark.e2e
-@pytest.mark.parametrize("recipe", sorted(set(RECIPES) - set(COVERED_BY_ANOTHER_LAUNCH)))
+@pytest.mark.parametrize(
+    "recipe", [pytest.param(recipe, marks=pytest.mark.launch_group(f"miniature_{RECIPES[recipe][1]}")) for recipe in LAUNCHED]
+)
 def test_recipe_trains_in_miniature(recipe, miniatures, tmp_path):
     _, family, data_name, _ = RECIPES[recipe]
-    build = miniatures[family]
+    build = miniatures(family)
     data_dir = tmp_path / "data"
     shutil.copytree(build / "data", data_dir / data_name)
     out = tmp_path / "run"

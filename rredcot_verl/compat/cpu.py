@@ -53,6 +53,12 @@ CPU_PROCESS_ENV = {
     # spin while they wait hold cores the others need (two 2-thread processes on 2 cores: 310 s each spinning,
     # 42 s passive).
     "OMP_WAIT_POLICY": "PASSIVE",
+    # vLLM's CPU platform forces the multiprocess executor (one more process importing vLLM per server) unless
+    # multiprocessing is off; AsyncLLM still runs its engine core in a process of its own (launcher.CPU_CONFIG asks
+    # that core to hold the worker: 356 -> 269 CPU-s per miniature launch with the two changes below).
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # Ray prestarts idle Python workers for the first driver; verl creates its actors with their own workers.
+    "RAY_prestart_worker_first_driver": "0",
 }
 
 # verl's ReplayBuffer default is 2.0 s (tests/test_compat_on_cpu.py checks it).

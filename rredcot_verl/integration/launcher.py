@@ -54,7 +54,10 @@ LOCAL_CPU_CLUSTER_CPUS = 32
 
 def local_cpu_cluster(config: DictConfig) -> dict:
     gpus = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
-    return {"ray_kwargs.ray_init.num_cpus": LOCAL_CPU_CLUSTER_CPUS, "ray_kwargs.ray_init.num_gpus": gpus}
+    # No dashboard: its processes cost a small CPU run ~10 CPU-s and nothing reads them (a cluster started with
+    # `ray start` keeps its own).
+    return {"ray_kwargs.ray_init.num_cpus": LOCAL_CPU_CLUSTER_CPUS, "ray_kwargs.ray_init.num_gpus": gpus,
+            "ray_kwargs.ray_init.include_dashboard": False}
 
 
 # Variables of the launching shell that every Ray process must see (local workers inherit them; a remote cluster
@@ -416,6 +419,10 @@ def prepare(config: DictConfig) -> DictConfig:
         env.update(CPU_PROCESS_ENV)
         for key, value in CPU_CONFIG.items():
             _set(config, key, value)
+        if int(config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1) == 1:
+            # The engine core runs the model itself instead of in a worker process of its own (one vLLM import fewer
+            # per server); verl's args put engine_kwargs after its own "mp" (tests/test_compat_on_cpu.py).
+            _set(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend", "uni")
     os.environ.update(env)
     # Workers on a remote cluster do not inherit this process's environment: pass it through Ray's runtime_env.
     for key, value in env.items():
