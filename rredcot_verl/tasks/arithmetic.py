@@ -20,6 +20,7 @@ import os
 import random
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 DATA_SOURCE = "rredcot_arithmetic"
 ABILITY = "math"
@@ -207,11 +208,13 @@ def write_parquet(
     n_val: int,
     seed: int,
     config: ArithmeticTaskConfig = ArithmeticTaskConfig(),
+    row: Callable[[ArithmeticProblem, str, int], dict] | None = None,
 ) -> tuple[str, str]:
     """Write ``out_dir/train.parquet`` and ``out_dir/val.parquet`` in verl's RL dataset format.
 
     Each split draws from its own stream (``random.Random(f"{split}:{seed}")``), so validation problems are
-    independent of the training ones for every seed. Returns the two paths.
+    independent of the training ones for every seed. ``row(problem, split, index)`` writes one row (default: this
+    task's single-turn rows). Returns the two paths.
     """
     import pandas as pd
 
@@ -221,7 +224,7 @@ def write_parquet(
     paths = []
     for split, n in (("train", n_train), ("val", n_val)):
         rng = random.Random(f"{split}:{seed}")
-        rows = [_row(make_problem(rng, config), split, i) for i in range(n)]
+        rows = [(row or _row)(make_problem(rng, config), split, i) for i in range(n)]
         path = os.path.join(out_dir, f"{split}.parquet")
         pd.DataFrame(rows).to_parquet(path, index=False)
         paths.append(path)

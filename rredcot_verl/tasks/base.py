@@ -22,7 +22,8 @@ Registered names (``TASKS``): ``arithmetic`` (the embedded task, one step per li
 (competition maths: math-verify equivalence, blank-line separated paragraphs), ``paragraphs`` (exact answers,
 paragraphs), ``gsm8k`` (verl's GSM8K format: the answer after ``####`` read as verl's rule reward reads it, one step
 per line), ``code`` (Python programs judged by tests: ``tasks/code.py``, which also says which value sources it
-refuses). ``resolve_task`` also accepts ``module:attr``.
+refuses), ``calculator`` (the arithmetic chain solved with a calculator tool over several turns:
+``tasks/calculator.py``). ``resolve_task`` also accepts ``module:attr``.
 
 ``check_task_reads_answers`` / ``check_dataset_rows``: whether a task can read the answers of a dataset at all (its
 ground truths, its reference solutions, the answer format its prompts ask for), for the launcher to refuse a task
@@ -39,6 +40,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from rredcot_verl.tasks.arithmetic import THINK_CLOSE, THINK_OPEN, ArithmeticProblem
 from rredcot_verl.tasks.arithmetic import first_wrong_step as arithmetic_first_wrong_step
+from rredcot_verl.tasks.calculator import calculator_wrong_step
 from rredcot_verl.tasks.code import equivalent_programs, extract_program
 from rredcot_verl.tasks.reward import extract_boxed_answer
 
@@ -250,7 +252,18 @@ CODE = Task(
     split_steps=split_paragraphs,
     step_separator="\n\n",
 )
-TASKS: dict[str, Task] = {task.name: task for task in (ARITHMETIC, BOXED_MATH, PARAGRAPHS, GSM8K, CODE)}
+# The arithmetic chain solved with a calculator tool (tasks/calculator.py): a boxed integer after the calls; its steps
+# are the tool calls, one per assistant turn (segmentation.strategy: turns), not lines of a thinking block.
+CALCULATOR = Task(
+    name="calculator",
+    extract_answer=extract_boxed_answer,
+    answer_text=lambda truth: str(truth).strip(),
+    equivalent=_integer_equal,
+    split_steps=split_lines,
+    step_separator="\n",
+    first_wrong_step=calculator_wrong_step,
+)
+TASKS: dict[str, Task] = {task.name: task for task in (ARITHMETIC, BOXED_MATH, PARAGRAPHS, GSM8K, CODE, CALCULATOR)}
 
 
 def resolve_task(spec: str) -> Task:

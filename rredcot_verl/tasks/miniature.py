@@ -246,11 +246,17 @@ def response_text(family: Family, row: MathRow) -> str:
 def build_tokenizer(family: Family, rows: list[MathRow], config: MiniatureConfig):
     """Byte-level BPE with Qwen2's normalizer and pre-tokenizer (tasks/model.py says why), wrapped with the family's
     special tokens and chat template; returns a ``PreTrainedTokenizerFast``. Deterministic."""
-    from transformers import PreTrainedTokenizerFast
-
     # Special and added tokens are split off before the BPE sees text, so the chat scaffolding needs only its words.
     corpus = ["system\nuser\nassistant\nYou are a helpful assistant." + family.system_prompt]
     corpus += [f"{row.prompt}\n{response_text(family, row)}" for row in rows]
+    return family_tokenizer(family, corpus, config)
+
+
+def family_tokenizer(family: Family, corpus: list[str], config: MiniatureConfig):
+    """``build_tokenizer`` on any text ``corpus``: the byte-level BPE trained on it, with the family's special and
+    added tokens and chat template. Deterministic."""
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = train_qwen2_style_bpe(corpus, config.vocab_size, family.special_tokens, family.added_tokens)
     named = {family.bos_token, family.eos_token, family.pad_token}
     # transformers rebuilds a qwen2 folder's tokenizer as Qwen2Tokenizer, whose unk defaults to <|endoftext|>: a token

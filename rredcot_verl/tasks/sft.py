@@ -104,17 +104,26 @@ def make_batch(tokenizer, problems: list[ArithmeticProblem]):
 def pad_for_sft(pad_token_id: int, sequences: list[tuple[list[int], list[int]]]):
     """(prompt ids, response ids) pairs as right-padded ``(input_ids, attention_mask, labels)``, each
     (batch, max_len); labels -100 on the prompt and the padding, so the loss is on the responses only."""
+    return pad_masked(pad_token_id, [(prompt + response, [0] * len(prompt) + [1] * len(response))
+                                     for prompt, response in sequences])
+
+
+def pad_masked(pad_token_id: int, sequences: list[tuple[list[int], list[int]]]):
+    """(token ids, loss mask) pairs as right-padded ``(input_ids, attention_mask, labels)``, each (batch, max_len);
+    labels -100 where the mask is 0 and on the padding (a multi-turn conversation learns its assistant turns only)."""
     import torch
 
-    max_len = max(len(p) + len(r) for p, r in sequences)
+    max_len = max(len(ids) for ids, _ in sequences)
     input_ids = torch.full((len(sequences), max_len), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), max_len), dtype=torch.long)
     labels = torch.full((len(sequences), max_len), -100, dtype=torch.long)
-    for row, (prompt, response) in enumerate(sequences):
-        n = len(prompt) + len(response)
-        input_ids[row, :n] = torch.tensor(prompt + response)
-        attention_mask[row, :n] = 1
-        labels[row, len(prompt):n] = torch.tensor(response)
+    for row, (ids, mask) in enumerate(sequences):
+        if len(mask) != len(ids):
+            raise ValueError(f"sequence {row}: {len(ids)} tokens but a loss mask of {len(mask)}")
+        tokens = torch.tensor(ids)
+        input_ids[row, : len(ids)] = tokens
+        attention_mask[row, : len(ids)] = 1
+        labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), tokens, -100)
     return input_ids, attention_mask, labels
 
 
@@ -122,13 +131,19 @@ def short_sft_step(model, optimizer, sequences: list[tuple[list[int], list[int]]
                    step: int, warmup_steps: int, total_steps: int):
     """One step of the miniature builds' short warm start (linear warmup, then a cosine from 1.0x to 0.1x of
     ``peak_lr``, clipping at 1.0) on one batch of (prompt ids, response ids); returns the loss tensor."""
+    return short_sft_update(model, optimizer, pad_for_sft(pad_token_id, sequences), peak_lr, step, warmup_steps,
+                            total_steps)
+
+
+def short_sft_update(model, optimizer, batch, peak_lr: float, step: int, warmup_steps: int, total_steps: int):
+    """``short_sft_step`` on a padded ``(input_ids, attention_mask, labels)`` batch; returns the loss tensor."""
     import torch
 
     progress = max(0, step - warmup_steps) / max(1, total_steps - warmup_steps)
     scale = min(1.0, (step + 1) / warmup_steps) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
     for group in optimizer.param_groups:
         group["lr"] = peak_lr * scale
-    input_ids, attention_mask, labels = pad_for_sft(pad_token_id, sequences)
+    input_ids, attention_mask, labels = batch
     loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
