@@ -5,6 +5,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,16 +155,18 @@ def test_vllm_cpu_runs_the_worker_in_the_engine_core_only_with_multiprocessing_o
     """Reason for VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor on CPU: verl asks for vLLM's multiprocess
     executor (its engine_kwargs come after, so they can override it), and vLLM's CPU platform turns "uni" back into
     "mp" unless multiprocessing is off. The launcher's prepared CPU config asks for "uni" at tensor parallel size 1."""
-    import inspect
+    import importlib.util
     import re
-
-    from vllm.platforms import cpu as vllm_cpu
-    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
 
     from rredcot_verl.compat.cpu import CPU_PROCESS_ENV
 
-    launch = inspect.getsource(vLLMHttpServer.launch_server)
+    def source(module: str) -> str:  # read, not imported: verl's vLLM packages check vLLM's version on import
+        package, *rest = module.split(".")
+        root = Path(importlib.util.find_spec(package).origin).parent
+        return root.joinpath(*rest[:-1], rest[-1] + ".py").read_text()
+
+    launch = source("verl.workers.rollout.vllm_rollout.vllm_async_server")
     assert re.search(r'"distributed_executor_backend": "mp",(.|\n)*\*\*engine_kwargs,', launch)
-    platform = inspect.getsource(vllm_cpu)
+    platform = source("vllm.platforms.cpu")
     assert re.search(r'VLLM_ENABLE_V1_MULTIPROCESSING", "1"\) == "1"\s*and parallel_config.distributed_executor_backend == "uni"', platform)
     assert CPU_PROCESS_ENV["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
