@@ -1,6 +1,6 @@
 """The arithmetic chain solved with a calculator tool: a multi-turn task for verl's tool agent loop.
 
-A problem is the arithmetic task's chain (``tasks/arithmetic.py``, here short: 3..4 operands of 1..9). The model
+A problem is the arithmetic task's chain (``tasks/arithmetic.py``, here short: 3 operands of 1..9). The model
 chooses the operands of every step and calls the ``calculator`` tool once per step; the tool computes. With Qwen2.5's
 tool template and verl's hermes format a solved trace is::
 
@@ -31,7 +31,10 @@ DATA_SOURCE = "rredcot_calculator"
 AGENT_NAME = "tool_agent"  # verl's ToolAgentLoop
 TOOL_NAME = "calculator"
 TOOL_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "calculator_tools.yaml")
-TASK_CONFIG = ArithmeticTaskConfig(min_operand=1, max_operand=9, min_operands=3, max_operands=4)
+# Two steps, so every prompt has the same length: a two-layer model learns to copy operands at fixed relative offsets
+# within minutes, while chains of 3..4 operands (offsets that depend on the prompt's length) stayed at 0-6% after 500
+# warm-start steps.
+TASK_CONFIG = ArithmeticTaskConfig(min_operand=1, max_operand=9, min_operands=3, max_operands=3)
 FINAL_ANSWER = "**Final Answer**\n\\boxed{{{}}}"  # the plain probe profile's exit text, then the answer
 
 # Integers of at most 12 digits, so a call cannot ask the tool for an enormous product.
@@ -61,8 +64,8 @@ def tool_call_text(expression: str) -> str:
 
 def tool_call_message(expression: str) -> dict:
     """The assistant message of a call, as verl's tool agent loop appends it to the conversation."""
-    return {"role": "assistant", "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": TOOL_NAME, "arguments": {"expression": expression}}}]}
+    call = {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"expression": expression}}}
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
 
 
 def reference_turns(problem: ArithmeticProblem) -> list[tuple[str, dict, str | None]]:

@@ -68,12 +68,12 @@ class CalculatorBuildConfig:
     n_train: int = 64
     n_val: int = 16
     n_sft: int = 2048
-    max_steps: int = 1500
-    budget_s: float = 420.0
+    max_steps: int = 2000
+    budget_s: float = 540.0
     batch_size: int = 16
     lr: float = 3e-3
     warmup_steps: int = 30
-    eval_every: int = 100
+    eval_every: int = 200
     n_eval: int = 32
     target_band: tuple[float, float] = (0.3, 0.6)
     max_turns: int = 6
@@ -101,8 +101,8 @@ def token_builder(tokenizer):
     return create_continuous_token_builder(tokenizer, hf_model_type="qwen2")
 
 
-def conversation_tokens(builder, tokenizer, schemas: list[dict], problem: ArithmeticProblem) -> tuple[list[int], int,
-                                                                                                      list[int]]:
+def conversation_tokens(builder, tokenizer, schemas: list[dict],
+                        problem: ArithmeticProblem) -> tuple[list[int], int, list[int]]:
     """(token ids, prompt length, loss mask) of the solved conversation, laid out as verl's tool agent loop lays out a
     rollout: the builder's initial prompt; each assistant turn as generated (its text, then ``<|im_end|>``: mask 1);
     each tool answer merged by the builder (the separator after ``<|im_end|>``, the tool turn, the next assistant
@@ -160,6 +160,15 @@ async def _answer_calls(tools: dict, calls) -> list[str]:
     return answers
 
 
+async def _parse_and_answer(parser, tools: dict, turns: list[list[int]]) -> list[tuple[list, list[str]]]:
+    """Each turn's first parsed call (verl's default ``max_parallel_calls`` is 1) and the tool's answer to it."""
+    results = []
+    for turn in turns:
+        _, calls = await parser.extract_tool_calls(turn)
+        results.append((calls[:1], await _answer_calls(tools, calls[:1])))
+    return results
+
+
 def play(model, tokenizer, builder, tools: list, problems: list[ArithmeticProblem], do_sample: bool,
          config: CalculatorBuildConfig, seed: int = 0) -> list[dict]:
     """The tool loop of verl's ``ToolAgentLoop`` with HF ``generate`` as the engine, batched by turn: generate a turn
@@ -197,15 +206,7 @@ def play(model, tokenizer, builder, tools: list, problems: list[ArithmeticProble
                 state["ids"] += turn
                 state["turns"] += 1
                 turns.append(turn)
-
-            async def parse_and_answer():
-                results = []
-                for turn in turns:
-                    _, calls = await parser.extract_tool_calls(turn)
-                    results.append((calls[:1], await _answer_calls(by_name, calls[:1])))  # max_parallel_calls: 1
-                return results
-
-            for state, (calls, answers) in zip(active, asyncio.run(parse_and_answer())):
+            for state, (calls, answers) in zip(active, asyncio.run(_parse_and_answer(parser, by_name, turns))):
                 response_length = len(state["ids"]) - state["prompt"]
                 if not calls or state["turns"] >= config.max_turns or response_length >= config.max_response_tokens:
                     state["done"] = True
@@ -294,6 +295,13 @@ def warm_start(model, tokenizer, builder, tools, eval_problems, config: Calculat
             "seconds": round(time.monotonic() - start, 1)}
 
 
+def _parquet_problems(path: str) -> list[ArithmeticProblem]:
+    import pandas as pd
+
+    return [ArithmeticProblem(tuple(int(x) for x in info["operands"]), tuple(str(op) for op in info["ops"]))
+            for info in pd.read_parquet(path)["extra_info"]]
+
+
 def fingerprint(config: CalculatorBuildConfig, model_config: MiniatureConfig) -> dict:
     """What a build depends on: the settings and the bytes of the task, template, tool config and builder code."""
     digest = hashlib.sha256()
@@ -309,7 +317,6 @@ def fingerprint(config: CalculatorBuildConfig, model_config: MiniatureConfig) ->
 def build(out_dir: str, config: CalculatorBuildConfig = CalculatorBuildConfig(),
           model_config: MiniatureConfig = MiniatureConfig(), log=print) -> dict:
     """Build (or reuse) the data, tool config and model under ``out_dir``; returns the record in ``RECORD``."""
-    import pandas as pd
     import torch
 
     out_dir = os.path.abspath(out_dir)
@@ -341,16 +348,14 @@ def build(out_dir: str, config: CalculatorBuildConfig = CalculatorBuildConfig(),
     tokenizer = miniature.family_tokenizer(FAMILY, corpus, model_config)
     model = miniature.build_model(FAMILY, tokenizer, model_config)
     builder = token_builder(tokenizer)
-    train_problems = [ArithmeticProblem(tuple(info["operands"]), tuple(info["ops"]))
-                      for info in pd.read_parquet(train_path)["extra_info"]]
+    train_problems = _parquet_problems(train_path)
     record_sft = warm_start(model, tokenizer, builder, tools, train_problems[: config.n_eval], config, log)
     save_model_dir(model, tokenizer, model_dir)
     _, loaded = load_model_dir(model_dir, with_model=False)
     if loaded.get_vocab() != tokenizer.get_vocab():  # what verl and vLLM will load must be what was trained
         raise ValueError(f"{model_dir}: the tokenizer loads back with a different vocabulary")
-    val_problems = [ArithmeticProblem(tuple(info["operands"]), tuple(info["ops"]))
-                    for info in pd.read_parquet(val_path)["extra_info"]]
-    lengths = [conversation_tokens(builder, tokenizer, schemas, p) for p in train_problems + val_problems]
+    everything = train_problems + _parquet_problems(val_path)
+    lengths = [conversation_tokens(builder, tokenizer, schemas, problem) for problem in everything]
     record = {
         "fingerprint": expected, "family": "qwen2_5 with tools", "n_train": config.n_train, "n_val": config.n_val,
         "model_dir": model_dir, "train_parquet": train_path, "val_parquet": val_path, "tool_config": tools_path,
@@ -371,7 +376,7 @@ def build(out_dir: str, config: CalculatorBuildConfig = CalculatorBuildConfig(),
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    parser = argparse.ArgumentParser(description="Build the calculator miniature: agent-loop data, tool config, model.")
+    parser = argparse.ArgumentParser(description="Build the calculator miniature: agent-loop data, tools, model.")
     parser.add_argument("--out", required=True, help="output folder (data/, model/, tools.yaml, calculator.json)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the warm start")
     parser.add_argument("--max-steps", type=int, default=CalculatorBuildConfig.max_steps, help="SFT steps at most")
