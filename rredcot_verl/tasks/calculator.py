@@ -31,9 +31,9 @@ DATA_SOURCE = "rredcot_calculator"
 AGENT_NAME = "tool_agent"  # verl's ToolAgentLoop
 TOOL_NAME = "calculator"
 TOOL_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "calculator_tools.yaml")
-# Two steps, so every prompt has the same length: a two-layer model learns to copy operands at fixed relative offsets
-# within minutes, while chains of 3..4 operands (offsets that depend on the prompt's length) stayed at 0-6% after 500
-# warm-start steps.
+# Two steps, so every prompt has the same length and a call's operands sit at fixed offsets from it. Measured warm
+# starts (calculator_miniature, two cores): with 3..4 operands the loss stayed at 0.26-0.29 for 500 steps (no copying
+# learned); with 3 the loss falls from 0.25 to 0.03-0.06 after 1,000-1,400 steps, sampled accuracy 6-9% by 1,300-1,860.
 TASK_CONFIG = ArithmeticTaskConfig(min_operand=1, max_operand=9, min_operands=3, max_operands=3)
 FINAL_ANSWER = "**Final Answer**\n\\boxed{{{}}}"  # the plain probe profile's exit text, then the answer
 

@@ -38,7 +38,6 @@ from dataclasses import asdict, dataclass
 from rredcot_verl.tasks import arithmetic, calculator, miniature, sft
 from rredcot_verl.tasks.arithmetic import ArithmeticProblem, make_problem
 from rredcot_verl.tasks.miniature import GSM8K_FAMILIES, MiniatureConfig
-from rredcot_verl.tasks.model import load_model_dir, save_model_dir
 from rredcot_verl.tasks.reward import compute_score
 
 RECORD = "calculator.json"
@@ -323,18 +322,11 @@ def build(out_dir: str, config: CalculatorBuildConfig = CalculatorBuildConfig(),
     record_path, model_dir, data_dir = (os.path.join(out_dir, name) for name in (RECORD, "model", "data"))
     tools_path = os.path.join(out_dir, TOOLS_FILE)
     expected = fingerprint(config, model_config)
-    try:
-        with open(record_path) as f:
-            previous = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        previous = None
-    if previous and previous.get("fingerprint") == expected and os.path.isfile(tools_path):
-        try:
-            load_model_dir(model_dir, with_model=False)
-            log(f"calculator miniature: reusing {out_dir} (settings unchanged)")
-            return previous
-        except (FileNotFoundError, ValueError):
-            pass  # an incomplete folder is rebuilt
+    parquets = [os.path.join(data_dir, f"{split}.parquet") for split in ("train", "val")]
+    previous = miniature.cached_record(record_path, expected, model_dir, [tools_path, *parquets])
+    if previous is not None:
+        log(f"calculator miniature: reusing {out_dir} (settings unchanged)")
+        return previous
     start = time.monotonic()
     torch.manual_seed(config.seed)
     train_path, val_path = arithmetic.write_parquet(data_dir, config.n_train, config.n_val, config.seed,
@@ -350,10 +342,7 @@ def build(out_dir: str, config: CalculatorBuildConfig = CalculatorBuildConfig(),
     builder = token_builder(tokenizer)
     train_problems = _parquet_problems(train_path)
     record_sft = warm_start(model, tokenizer, builder, tools, train_problems[: config.n_eval], config, log)
-    save_model_dir(model, tokenizer, model_dir)
-    _, loaded = load_model_dir(model_dir, with_model=False)
-    if loaded.get_vocab() != tokenizer.get_vocab():  # what verl and vLLM will load must be what was trained
-        raise ValueError(f"{model_dir}: the tokenizer loads back with a different vocabulary")
+    miniature.save_checked(model, tokenizer, model_dir)
     everything = train_problems + _parquet_problems(val_path)
     lengths = [conversation_tokens(builder, tokenizer, schemas, problem) for problem in everything]
     record = {

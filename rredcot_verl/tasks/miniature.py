@@ -357,6 +357,32 @@ def fingerprint(family_name: str, n_problems: int | None, config: MiniatureConfi
             "sources_sha256": digest.hexdigest()}
 
 
+def cached_record(record_path: str, expected: dict, model_dir: str, files: list[str]) -> dict | None:
+    """The build record at ``record_path`` when its fingerprint is ``expected``, ``files`` exist and ``model_dir``
+    loads; None otherwise (an incomplete folder is rebuilt)."""
+    try:
+        with open(record_path) as f:
+            previous = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    if previous.get("fingerprint") != expected or not all(map(os.path.isfile, files)):
+        return None
+    try:
+        load_model_dir(model_dir, with_model=False)
+    except (FileNotFoundError, ValueError):
+        return None
+    return previous
+
+
+def save_checked(model, tokenizer, model_dir: str) -> None:
+    """``save_model_dir``, then check that the folder's tokenizer loads back as the one trained (what verl and vLLM
+    will load must be what was trained)."""
+    save_model_dir(model, tokenizer, model_dir)
+    _, loaded = load_model_dir(model_dir, with_model=False)
+    if loaded.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"{model_dir}: the tokenizer loads back with a different vocabulary")
+
+
 def build(family_name: str, out_dir: str, n_problems: int | None = None,
           config: MiniatureConfig = MiniatureConfig(), log: Callable[[str], None] = print) -> dict:
     """Build (or reuse) ``out_dir/data`` and ``out_dir/model`` for one family; returns the record in ``RECORD``."""
@@ -367,27 +393,16 @@ def build(family_name: str, out_dir: str, n_problems: int | None = None,
     record_path, model_dir, data_dir = (os.path.join(out_dir, name) for name in (RECORD, "model", "data"))
     parquets = [os.path.join(data_dir, f"{split}.parquet") for split in ("train", "val")]
     expected = fingerprint(family_name, n_problems, config)
-    try:
-        with open(record_path) as f:
-            previous = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        previous = None
-    if previous and previous.get("fingerprint") == expected and all(map(os.path.isfile, parquets)):
-        try:
-            load_model_dir(model_dir, with_model=False)
-            log(f"miniature {family_name}: reusing {out_dir} (settings unchanged)")
-            return previous
-        except (FileNotFoundError, ValueError):
-            pass  # an incomplete folder is rebuilt
+    previous = cached_record(record_path, expected, model_dir, parquets)
+    if previous is not None:
+        log(f"miniature {family_name}: reusing {out_dir} (settings unchanged)")
+        return previous
     start = time.monotonic()
     train, val = write_data(load_problems(n_problems), data_dir, config.seed, family.answer_style)
     tokenizer = build_tokenizer(family, train + val, config)
     model = build_model(family, tokenizer, config)
     sft = warm_start(model, tokenizer, family, train, config)
-    save_model_dir(model, tokenizer, model_dir)
-    _, loaded = load_model_dir(model_dir, with_model=False)
-    if loaded.get_vocab() != tokenizer.get_vocab():  # what verl and vLLM will load must be what was trained
-        raise ValueError(f"{model_dir}: the tokenizer loads back with a different vocabulary")
+    save_checked(model, tokenizer, model_dir)
     prompt_tokens = [len(chat_prompt_ids(tokenizer, row.prompt)) for row in train + val]
     reference_tokens = [len(response_ids(tokenizer, response_text(family, row))) for row in train + val]
     evaluation = evaluate(model, tokenizer, train[: config.n_eval], max(reference_tokens) + 32, config.seed,
