@@ -35,7 +35,7 @@ from __future__ import annotations
 import importlib
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from rredcot_verl.tasks.arithmetic import THINK_CLOSE, THINK_OPEN, ArithmeticProblem
@@ -252,17 +252,9 @@ CODE = Task(
     split_steps=split_paragraphs,
     step_separator="\n\n",
 )
-# The arithmetic chain solved with a calculator tool (tasks/calculator.py): a boxed integer after the calls; its steps
-# are the tool calls, one per assistant turn (segmentation.strategy: turns), not lines of a thinking block.
-CALCULATOR = Task(
-    name="calculator",
-    extract_answer=extract_boxed_answer,
-    answer_text=lambda truth: str(truth).strip(),
-    equivalent=_integer_equal,
-    split_steps=split_lines,
-    step_separator="\n",
-    first_wrong_step=calculator_wrong_step,
-)
+# The arithmetic chain solved with a calculator tool (tasks/calculator.py): its answers read as the arithmetic task's
+# (a boxed integer); its steps are the tool calls, one per assistant turn, not the lines of a thinking block.
+CALCULATOR = replace(ARITHMETIC, name="calculator", first_wrong_step=calculator_wrong_step)
 TASKS: dict[str, Task] = {task.name: task for task in (ARITHMETIC, BOXED_MATH, PARAGRAPHS, GSM8K, CODE, CALCULATOR)}
 
 
