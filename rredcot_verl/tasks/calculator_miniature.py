@@ -19,6 +19,12 @@ writes
   measured as the RL run will see it: the warm start plays verl's tool loop (hermes parser, the tool itself, the
   builder's merges) at temperature 1 on the training prompts, judged by the task reward. A build whose fingerprint
   matches is reused.
+
+The warm start takes about 9 core-minutes, so the package ships it (``assets/calculator_warmstart/``: the model folder
+and its build record): when the record's fingerprint matches the requested settings the model is copied instead of
+trained. ``--retrain`` trains anyway; with ``--update-artefact`` the result replaces the artefact (how it is
+reproduced). Bump ``BUILD_VERSION`` when a change to the task, template, tool config or builder would change what gets
+built: it is part of the fingerprint, so stale folders and a stale artefact stop matching.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ import argparse
 import asyncio
 import copy
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -39,8 +44,11 @@ from rredcot_verl.tasks import arithmetic, calculator, miniature, sft
 from rredcot_verl.tasks.arithmetic import ArithmeticProblem, make_problem
 from rredcot_verl.tasks.miniature import GSM8K_FAMILIES, MiniatureConfig
 from rredcot_verl.tasks.reward import compute_score
+from rredcot_verl.tasks.model import load_model_dir
 
 RECORD = "calculator.json"
+BUILD_VERSION = 1
+ARTEFACT_DIR = os.path.join(miniature.ASSETS, "calculator_warmstart")
 TOOLS_FILE = "tools.yaml"
 TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")  # added tokens, as in Qwen2.5
 FAMILY = dataclasses.replace(GSM8K_FAMILIES["qwen2_5"], template="qwen2_5_tools.jinja", added_tokens=TOOL_TAGS,
@@ -302,20 +310,17 @@ def _parquet_problems(path: str) -> list[ArithmeticProblem]:
 
 
 def fingerprint(config: CalculatorBuildConfig, model_config: MiniatureConfig) -> dict:
-    """What a build depends on: the settings and the bytes of the task, template, tool config and builder code."""
-    digest = hashlib.sha256()
-    template = os.path.join(miniature.ASSETS, "chat_templates", FAMILY.template)
-    for path in (calculator.__file__, calculator.TOOL_CONFIG, template, os.path.abspath(__file__), arithmetic.__file__,
-                 miniature.__file__, sft.__file__):
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    return json.loads(json.dumps({"config": asdict(config), "model": asdict(model_config),
-                                  "sources_sha256": digest.hexdigest()}))
+    """What a build depends on: the settings and ``BUILD_VERSION``."""
+    return json.loads(json.dumps({"version": BUILD_VERSION, "config": asdict(config), "model": asdict(model_config)}))
 
 
 def build(out_dir: str, config: CalculatorBuildConfig = CalculatorBuildConfig(),
-          model_config: MiniatureConfig = MiniatureConfig(), log=print) -> dict:
-    """Build (or reuse) the data, tool config and model under ``out_dir``; returns the record in ``RECORD``."""
+          model_config: MiniatureConfig = MiniatureConfig(), retrain: bool = False, update_artefact: bool = False,
+          artefact_dir: str = ARTEFACT_DIR, log=print) -> dict:
+    """Build (or reuse) the data, tool config and model under ``out_dir``; returns the record in ``RECORD``.
+    ``update_artefact`` requires ``retrain``: the committed artefact must come from a training run, never a copy."""
+    if update_artefact and not retrain:
+        raise ValueError("update_artefact needs retrain: the committed artefact must come from a fresh training run")
     import torch
 
     out_dir = os.path.abspath(out_dir)
@@ -323,7 +328,7 @@ def build(out_dir: str, config: CalculatorBuildConfig = CalculatorBuildConfig(),
     tools_path = os.path.join(out_dir, TOOLS_FILE)
     expected = fingerprint(config, model_config)
     parquets = [os.path.join(data_dir, f"{split}.parquet") for split in ("train", "val")]
-    previous = miniature.cached_record(record_path, expected, model_dir, [tools_path, *parquets])
+    previous = None if retrain else miniature.cached_record(record_path, expected, model_dir, [tools_path, *parquets])
     if previous is not None:
         log(f"calculator miniature: reusing {out_dir} (settings unchanged)")
         return previous
@@ -341,8 +346,18 @@ def build(out_dir: str, config: CalculatorBuildConfig = CalculatorBuildConfig(),
     model = miniature.build_model(FAMILY, tokenizer, model_config)
     builder = token_builder(tokenizer)
     train_problems = _parquet_problems(train_path)
-    record_sft = warm_start(model, tokenizer, builder, tools, train_problems[: config.n_eval], config, log)
-    miniature.save_checked(model, tokenizer, model_dir)
+    artefact_model = os.path.join(artefact_dir, "model")
+    shipped = None if retrain else miniature.cached_record(os.path.join(artefact_dir, RECORD), expected, artefact_model, [])
+    if shipped is not None:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        shutil.copytree(artefact_model, model_dir)
+        _, tokenizer = load_model_dir(model_dir, with_model=False)
+        builder = token_builder(tokenizer)
+        record_sft = shipped["sft"]
+        log(f"calculator miniature: copied the shipped warm start ({artefact_dir})")
+    else:
+        record_sft = warm_start(model, tokenizer, builder, tools, train_problems[: config.n_eval], config, log)
+        miniature.save_checked(model, tokenizer, model_dir)
     everything = train_problems + _parquet_problems(val_path)
     lengths = [conversation_tokens(builder, tokenizer, schemas, problem) for problem in everything]
     record = {
@@ -355,6 +370,12 @@ def build(out_dir: str, config: CalculatorBuildConfig = CalculatorBuildConfig(),
     }
     with open(record_path, "w") as f:
         json.dump(record, f, indent=2)
+    if update_artefact:
+        shutil.rmtree(artefact_dir, ignore_errors=True)
+        shutil.copytree(model_dir, os.path.join(artefact_dir, "model"))
+        with open(os.path.join(artefact_dir, RECORD), "w") as f:
+            json.dump({"fingerprint": expected, "sft": record_sft}, f, indent=2)
+        log(f"calculator miniature: the shipped warm start ({artefact_dir}) is now this build's")
     kept = record_sft["kept"]
     log(f"calculator miniature: built in {record['seconds']:.0f} s; kept step {kept['step']}: on "
         f"{len(train_problems[: config.n_eval])} training prompts sampled {kept['sampled']['accuracy']:.0%} correct "
@@ -371,9 +392,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-steps", type=int, default=CalculatorBuildConfig.max_steps, help="SFT steps at most")
     parser.add_argument("--budget-s", type=float, default=CalculatorBuildConfig.budget_s,
                         help="SFT wall-clock seconds at most")
+    parser.add_argument("--retrain", action="store_true", help="train even when the shipped warm start matches")
+    parser.add_argument("--update-artefact", action="store_true", help="with --retrain: ship this build's warm start")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    record = build(args.out, CalculatorBuildConfig(max_steps=args.max_steps, budget_s=args.budget_s))
+    record = build(args.out, CalculatorBuildConfig(max_steps=args.max_steps, budget_s=args.budget_s),
+                   retrain=args.retrain, update_artefact=args.update_artefact)
     print(json.dumps({k: v for k, v in record.items() if k not in ("fingerprint", "sft", "eval")}, indent=2))
 
 
