@@ -17,6 +17,9 @@ fi
 # its Ray, FSDP and vLLM processes start: the first stream runs beside the fast tier, the second once it is done.
 CLAIMS="$(mktemp -d /tmp/rredcot_e2e_claims.XXXXXX)"
 export RREDCOT_E2E_CLAIMS="$CLAIMS"
+# Builds the fast tier and the launches both need (a miniature family's warm start) are made once and shared.
+BUILDS="$(mktemp -d /tmp/rredcot_test_builds.XXXXXX)"
+export RREDCOT_TEST_BUILDS="$BUILDS"
 E2E_LOG_1="$(mktemp /tmp/rredcot_e2e_1.XXXXXX.log)"
 E2E_LOG_2="$(mktemp /tmp/rredcot_e2e_2.XXXXXX.log)"
 "${PYTEST[@]}" -m e2e tests >"$E2E_LOG_1" 2>&1 &
@@ -38,6 +41,6 @@ echo "== end-to-end tier, stream 1 =="
 cat "$E2E_LOG_1"
 echo "== end-to-end tier, stream 2 =="
 cat "$E2E_LOG_2"
-rm -rf "$CLAIMS"
+rm -rf "$CLAIMS" "$BUILDS"
 echo "fast tier exit $FAST_RC, end-to-end streams exit $E2E_RC_1 and $E2E_RC_2"
 [ "$FAST_RC" -eq 0 ] && [ "$E2E_RC_1" -eq 0 ] && [ "$E2E_RC_2" -eq 0 ]

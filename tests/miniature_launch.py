@@ -1,14 +1,36 @@
 """Launching ``python -m rredcot_verl.main`` in miniature and reading what a run that trained must show (shared by the
 end-to-end tests of the recipes, the non-thinking model and the code task)."""
 
+import fcntl
 import math
+import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from rredcot_verl.runs import load_metrics
 
 RUN_TIMEOUT_S = 900
+# scripts/test.sh names a folder here that its pytest processes share builds in (see shared_build_folder).
+SHARED_BUILDS_ENV = "RREDCOT_TEST_BUILDS"
+
+
+@contextmanager
+def shared_build_folder(name: str, tmp_path_factory):
+    """The folder a build named ``name`` goes to. Under scripts/test.sh the pytest processes of one suite share it:
+    the builders reuse a folder whose fingerprint matches, so a family's warm start is trained once per suite, not
+    once in the fast tier and again for its launches; the lock keeps a second process from building into it at the
+    same time. The tests only read a build. Without the variable: a folder of this process's own."""
+    parent = os.environ.get(SHARED_BUILDS_ENV)
+    if not parent:
+        yield tmp_path_factory.mktemp(name)
+        return
+    folder = Path(parent) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(Path(parent) / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield folder
 # Errors verl catches and carries on from (a reward that raises, a failed agent loop).
 CAUGHT_ERRORS = ("Error in _run_prompt", "Traceback (most recent call last)")
 

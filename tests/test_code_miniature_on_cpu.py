@@ -17,8 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 
 from miniature_launch import launch_and_read
+from rredcot_verl.integration.launcher import LaunchError, check
 from rredcot_verl.tasks import code_miniature
 from rredcot_verl.tasks.code_reward import compute_score
 
@@ -28,30 +30,24 @@ ARTEFACT = ROOT / "rredcot_verl" / "tasks" / "assets" / "warmstart"
 STEPS, PROMPTS, SAMPLES = 2, 4, 4
 
 
-def _check_only(build: Path, *overrides):
-    env = {**os.environ, "RREDCOT_CPU": "1", "RREDCOT_BUILD": str(build)}
-    env.pop("RAY_ADDRESS", None)
-    return subprocess.run(
-        [sys.executable, "-m", "rredcot_verl.main", "--check-only", "--config-dir", str(RECIPES),
-         "--config-name", "code", *overrides],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-
-
-def test_check_only_refuses_the_exit_probe_for_code_and_accepts_segment_mc(tmp_path):
+def test_the_launch_check_refuses_the_exit_probe_for_code_and_accepts_segment_mc(tmp_path, monkeypatch):
     """The recipe on code data; the launch checks read only the tokenizer and config of the model, so the committed
-    warm start stands in for the code model (no SFT here)."""
+    warm start stands in for the code model (no SFT here). The same ``check`` as ``--check-only`` runs, in this
+    process (tests/test_run_shapes_on_cpu.py runs the command itself)."""
     code_miniature.write_data(code_miniature.make_problems(20, 0), str(tmp_path / "data"), 0)
     shutil.copytree(ARTEFACT, tmp_path / "model")
-    refused = _check_only(tmp_path, "algorithm.adv_estimator=rredcot")
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
-    assert refused.stderr.strip().splitlines()[-1].startswith(
-        "rredcot_verl: algorithm.rredcot.probe.value_source=exit_probe has no meaning for algorithm.rredcot.task=code"
-    ), refused.stderr[-2000:]
-    ok = _check_only(tmp_path, "algorithm.adv_estimator=segment_mc")
-    assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1] == "rredcot_verl: ok", ok.stderr[-2000:]
-    for result in (refused, ok):
-        assert "Started a local Ray instance" not in result.stdout + result.stderr
+    monkeypatch.setenv("RREDCOT_BUILD", str(tmp_path))
+
+    def config(estimator: str):
+        with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+            return compose(config_name="code", overrides=[f"algorithm.adv_estimator={estimator}"])
+
+    with pytest.raises(LaunchError) as refused:
+        check(config("rredcot"))
+    assert str(refused.value).startswith(
+        "algorithm.rredcot.probe.value_source=exit_probe has no meaning for algorithm.rredcot.task=code"
+    ), str(refused.value)
+    check(config("segment_mc"))
 
 
 @pytest.fixture(scope="module")

@@ -65,39 +65,6 @@ def _train(estimator: str, build: Path, out: Path, steps: int = 2, extra=(), env
     return result
 
 
-# verl's own sync trainer (PPOTrainerSync, trainer.v1.trainer_mode=sync) on the config and environment our launcher
-# prepares: the same recipe, CPU accommodations and Ray cluster; only the trainer class differs.
-VERL_SYNC_DRIVER = """
-import sys
-from hydra import compose, initialize_config_dir
-from rredcot_verl.integration.launcher import launch, prepare
-
-with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
-    config = prepare(compose(config_name=sys.argv[2], overrides=sys.argv[3:]))
-config.trainer.v1.trainer_mode = "sync"
-launch(config)
-"""
-
-
-def _train_verl_sync(estimator: str, build: Path, out: Path, steps: int, extra=()) -> subprocess.CompletedProcess:
-    out.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "RREDCOT_BUILD": str(build),
-        "RREDCOT_REWARD_FILE": str(ROOT / "rredcot_verl" / "tasks" / "reward.py"),
-        "RREDCOT_STEPS": str(steps),
-        "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl"),
-    }
-    # timeout + setsid as in run.sh: on expiry the whole process group (Ray, vLLM) ends with the driver.
-    command = [
-        "timeout", "-k", "30", str(RUN_TIMEOUT_S), "setsid", sys.executable, "-c", VERL_SYNC_DRIVER,
-        str(ROOT / "recipes" / "tiny_cpu"), estimator, *SMALL, f"trainer.experiment_name={estimator}_verl_sync", *extra,
-    ]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 100)
-    (out / "stdout.log").write_text(result.stdout + result.stderr)
-    return result
-
-
 def _prompts_per_step(rollout_data_dir: Path) -> dict[int, list[tuple[str, str]]]:
     """verl's rollout dump (trainer.rollout_data_dir, one ``<step>.jsonl`` per step, one row per trace): the step's
     (prompt text, ground truth) pairs, sorted (the row order follows random uids)."""
@@ -106,10 +73,6 @@ def _prompts_per_step(rollout_data_dir: Path) -> dict[int, list[tuple[str, str]]
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         steps[int(path.stem)] = sorted((row["input"], str(row["gts"])) for row in rows)
     return steps
-
-
-def _ok(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 
 def _latest_snapshot(out: Path) -> dict:
@@ -133,6 +96,9 @@ DP2 = [
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
 ]
 
+
+# The reference run's overrides beyond SMALL, except where it writes (_checkpointing).
+REFERENCE_RUN = [*DP2, "trainer.save_freq=2"]
 
 # The tests that read the reference run (or a run that needs it) go to one stream of the end-to-end tier (conftest.py).
 REFERENCE_GROUP = pytest.mark.launch_group("rredcot_reference")
@@ -220,9 +186,9 @@ def test_ibpo_generates_repairs_and_localises_blame(build, tmp_path):
     assert non_uniform_incorrect, "no incorrect trace got a localised (non-uniform) advantage"
 
 
-# The task's reward for step 1's 16 traces (counted across the reward workers' processes), then a reward that raises
-# on about half of the responses, as math-verify's SIGALRM timeout did in verl's reward workers: verl logs each error
-# and carries on with the traces that did not raise.
+# The task's reward for the first step's 16 traces (counted across the reward workers' processes), then a reward that
+# raises on about half of the responses, as math-verify's SIGALRM timeout did in verl's reward workers: verl logs each
+# error and carries on with the traces that did not raise.
 RAISING_REWARD = """
 import fcntl
 import zlib
@@ -230,7 +196,7 @@ import zlib
 from rredcot_verl.tasks.reward import compute_score as task_score
 
 CALLS = {calls!r}
-STEP_1_TRACES = 16
+FIRST_STEP_TRACES = 16
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
@@ -239,18 +205,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
         calls.write("+")
         calls.seek(0)
         count = len(calls.read())
-    if count > STEP_1_TRACES and zlib.crc32(solution_str.encode()) % 2:
+    if count > FIRST_STEP_TRACES and zlib.crc32(solution_str.encode()) % 2:
         raise ValueError("signal only works in main thread of the main interpreter")
     return task_score(data_source, solution_str, ground_truth, extra_info)
 """
 
 
-def test_grpo_trains_a_step_and_a_reward_that_raises_then_stops_the_run_with_its_first_error(build, tmp_path):
-    """GRPO through this package's trainer (the paper's GRPO recipe is checked against the RREDCoT one key by key
-    instead of launched) trains step 1; at step 2 the reward raises and the run stops with the first error."""
-    reward = tmp_path / "raising_reward.py"
-    reward.write_text(RAISING_REWARD.format(calls=str(tmp_path / "reward_calls")))
-    result = _train("grpo", build, tmp_path, steps=2, env_extra={"RREDCOT_REWARD_FILE": str(reward)})
+def _assert_stopped_by_the_raising_reward(result: subprocess.CompletedProcess) -> None:
     log = result.stdout + result.stderr
     assert result.returncode != 0, log[-4000:]
     assert "RolloutFailure" in log and "prompt groups lost" in log, log[-6000:]
@@ -258,10 +219,6 @@ def test_grpo_trains_a_step_and_a_reward_that_raises_then_stops_the_run_with_its
     assert "max_failed_group_share=0.1" in failure
     # The first error, recorded in the reward worker, travelled with the failure to the trainer's message.
     assert "First error:" in failure and "signal only works in main thread" in failure.split("First error:")[1][:6000]
-    [step_1] = load_metrics(tmp_path / "metrics.jsonl")
-    assert step_1["step"] == 1 and step_1["rollout/failed_groups"] == 0
-    for key in ("actor/grad_norm", "actor/pg_loss", "critic/advantages/mean", "critic/score/mean"):
-        assert math.isfinite(float(step_1[key])), (key, step_1[key])
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +249,7 @@ def rredcot_reference(build, tmp_path_factory) -> Path:
         # ("No available agent to submit job, please try again later").
         for _ in range(6):
             result = _train(
-                "rredcot", build, out, steps=3, extra=[*DP2, *_checkpointing(out), "trainer.save_freq=2"],
+                "rredcot", build, out, steps=3, extra=[*REFERENCE_RUN, *_checkpointing(out)],
                 env_extra={**env, "RAY_ADDRESS": f"http://127.0.0.1:{dashboard_port}"},
             )
             if "No available agent to submit job" not in result.stdout + result.stderr:
@@ -316,19 +273,51 @@ def test_ray_job_submit_to_a_running_head_node(rredcot_reference):
     _assert_finite_steps(rredcot_reference, 3)
 
 
+def _verl_sync_prompts_per_step(build: Path, overrides: list[str], steps: int) -> dict[int, list[tuple[str, str]]]:
+    """What verl's PPOTrainerSync submits for generation at steps 1..``steps`` of a run of the tiny recipe with
+    ``overrides``: its own ``_next_train_batch`` (what its ``prepare_step`` calls once per step) on its own dataloader,
+    built in this process from the config our launcher prepares (no Ray: ``__init__``, tokenizer and dataloaders, as
+    in tests/test_trainer_mode_on_cpu.py). Each prompt as verl's rollout dump writes it (the chat-templated prompt
+    decoded without special tokens) with its ground truth, once per sample, sorted as ``_prompts_per_step``."""
+    from hydra import compose, initialize_config_dir
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from rredcot_verl.integration.launcher import prepare
+    from rredcot_verl.integration.trainer import SYNC_MODE
+
+    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "tiny_cpu"), version_base=None):
+        config = prepare(compose(config_name="rredcot", overrides=overrides))
+    config.trainer.v1.trainer_mode = SYNC_MODE
+    trainer = PPOTrainerSync(config)
+    trainer._init_tokenizer()
+    trainer._init_dataloader()
+    tokenizer, samples = trainer.tokenizer, int(config.actor_rollout_ref.rollout.n)
+    prompts = {}
+    for step in range(1, steps + 1):
+        trainer.global_steps = step
+        batch = trainer._next_train_batch()
+        pairs = []
+        for messages, reward_model in zip(batch["raw_prompt"], batch["reward_model"]):
+            text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            pairs += [(tokenizer.decode(ids, skip_special_tokens=True), str(reward_model["ground_truth"]))] * samples
+        prompts[step] = sorted(pairs)
+    return prompts
+
+
 @REFERENCE_GROUP
-def test_our_trainer_sees_the_prompts_of_verls_sync_trainer(build, rredcot_reference, tmp_path):
-    """Same seed and data: verl's PPOTrainerSync (running grpo) and our trainer (running the rredcot reference) draw
-    the same prompts at every step (the sync replay buffer on train_batch_size dataloader fetches; the prompt order
-    depends on the data seed, not the estimator or the ranks). Compared: per step, the sorted (prompt, ground truth)
-    pairs of all 16 traces in verl's rollout dump."""
-    dumps = [f"trainer.rollout_data_dir={tmp_path / 'rollouts'}", f"algorithm.rredcot.snapshot_dir={tmp_path / 'snapshots'}"]
-    _ok(_train_verl_sync("grpo", build, tmp_path, steps=3, extra=dumps))
-    _assert_finite_steps(tmp_path, 3)
-    # Two different trainer classes ran: only ours writes snapshots.
-    assert (rredcot_reference / "snapshots").is_dir() and not (tmp_path / "snapshots").exists()
-    ours, verls = _prompts_per_step(rredcot_reference / "rollouts"), _prompts_per_step(tmp_path / "rollouts")
-    assert sorted(ours) == sorted(verls) == [1, 2, 3]
+def test_our_trainer_draws_the_prompts_verls_sync_trainer_fetches(build, rredcot_reference, monkeypatch):
+    """Same seed and data: at every step of the reference run (our trainer, two ranks, submitted to a cluster), the
+    16 traces verl dumped are the prompts verl's own sync trainer fetches for that step (the prompt order depends on
+    the data seed, not the estimator, the trainer class or the ranks). verl's side is its fetch code run in this
+    process rather than a second launch of its trainer: the launch cost four CPU-minutes of the suite's thirty."""
+    monkeypatch.setenv("RREDCOT_BUILD", str(build))
+    monkeypatch.setenv("RREDCOT_REWARD_FILE", str(ROOT / "rredcot_verl" / "tasks" / "reward.py"))
+    monkeypatch.setenv("RREDCOT_CPU", "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ours = _prompts_per_step(rredcot_reference / "rollouts")
+    assert sorted(ours) == [1, 2, 3]
+    verls = _verl_sync_prompts_per_step(build, [*SMALL, *REFERENCE_RUN], steps=3)
     for step in (1, 2, 3):
         assert len(ours[step]) == 16 and len(set(ours[step])) == 4  # 4 prompts x 4 samples
         assert ours[step] == verls[step], f"step {step}: the trainers drew different prompts"
@@ -336,10 +325,12 @@ def test_our_trainer_sees_the_prompts_of_verls_sync_trainer(build, rredcot_refer
 
 
 @REFERENCE_GROUP
-def test_a_fresh_process_resumes_the_dp2_checkpoint_and_trains_step_3_on_the_uninterrupted_batch(build, rredcot_reference, tmp_path):
+def test_a_fresh_process_resumes_the_dp2_checkpoint_trains_step_3_as_uninterrupted_and_stops_at_a_raising_reward(build, rredcot_reference, tmp_path):
     """The reference run's checkpoint after step 2 (verl's sync checkpoint, two ranks: no TransferQueue state) is
     resumed by a fresh local process on two ranks, which trains step 3. Compared with the uninterrupted run: step 3's
-    sorted (prompt, ground truth) pairs, and the value gate's pooled concordance over steps 1-3."""
+    sorted (prompt, ground truth) pairs, and the value gate's pooled concordance over steps 1-3. At step 4 the reward
+    raises on about half of the traces and the run stops with the first error (one launch for both: each costs about
+    four CPU-minutes here)."""
     reference_rows = _assert_finite_steps(rredcot_reference, 3)
     checkpoint = rredcot_reference / "checkpoints" / "global_step_2"
     assert (checkpoint / "data.pt").is_file()
@@ -350,13 +341,17 @@ def test_a_fresh_process_resumes_the_dp2_checkpoint_and_trains_step_3_on_the_uni
         row["rredcot/value_concordance_comparisons"] for row in reference_rows[:2]
     ]
 
+    reward = tmp_path / "raising_reward.py"
+    reward.write_text(RAISING_REWARD.format(calls=str(tmp_path / "reward_calls")))
     resume = [*DP2, *_checkpointing(tmp_path), "trainer.save_freq=-1", "trainer.resume_mode=resume_path",
               f"trainer.resume_from_path={checkpoint}"]  # fmt: skip
-    result = _train("rredcot", build, tmp_path, steps=3, extra=resume)
-    _ok(result)
+    result = _train("rredcot", build, tmp_path, steps=4, extra=resume, env_extra={"RREDCOT_REWARD_FILE": str(reward)})
+    _assert_stopped_by_the_raising_reward(result)
     assert "'num_gpus': 2" in result.stdout + result.stderr  # the local cluster follows trainer.n_gpus_per_node
     [step_3] = load_metrics(tmp_path / "metrics.jsonl")
-    assert step_3["step"] == 3
+    assert step_3["step"] == 3 and step_3["rollout/failed_groups"] == 0
+    for key in ("actor/grad_norm", "actor/pg_loss", "critic/advantages/mean", "critic/score/mean"):
+        assert math.isfinite(float(step_3[key])), (key, step_3[key])
     # ... and restored: step 3's pooled concordance counts steps 1 and 2 as the uninterrupted run would (with the
     # window lost it would be this batch's alone, or absent for a batch without comparisons: all 16 traces wrong, as
     # one verification run drew).
@@ -364,7 +359,8 @@ def test_a_fresh_process_resumes_the_dp2_checkpoint_and_trains_step_3_on_the_uni
     concordant = step_3.get("rredcot/value_concordance", 0.0) * comparisons
     expected = (concordant + sum(c for c, _ in saved)) / (comparisons + sum(n for _, n in saved))
     assert step_3["rredcot/value_concordance_pooled"] == pytest.approx(expected)
-    assert _prompts_per_step(tmp_path / "rollouts") == {3: _prompts_per_step(rredcot_reference / "rollouts")[3]}
+    resumed = _prompts_per_step(tmp_path / "rollouts")
+    assert set(resumed) <= {3, 4} and resumed[3] == _prompts_per_step(rredcot_reference / "rollouts")[3]
 
 
 def _free_port() -> int:

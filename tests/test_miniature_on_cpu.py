@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from miniature_launch import shared_build_folder
 from rredcot_verl.core.profiles import ProbeTokenizer
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.tasks import math_data
@@ -31,9 +32,10 @@ def built(request, tmp_path_factory):
     """(family, output folder, build record) with the default settings, built on two threads."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    out = tmp_path_factory.mktemp(request.param)
     try:
-        yield request.param, out, build(request.param, str(out))
+        with shared_build_folder(f"miniature_{request.param}", tmp_path_factory) as out:
+            record = build(request.param, str(out))
+        yield request.param, out, record
     finally:
         torch.set_num_threads(threads)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from miniature_launch import launch_and_read
+from miniature_launch import launch_and_read, shared_build_folder
 from rredcot_verl.tasks.math_reward import compute_score
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ STEPS = 2
 
 # A recipe not launched here, the launched recipe it equals, and the keys in which they differ: the paper's GRPO
 # baseline is the RREDCoT recipe with another estimator and learning rate. GRPO through this package's trainer is
-# launched by tests/test_e2e_on_cpu.py (a step trained before a raising reward stops the run).
+# launched by tests/test_calculator_miniature_on_cpu.py (the tool task).
 COVERED_BY_ANOTHER_LAUNCH = {
     "qwen3_4b_numina_grpo": (
         "qwen3_4b_numina_rredcot",
@@ -135,8 +135,9 @@ def test_miniature_runs_override_only_permitted_keys_that_exist(recipe, tmp_path
     for key in overrides:
         assert OmegaConf.select(plain, key, default="<missing>") != "<missing>", key
     # Nothing else differs from the recipe.
-    flat = lambda config: dict(_flatten(OmegaConf.to_container(config, resolve=False)))  # noqa: E731
-    changed = {key for key, value in flat(overridden).items() if flat(plain).get(key) != value}
+    recipe_values = dict(_flatten(OmegaConf.to_container(plain, resolve=False)))
+    run_values = dict(_flatten(OmegaConf.to_container(overridden, resolve=False)))
+    changed = {key for key, value in run_values.items() if recipe_values.get(key) != value}
     assert changed <= set(overrides), sorted(changed - set(overrides))
 
 
@@ -172,11 +173,11 @@ def miniatures(tmp_path_factory):
 
     def build(family: str) -> Path:
         if family not in builds:
-            out = tmp_path_factory.mktemp(f"miniature_{family}")
-            subprocess.run(
-                [sys.executable, "-m", "rredcot_verl.tasks.miniature", "--family", family, "--out", str(out)],
-                check=True, capture_output=True, timeout=900,
-            )  # fmt: skip
+            with shared_build_folder(f"miniature_{family}", tmp_path_factory) as out:
+                subprocess.run(
+                    [sys.executable, "-m", "rredcot_verl.tasks.miniature", "--family", family, "--out", str(out)],
+                    check=True, capture_output=True, timeout=900,
+                )  # fmt: skip
             builds[family] = out
         return builds[family]
 

@@ -340,11 +340,6 @@ def build(out_dir: str, config: CalculatorBuildConfig = CalculatorBuildConfig(),
     shutil.copyfile(calculator.TOOL_CONFIG, tools_path)
     tools = load_tools()
     schemas = tool_schemas(tools)
-    rng = random.Random(f"calculator-corpus:{config.seed}")
-    corpus = _corpus([make_problem(rng, calculator.TASK_CONFIG) for _ in range(256)], schemas)
-    tokenizer = miniature.family_tokenizer(FAMILY, corpus, model_config)
-    model = miniature.build_model(FAMILY, tokenizer, model_config)
-    builder = token_builder(tokenizer)
     train_problems = _parquet_problems(train_path)
     artefact_model = os.path.join(artefact_dir, "model")
     shipped = None if retrain else miniature.cached_record(os.path.join(artefact_dir, RECORD), expected, artefact_model, [])
@@ -356,6 +351,11 @@ def build(out_dir: str, config: CalculatorBuildConfig = CalculatorBuildConfig(),
         record_sft = shipped["sft"]
         log(f"calculator miniature: copied the shipped warm start ({artefact_dir})")
     else:
+        rng = random.Random(f"calculator-corpus:{config.seed}")
+        corpus = _corpus([make_problem(rng, calculator.TASK_CONFIG) for _ in range(256)], schemas)
+        tokenizer = miniature.family_tokenizer(FAMILY, corpus, model_config)
+        model = miniature.build_model(FAMILY, tokenizer, model_config)
+        builder = token_builder(tokenizer)
         record_sft = warm_start(model, tokenizer, builder, tools, train_problems[: config.n_eval], config, log)
         miniature.save_checked(model, tokenizer, model_dir)
     everything = train_problems + _parquet_problems(val_path)
