@@ -11,14 +11,14 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
+from composing import compose_recipe
 from rredcot_verl.integration.launcher import LaunchError, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _config(overrides=()):
-    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "tiny_cpu"), version_base=None):
-        return compose(config_name="rredcot", overrides=list(overrides))
+    return compose_recipe(str(ROOT / "recipes" / "tiny_cpu"), "rredcot", overrides)
 
 
 def test_valid_config_is_prepared_for_cpu(build, monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from transformers import Gemma2Config, MistralConfig, Qwen2Config, Qwen3Config
 
+from composing import compose_recipe
 from rredcot_verl.integration.estimators import ESTIMATORS
 from rredcot_verl.integration.launcher import LaunchError, check, prepare
 from rredcot_verl.integration.run_shapes import attention_kind
@@ -28,8 +29,7 @@ def cpu_build(build, monkeypatch):
 
 
 def _config(estimator: str, overrides=()):
-    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "tiny_cpu"), version_base=None):
-        return compose(config_name="rredcot", overrides=[f"algorithm.adv_estimator={estimator}", *overrides])
+    return compose_recipe(str(ROOT / "recipes" / "tiny_cpu"), "rredcot", [f"algorithm.adv_estimator={estimator}", *overrides])
 
 
 # verl asks for it whenever a reference policy runs (KL loss or KL in reward).

@@ -2,18 +2,14 @@
 shape is there, none crashed or degraded silently, each refusal is still the launcher's answer word for word, each
 accepted cell is still accepted, and launched cells carry their metrics; docs/usage.md shows the same table."""
 
-import copy
 import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf
 
+from composing import compose_recipe
 from benchmarks.support_matrix import ESTIMATORS, SHAPES, markdown
 from rredcot_verl.integration.launcher import LaunchError, check
 
@@ -77,47 +73,24 @@ def _untrained_build(shape_name: str, out: Path) -> Path:
     return out
 
 
-class _Composer:
-    """``compose(recipe, overrides)`` for the matrix's cells at a fraction of the cost (a compose of verl's config
-    takes about a second here, 100 cells a minute and a half): each recipe is composed once, and a cell's overrides
-    (all ``key=value``) are applied to a copy by hydra's own override code, the step compose takes after merging the
-    defaults list. Each recipe's first cell with overrides is also composed in full, and the two must be equal."""
-
-    def __init__(self):
-        self.parser, self.recipes, self.compared = OverridesParser.create(), {}, set()
-
-    def __call__(self, recipe: str, overrides: list[str]):
-        if recipe not in self.recipes:
-            self.recipes[recipe] = compose(config_name=recipe)
-        config = copy.deepcopy(self.recipes[recipe])
-        ConfigLoaderImpl._apply_overrides_to_config(self.parser.parse_overrides(overrides), config)
-        if overrides and recipe not in self.compared:
-            self.compared.add(recipe)
-            full = compose(config_name=recipe, overrides=overrides)
-            assert OmegaConf.to_yaml(config) == OmegaConf.to_yaml(full) and OmegaConf.is_struct(config), recipe
-        return config
-
-
 def test_the_launcher_still_answers_each_cell_as_recorded(build, tmp_path_factory):
     """Entry-point cells are left to tests/test_run_shapes_on_cpu.py (one process start each)."""
     own_builds = {shape.name: _untrained_build(shape.name, tmp_path_factory.mktemp(shape.name))
                   for shape in SHAPES if shape.build}  # fmt: skip
-    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "tiny_cpu"), version_base=None):
-        composer = _Composer()
-        for c in MATRIX:
-            shape = BY_SHAPE[c["shape"]]
-            if shape.entry_point:
-                continue
-            os.environ["RREDCOT_BUILD"] = str(own_builds.get(shape.name, build))
-            config = composer(*shape.composition(c["estimator"]))
-            # verl's own check refusing a composition it wants otherwise (Megatron on the FSDP config) is recorded too
-            expected = c["evidence"].get("refusal") or c["evidence"].get("verl_on_this_composition")
-            if expected:
-                with pytest.raises(LaunchError) as error:
-                    check(config)
-                assert str(error.value) == expected, (c["estimator"], c["shape"])
-            else:
+    for c in MATRIX:
+        shape = BY_SHAPE[c["shape"]]
+        if shape.entry_point:
+            continue
+        os.environ["RREDCOT_BUILD"] = str(own_builds.get(shape.name, build))
+        config = compose_recipe(str(ROOT / "recipes" / "tiny_cpu"), *shape.composition(c["estimator"]))
+        # verl's own check refusing a composition it wants otherwise (Megatron on the FSDP config) is recorded too
+        expected = c["evidence"].get("refusal") or c["evidence"].get("verl_on_this_composition")
+        if expected:
+            with pytest.raises(LaunchError) as error:
                 check(config)
+            assert str(error.value) == expected, (c["estimator"], c["shape"])
+        else:
+            check(config)
     os.environ["RREDCOT_BUILD"] = str(build)
 
 
