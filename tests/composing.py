@@ -3,8 +3,8 @@
 A compose of a recipe on verl's config takes about a second here, and the launch-check tests make a few hundred. Each
 recipe is composed once; a call's overrides, when every key is a config path (``a.b=v``, ``+a.b=v``, ``~a.b``), are
 applied to a copy by hydra's own override code, the step ``compose`` takes after merging the defaults list. Anything
-else (a config-group choice such as ``data=...``, a ``hydra.`` key) goes through a full compose. The first call with overrides on each
-recipe is also composed in full, and the two must be equal.
+else (a config-group choice such as ``data=...``, a ``hydra.`` key) goes through a full compose. The first call with
+overrides on each recipe is also composed in full, and the two must be equal.
 """
 
 from __future__ import annotations

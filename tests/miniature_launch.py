@@ -31,6 +31,8 @@ def shared_build_folder(name: str, tmp_path_factory):
     with open(Path(parent) / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield folder
+
+
 # Errors verl catches and carries on from (a reward that raises, a failed agent loop).
 CAUGHT_ERRORS = ("Error in _run_prompt", "Traceback (most recent call last)")
 
