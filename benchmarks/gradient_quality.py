@@ -140,8 +140,11 @@ def make_pool(engine: Engine, tokenizer, prompts: list[dict], rollouts: int) -> 
 
 
 # -------------------------------------------------------------------------------------------------------- gradients
-def forward_log_probs(model, prompts: list[list[int]], responses: list[list[int]], pad: int, with_entropy=False):
-    """log π(o_t) (B, T) with grad, response mask (B, T), and optionally per-token entropy (detached)."""
+def forward_log_probs(model, prompts: list[list[int]], responses: list[list[int]], pad: int, with_entropy=False,
+                      response_masks: list[list[int]] | None = None):
+    """log π(o_t) (B, T) with grad, response mask (B, T), and optionally per-token entropy (detached); all three 0
+    outside the mask. ``response_masks``: per response, 1 on the model's tokens and 0 on a multi-turn response's tool
+    output and template tokens (context the policy read, not actions); None: every response token is the model's."""
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
     width = max(len(s) for s in seqs)
     horizon = max(max(len(r) for r in responses), 1)
@@ -155,7 +158,7 @@ def forward_log_probs(model, prompts: list[list[int]], responses: list[list[int]
         attention[i, : len(seqs[i])] = 1
         if r:
             targets[i, : len(r)] = torch.tensor(r)
-            mask[i, : len(r)] = 1.0
+            mask[i, : len(r)] = 1.0 if response_masks is None else torch.tensor(response_masks[i], dtype=torch.float32)
         positions[i] = (len(p) - 1 + torch.arange(horizon)).clamp(max=width - 1)
     logits = model(input_ids=ids, attention_mask=attention).logits.float() / TEMPERATURE
     picked = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
@@ -181,7 +184,8 @@ def loo_advantages(scores: torch.Tensor) -> torch.Tensor:
 
 
 def compute_gstar(model, pool: dict, pad: int, chunk_prompts: int) -> dict:
-    """Σ_i A_i ∇Σ_t log π over the pool (and over each half), pool token count, per-trace entropies."""
+    """Σ_i A_i ∇Σ_t log π over the pool (and over each half), pool token count, per-trace entropies; t runs over the
+    model's tokens (``pool["response_masks"]`` where the pool has them)."""
     params = [p for p in model.parameters()]
     scores = pool["scores"]
     num_prompts, rollouts = scores.shape
@@ -195,9 +199,10 @@ def compute_gstar(model, pool: dict, pad: int, chunk_prompts: int) -> dict:
     for start in range(0, num_prompts, chunk_prompts):
         chunk = range(start, min(start + chunk_prompts, num_prompts))
         items = [(p, r) for p in chunk for r in range(rollouts)]
+        masks = pool.get("response_masks")
         logp, mask, entropy = forward_log_probs(
             model, [pool["prompts"][p]["prompt_ids"] for p, _ in items], [pool["responses"][p][r] for p, r in items],
-            pad, with_entropy=True)
+            pad, with_entropy=True, response_masks=None if masks is None else [masks[p][r] for p, r in items])
         seq_logp = logp.sum(1)
         a = torch.stack([advantage[p, r] for p, r in items])
         h = torch.stack([halves[p, r] for p, r in items])

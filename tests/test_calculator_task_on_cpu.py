@@ -140,3 +140,36 @@ def test_warm_start_tokens_are_the_tool_loops_layout(tool_setup):
     assert tokenizer.decode(ids) + "\n" == rendered
     holes = tokenizer.decode([t for t, bit in zip(ids[prompt_length:], mask[prompt_length:]) if not bit])
     assert holes.count("<tool_response>") == 3 and "calculator" not in holes
+
+
+def test_a_played_conversation_resumed_at_any_turn_start_replays_it():
+    """The tool loop the turn-credit benchmark samples with (``calculator_miniature.tool_loop``, verl's parser, tool
+    and builder around HF generate): the shipped warm start plays greedily; its response mask is 1 exactly on the
+    assistant turns (each opens at a recorded turn start and ends at <|im_end|>), 0 on the tool answers between them;
+    and a conversation cut back to any turn start (``resumed_state``) and played on greedily ends as it did."""
+    from rredcot_verl.tasks import calculator_miniature as cm
+    from rredcot_verl.tasks.model import load_model_dir
+
+    model, tokenizer = load_model_dir(f"{cm.ARTEFACT_DIR}/model")
+    tools, builder = cm.load_tools(), cm.token_builder(tokenizer)
+    schemas = cm.tool_schemas(tools)
+    rng = random.Random(3)
+    problems = [make_problem(rng, calculator.TASK_CONFIG) for _ in range(3)]
+    config = cm.CalculatorBuildConfig()
+    states = cm.tool_loop(model, tokenizer, builder, tools, [cm.initial_state(builder, schemas, p) for p in problems],
+                          False, config)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert sum(state["calls"] for state in states) >= 3
+    for state in states:
+        response, mask = state["ids"][state["prompt"]:], state["mask"]
+        assert len(mask) == len(response) and len(state["turn_starts"]) == state["turns"]
+        opens = [k for k, bit in enumerate(mask) if bit and (k == 0 or not mask[k - 1])]
+        closes = [k for k, bit in enumerate(mask) if bit and (k + 1 == len(mask) or not mask[k + 1])]
+        assert opens == state["turn_starts"] and all(response[k] == im_end for k in closes[:-1])
+        holes = tokenizer.decode([t for t, bit in zip(response, mask) if not bit])
+        assert holes.count("<tool_response>") == state["calls"]
+    resumed = [cm.resumed_state(state, turn) for state in states for turn in range(state["turns"])]
+    cm.tool_loop(model, tokenizer, builder, tools, resumed, False, config)
+    originals = [state for state in states for _ in range(state["turns"])]
+    assert [(r["ids"], r["mask"], r["turns"], r["calls"]) for r in resumed] == [
+        (s["ids"], s["mask"], s["turns"], s["calls"]) for s in originals]

@@ -86,10 +86,18 @@ def test_multi_turn_is_refused_where_repairs_or_continuations_would_leave_the_ag
 
 
 @pytest.mark.parametrize("shape", sorted(MULTI_TURN_SHAPES))
-def test_rredcot_values_multi_turn_traces_from_the_group_and_the_dataset(cpu_build, shape):
-    overrides, _ = MULTI_TURN_SHAPES[shape]
+def test_rredcot_values_multi_turn_traces_by_exit_probes_only(cpu_build, shape):
+    overrides, key = MULTI_TURN_SHAPES[shape]
+    exit_probe = "algorithm.rredcot.probe.value_source=exit_probe"
     for source in ("both", "group", "ground_truth"):
-        assert check(_config("rredcot", [*overrides, f"algorithm.rredcot.candidates.source={source}"])) == []
+        assert check(_config("rredcot", [*overrides, exit_probe, f"algorithm.rredcot.candidates.source={source}"])) == []
+    # A continuation glues a trajectory's assistant turns without the tool answers: refused, naming the key.
+    for value_source in ("reference_continuation", "own_continuation"):
+        with pytest.raises(LaunchError) as error:
+            check(_config("rredcot", [*overrides, f"algorithm.rredcot.probe.value_source={value_source}"]))
+        message = str(error.value)
+        assert key in message and f"algorithm.rredcot.probe.value_source={value_source}" in message
+        assert "\n" not in message
 
 
 @pytest.mark.parametrize("shape", sorted({**REFUSED_SHAPES, **MULTI_TURN_SHAPES}))

@@ -76,7 +76,9 @@ def attention_kind(config: DictConfig, spec, hf_config) -> str | None:
 def multi_turn(config: DictConfig, spec, hf_config) -> str | None:
     """Multi-turn tool trajectories: the value pass and the redistribution read them with their holes (tool output
     and template tokens are context, never credited), but IBPO's repairs and ``segment_mc``'s continuations are
-    single-turn generations without tools, which cannot continue an agent's trajectory."""
+    single-turn generations without tools, which cannot continue an agent's trajectory; and a reference or own
+    continuation scores a trajectory's text without its tool answers (a bank entry glues its assistant turns), so
+    the value pass takes exit probes only."""
     agent_loop = str(_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", SINGLE_TURN_AGENT_LOOP))
     if bool(_get(config, "actor_rollout_ref.rollout.multi_turn.enable", False)):
         key = "actor_rollout_ref.rollout.multi_turn.enable=true"
@@ -88,16 +90,25 @@ def multi_turn(config: DictConfig, spec, hf_config) -> str | None:
         return None
     settings = settings_from_config(_get(config, "algorithm"))
     stages = spec.stages(settings)
-    if all(stage.engine_use is EngineUse.NONE for stage in stages):
-        return None
-    generated = "IBPO's repairs" if REPAIR_STAGE in stages else "Monte-Carlo continuations"
-    source = settings.candidates.source
-    estimator = f"{spec.name} and algorithm.rredcot.candidates.source={source}" if spec.name == "rredcot" else spec.name
-    return (
-        f"{key} (multi-turn rollouts) is not supported with algorithm.adv_estimator={estimator}: {generated} "
-        "are single-turn generations without tools; use a single-turn rollout, or adv_estimator=rredcot with a "
-        "candidates.source other than group_and_repairs"
-    )
+    if any(stage.engine_use is not EngineUse.NONE for stage in stages):
+        generated = "IBPO's repairs" if REPAIR_STAGE in stages else "Monte-Carlo continuations"
+        source = settings.candidates.source
+        estimator = (f"{spec.name} and algorithm.rredcot.candidates.source={source}" if spec.name == "rredcot"
+                     else spec.name)
+        return (
+            f"{key} (multi-turn rollouts) is not supported with algorithm.adv_estimator={estimator}: {generated} "
+            "are single-turn generations without tools; use a single-turn rollout, or adv_estimator=rredcot with a "
+            "candidates.source other than group_and_repairs"
+        )
+    value_source = settings.probe.value_source
+    if spec.uses_value_pass and value_source != "exit_probe":
+        return (
+            f"{key} (multi-turn rollouts) is not supported with algorithm.rredcot.probe.value_source={value_source}:"
+            " its continuations are a trajectory's assistant turns glued without the tool answers between them, a "
+            "text the policy never saw (on the calculator task every such value was 0 and every trace fell back to "
+            "GRPO); use probe.value_source=exit_probe"
+        )
+    return None
 
 
 def bypass_mode(config: DictConfig, spec, hf_config) -> str | None:

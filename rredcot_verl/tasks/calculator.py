@@ -33,7 +33,7 @@ TOOL_NAME = "calculator"
 TOOL_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "calculator_tools.yaml")
 # Two steps, so every prompt has the same length and a call's operands sit at fixed offsets from it. Measured warm
 # starts (calculator_miniature, two cores): with 3..4 operands the loss stayed at 0.26-0.29 for 500 steps (no copying
-# learned); with 3 the loss falls from 0.25 to 0.03-0.06 after 1,000-1,400 steps, sampled accuracy 6-9% by 1,300-1,860.
+# learned); with 3 the loss falls from 0.26 to 0.027 by step 1,400 of 4,000 and sampled accuracy plateaus at 16-22%.
 TASK_CONFIG = ArithmeticTaskConfig(min_operand=1, max_operand=9, min_operands=3, max_operands=3)
 FINAL_ANSWER = "**Final Answer**\n\\boxed{{{}}}"  # the plain probe profile's exit text, then the answer
 

@@ -20,9 +20,9 @@ writes
   builder's merges) at temperature 1 on the training prompts, judged by the task reward. A build whose fingerprint
   matches is reused.
 
-The warm start takes about 9 core-minutes, so the package ships it (``assets/calculator_warmstart/``: the model folder
-and its build record): when the record's fingerprint matches the requested settings the model is copied instead of
-trained. ``--retrain`` trains anyway; with ``--update-artefact`` the result replaces the artefact (how it is
+The warm start takes about 17 minutes on two cores, so the package ships it (``assets/calculator_warmstart/``: the
+model folder and its build record): when the record's fingerprint matches the requested settings the model is copied
+instead of trained. ``--retrain`` trains anyway; with ``--update-artefact`` the result replaces the artefact (how it is
 reproduced). Bump ``BUILD_VERSION`` when a change to the task, template, tool config or builder would change what gets
 built: it is part of the fingerprint, so stale folders and a stale artefact stop matching.
 """
@@ -75,8 +75,8 @@ class CalculatorBuildConfig:
     n_train: int = 64
     n_val: int = 16
     n_sft: int = 2048
-    max_steps: int = 2000
-    budget_s: float = 540.0
+    max_steps: int = 4000
+    budget_s: float = 1500.0
     batch_size: int = 16
     lr: float = 3e-3
     warmup_steps: int = 30
@@ -176,12 +176,34 @@ async def _parse_and_answer(parser, tools: dict, turns: list[list[int]]) -> list
     return results
 
 
-def play(model, tokenizer, builder, tools: list, problems: list[ArithmeticProblem], do_sample: bool,
-         config: CalculatorBuildConfig, seed: int = 0) -> list[dict]:
-    """The tool loop of verl's ``ToolAgentLoop`` with HF ``generate`` as the engine, batched by turn: generate a turn
-    (up to ``<|im_end|>``), parse it with verl's hermes parser, answer its first call with the tool, merge the answer
-    with verl's builder, until a turn calls nothing, ``max_turns`` turns, or ``max_response_tokens``. Returns per
-    problem ``{"response", "score", "calls", "turns"}`` (the response decoded as verl hands it to the reward)."""
+def initial_state(builder, schemas: list[dict], problem: ArithmeticProblem) -> dict:
+    """A conversation before its first assistant turn, as ``tool_loop`` advances it: the messages, the token ids
+    (prompt, then the response so far), the response's mask (1 on the model's tokens, 0 on tool answers and template
+    tokens between turns, as verl's ``response_mask``), the prompt's length, the turn and call counts, and the
+    response position where each assistant turn starts."""
+    messages = [{"role": "user", "content": problem.prompt}]
+    ids = list(builder.build_initial_tokens(messages, tools=schemas))
+    return {"messages": messages, "ids": ids, "mask": [], "prompt": len(ids), "turns": 0, "calls": 0, "done": False,
+            "turn_starts": [0]}
+
+
+def resumed_state(state: dict, turn: int) -> dict:
+    """A copy of a finished conversation cut back to the start of its assistant turn ``turn`` (0-based): the
+    context the policy saw there, tool answers included, ready for ``tool_loop`` to continue."""
+    start = state["turn_starts"][turn]
+    snapshot = state["snapshots"][turn]
+    return {**snapshot, "ids": state["ids"][: state["prompt"] + start], "mask": state["mask"][:start],
+            "prompt": state["prompt"], "done": False, "turn_starts": state["turn_starts"][: turn + 1],
+            "snapshots": state["snapshots"][: turn + 1]}
+
+
+def tool_loop(model, tokenizer, builder, tools: list, states: list[dict], do_sample: bool,
+              config: CalculatorBuildConfig, seed: int = 0, chunk: int = 256) -> list[dict]:
+    """The tool loop of verl's ``ToolAgentLoop`` with HF ``generate`` as the engine, batched by turn (``chunk``
+    conversations per ``generate``): generate a turn (up to ``<|im_end|>``), parse it with verl's hermes parser,
+    answer its first call with the tool, merge the answer with verl's builder, until a turn calls nothing,
+    ``max_turns`` turns, or ``max_response_tokens``. Advances ``states`` (``initial_state`` or ``resumed_state``) in
+    place and returns them; each records a snapshot (messages, counts) at every assistant-turn start."""
     import torch
     from verl.experimental.agent_loop.tool_parser import ToolParser
 
@@ -189,11 +211,8 @@ def play(model, tokenizer, builder, tools: list, problems: list[ArithmeticProble
     by_name = {tool.name: tool for tool in tools}
     schemas = tool_schemas(tools)
     stop_ids = tokenizer.convert_tokens_to_ids(list(FAMILY.stop_tokens))
-    states = []
-    for problem in problems:
-        messages = [{"role": "user", "content": problem.prompt}]
-        ids = list(builder.build_initial_tokens(messages, tools=schemas))
-        states.append({"messages": messages, "ids": ids, "prompt": len(ids), "turns": 0, "calls": 0, "done": False})
+    for state in states:
+        state.setdefault("snapshots", [{"messages": state["messages"], "turns": 0, "calls": 0}])
     sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if do_sample else {"do_sample": False}
     rng_state, padding_side, was_training = torch.random.get_rng_state(), tokenizer.padding_side, model.training
     torch.manual_seed(seed)
@@ -201,18 +220,21 @@ def play(model, tokenizer, builder, tools: list, problems: list[ArithmeticProble
     model.eval()
     try:
         while active := [state for state in states if not state["done"]]:
-            batch = tokenizer.pad({"input_ids": [state["ids"] for state in active]}, return_tensors="pt")
-            with torch.no_grad():
-                output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                        max_new_tokens=config.max_turn_tokens, eos_token_id=stop_ids,
-                                        pad_token_id=tokenizer.pad_token_id, **sampling)
             turns = []
-            for state, row in zip(active, output[:, batch["input_ids"].shape[1]:].tolist()):
-                stop = next((i for i, token in enumerate(row) if token in stop_ids), None)
-                turn = row if stop is None else row[: stop + 1]  # the engine returns the stop token
-                state["ids"] += turn
-                state["turns"] += 1
-                turns.append(turn)
+            for first in range(0, len(active), chunk):
+                part = active[first: first + chunk]
+                batch = tokenizer.pad({"input_ids": [state["ids"] for state in part]}, return_tensors="pt")
+                with torch.no_grad():
+                    output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                            max_new_tokens=config.max_turn_tokens, eos_token_id=stop_ids,
+                                            pad_token_id=tokenizer.pad_token_id, **sampling)
+                for state, row in zip(part, output[:, batch["input_ids"].shape[1]:].tolist()):
+                    stop = next((i for i, token in enumerate(row) if token in stop_ids), None)
+                    turn = row if stop is None else row[: stop + 1]  # the engine returns the stop token
+                    state["ids"] += turn
+                    state["mask"] += [1] * len(turn)
+                    state["turns"] += 1
+                    turns.append(turn)
             for state, (calls, answers) in zip(active, asyncio.run(_parse_and_answer(parser, by_name, turns))):
                 response_length = len(state["ids"]) - state["prompt"]
                 if not calls or state["turns"] >= config.max_turns or response_length >= config.max_response_tokens:
@@ -223,22 +245,42 @@ def play(model, tokenizer, builder, tools: list, problems: list[ArithmeticProble
                                                      "name": calls[0].name,
                                                      "arguments": json.loads(calls[0].arguments)}}]}]
                 state["messages"] = [*previous, *({"role": "tool", "content": a} for a in answers)]
-                state["ids"] = list(builder.merge_context_tokens(previous, state["messages"], state["ids"],
-                                                                 tools=schemas).token_ids)
+                merged = list(builder.merge_context_tokens(previous, state["messages"], state["ids"],
+                                                           tools=schemas).token_ids)
+                state["mask"] += [0] * (len(merged) - len(state["ids"]))
+                state["ids"] = merged
                 state["calls"] += 1
                 if len(state["ids"]) - state["prompt"] >= config.max_response_tokens:
                     state["done"] = True
+                    continue
+                state["turn_starts"].append(len(state["ids"]) - state["prompt"])
+                state["snapshots"].append({"messages": state["messages"], "turns": state["turns"],
+                                           "calls": state["calls"]})
     finally:
         model.train(was_training)
         tokenizer.padding_side = padding_side
         torch.random.set_rng_state(rng_state)
-    results = []
-    for problem, state in zip(problems, states):
-        response = tokenizer.decode(state["ids"][state["prompt"]:][: config.max_response_tokens],
-                                    skip_special_tokens=True)
-        results.append({"response": response, "score": compute_score(calculator.DATA_SOURCE, response, problem.answer),
-                        "calls": state["calls"], "turns": state["turns"]})
-    return results
+    return states
+
+
+def finished(tokenizer, state: dict, problem: ArithmeticProblem, config: CalculatorBuildConfig) -> dict:
+    """A finished conversation as verl hands it to the reward and the trainer: the response cut at
+    ``max_response_tokens`` (ids, mask, decoded text), its score, calls, turns and assistant-turn starts."""
+    response = state["ids"][state["prompt"]:][: config.max_response_tokens]
+    text = tokenizer.decode(response, skip_special_tokens=True)
+    return {"prompt_ids": state["ids"][: state["prompt"]], "response_ids": response,
+            "response_mask": state["mask"][: config.max_response_tokens], "response": text,
+            "score": compute_score(calculator.DATA_SOURCE, text, problem.answer), "calls": state["calls"],
+            "turns": state["turns"], "turn_starts": [s for s in state["turn_starts"] if s < len(response)]}
+
+
+def play(model, tokenizer, builder, tools: list, problems: list[ArithmeticProblem], do_sample: bool,
+         config: CalculatorBuildConfig, seed: int = 0) -> list[dict]:
+    """Each problem played once through ``tool_loop``; per problem ``finished``'s record."""
+    schemas = tool_schemas(tools)
+    states = tool_loop(model, tokenizer, builder, tools, [initial_state(builder, schemas, p) for p in problems],
+                       do_sample, config, seed)
+    return [finished(tokenizer, state, problem, config) for state, problem in zip(states, problems)]
 
 
 def evaluate(model, tokenizer, builder, tools, problems, config: CalculatorBuildConfig) -> dict:

@@ -1,0 +1,504 @@
+"""Turn-level credit on the calculator tool task: gradient quality against a reference gradient, value quality at the
+assistant-turn boundaries against Monte-Carlo values with the tool, and the training step's cost.
+
+The task and model are the calculator miniature (``tasks/calculator.py``, the shipped warm start of
+``tasks/calculator_miniature.py``); trajectories are played by ``calculator_miniature.tool_loop``: verl's
+``ToolAgentLoop`` turn by turn (hermes parser, the calculator tool, verl's Continuous Token builder merging each tool
+answer), HF ``generate`` as the engine at temperature 1, the recipe's limits (6 assistant turns, 160 response tokens).
+A response keeps its tool answers and template tokens in place, with verl's ``response_mask`` (0 there). Problems are
+fresh draws of the task's generator (``--seed``), not the parquet's 64 training rows.
+
+* **Gradient quality** (the protocol of ``gradient_quality.py``): a pool of ``--pool-prompts`` × ``--pool-rollouts``
+  trajectories; the reference g* is REINFORCE with a leave-one-out baseline over the pool (token mean over the model's
+  tokens only), the batch's own trajectories taken out; paired batches of B prompts × ``--group-size``; per method
+  the token-mean loss −Σ A_t log π(o_t) / tokens over the model's tokens, its gradient and its cosine with g*. Methods
+  (``METHODS``): GRPO and ``rredcot`` as ``recipes/tiny_cpu/calculator.yaml`` runs it (one segment per assistant
+  turn), with each value source: the exit probe (the recipe: the gold answer and the group's correct answers, which
+  on this task are the gold answer, so it is IGPO's p(gold | history), redistributed by telescoping), the same with
+  ``degenerate_groups: value_differences`` (all-wrong groups, where GRPO's gradient is 0, learn from the values'
+  differences), and reference continuation from the group's correct trajectories (the core's bank as it stands,
+  which glues a sibling's turns without their tool answers: measured here to show why the launcher refuses it on
+  multi-turn rollouts). None needs reference solutions. IBPO and ``segment_mc`` are refused on multi-turn rollouts.
+  Every method's advantage on a tool-output or template token is checked to be exactly 0.
+* **Value quality**: ``--vq-prompts`` × ``--vq-samples`` trajectories (groups, so the group banks see siblings);
+  every state S_k at an assistant-turn start gets a Monte-Carlo value from ``--mc-samples`` continuations that resume
+  the conversation there and call the tool (``calculator_miniature.resumed_state``); S_K's value is the outcome.
+  Spearman (pooled over states; within trace) of each value source with MC, and localisation: on failed trajectories
+  with a wrong tool call (``calculator_wrong_step``), how often the most negative segment reward R_k = v_{k+1} − v_k
+  falls on the turn of the first wrong call.
+* **Step cost**: ``python -m rredcot_verl.main`` on ``recipes/tiny_cpu/calculator.yaml`` for ``grpo`` and the
+  ``rredcot`` methods the launcher accepts (``LAUNCHED``: it refuses continuation values on multi-turn rollouts),
+  ``--cost-steps`` steps each in one sitting, same data seed; median ``timing_s/step`` over steps ≥ 2 and its ratio to
+  GRPO's (``--cost-steps 0`` skips it).
+
+Caches under ``--cache`` (pool, g*, per-batch results, value quality, runs): a rerun resumes from them.
+
+    python -m benchmarks.turn_credit            # benchmarks/results/turn_credit.json
+    python -m benchmarks.turn_credit --smoke    # a tiny pool, one batch size, MC K=2, no launches; temp output
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+if __package__ in (None, ""):  # ``python benchmarks/turn_credit.py``
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common
+from benchmarks.common import fmt, localisation_hit, pearson, spearman
+from benchmarks.gradient_quality import (compute_gstar, cosine, draw_batch, flat_grad, forward_log_probs,
+                                         loo_advantages, print_table, summarise)
+from rredcot_verl.core.outcomes import group_outcome_advantage
+from rredcot_verl.core.planning import TraceRecord
+from rredcot_verl.core.redistribution import redistribute
+from rredcot_verl.core.values import compute_segment_values
+from rredcot_verl.tasks import calculator
+from rredcot_verl.tasks import calculator_miniature as cm
+from rredcot_verl.tasks.arithmetic import make_problem
+from rredcot_verl.tasks.base import resolve_task
+from rredcot_verl.tasks.model import load_model_dir
+
+RESULTS_PATH = common.RESULTS_DIR / "turn_credit.json"
+CACHE_DIR = common.ROOT / "outputs" / "turn_credit"
+RECIPE = "calculator"
+# The recipe's data.max_response_length and max_assistant_turns; a turn is at most the warm start's turn budget.
+LOOP = dataclasses.replace(cm.CalculatorBuildConfig(), max_turns=6, max_response_tokens=160)
+_RREDCOT = "algorithm.rredcot"
+METHODS = {  # name: calculator.yaml overrides
+    "grpo": ("algorithm.adv_estimator=grpo",),
+    "turn_exit_probe": (),
+    "turn_exit_probe_value_differences": (f"{_RREDCOT}.redistribution.degenerate_groups=value_differences",),
+    "turn_group_continuation": (f"{_RREDCOT}.probe.value_source=reference_continuation",
+                                f"{_RREDCOT}.candidates.source=group"),
+}
+VALUE_SOURCES = ("turn_exit_probe", "turn_group_continuation")
+# The launcher refuses continuation values on multi-turn rollouts (what this benchmark found: docs/choices.md), so
+# the step cost is measured for the methods a user can launch.
+LAUNCHED = ("grpo", "turn_exit_probe", "turn_exit_probe_value_differences")
+
+
+def method_settings(name: str):
+    """(estimator, ``RRedCoTSettings``) of ``calculator.yaml`` with the method's overrides, by the package's reader."""
+    from omegaconf import OmegaConf
+
+    from rredcot_verl.core.settings import settings_from_config
+
+    sections = [OmegaConf.load(common.RECIPES / f"{recipe}.yaml").get("algorithm", {}) for recipe in ("base", RECIPE)]
+    overrides = OmegaConf.from_dotlist(list(METHODS[name])).get("algorithm", {})
+    algorithm = OmegaConf.to_container(OmegaConf.merge(*sections, overrides), resolve=True)
+    return algorithm["adv_estimator"], settings_from_config(algorithm)
+
+
+# ------------------------------------------------------------------------------------------------------ trajectories
+class Player:
+    """The warm start, its tokenizer, verl's token builder and the tool: plays and resumes conversations."""
+
+    def __init__(self, build: Path):
+        self.model, self.tokenizer = load_model_dir(str(build / "model"))
+        self.model.eval()
+        self.tools = cm.load_tools()
+        self.builder = cm.token_builder(self.tokenizer)
+        self.schemas = cm.tool_schemas(self.tools)
+
+    def play(self, problems, rollouts: int, seed: int) -> list[list[dict]]:
+        """``rollouts`` sampled trajectories per problem: ``finished`` records with their final loop states."""
+        states = [cm.initial_state(self.builder, self.schemas, p) for p in problems for _ in range(rollouts)]
+        cm.tool_loop(self.model, self.tokenizer, self.builder, self.tools, states, True, LOOP, seed)
+        records = [{**cm.finished(self.tokenizer, s, problems[i // rollouts], LOOP), "state": s}
+                   for i, s in enumerate(states)]
+        return [records[i * rollouts: (i + 1) * rollouts] for i in range(len(problems))]
+
+    def continuation_scores(self, starts: list[tuple[dict, int, object]], samples: int, seed: int) -> list[float]:
+        """Per (finished state, turn, problem): the mean score of ``samples`` continuations resumed at that turn."""
+        states = [cm.resumed_state(state, turn) for state, turn, _ in starts for _ in range(samples)]
+        cm.tool_loop(self.model, self.tokenizer, self.builder, self.tools, states, True, LOOP, seed)
+        scores = [cm.finished(self.tokenizer, s, starts[i // samples][2], LOOP)["score"] for i, s in enumerate(states)]
+        return [float(np.mean(scores[i * samples: (i + 1) * samples])) for i in range(len(starts))]
+
+
+def draw_problems(count: int, seed: int, stream: str):
+    rng = random.Random(f"turn-credit:{stream}:{seed}")
+    return [make_problem(rng, calculator.TASK_CONFIG) for _ in range(count)]
+
+
+def prompt_entry(problem, prompt_ids: list[int]) -> dict:
+    return {"prompt_ids": prompt_ids, "question": problem.prompt, "ground_truth": str(problem.answer),
+            "extra_info": {"operands": list(problem.operands), "ops": list(problem.ops),
+                           "expressions": calculator.step_expressions(problem)}}
+
+
+def make_pool(player: Player, num_prompts: int, rollouts: int, seed: int) -> dict:
+    problems = draw_problems(num_prompts, seed, "pool")
+    played = player.play(problems, rollouts, seed)
+    return {"prompts": [prompt_entry(p, g[0]["prompt_ids"]) for p, g in zip(problems, played)],
+            "responses": [[t["response_ids"] for t in g] for g in played],
+            "response_masks": [[t["response_mask"] for t in g] for g in played],
+            "scores": torch.tensor([[t["score"] for t in g] for g in played], dtype=torch.float32),
+            "turns": [[t["turns"] for t in g] for g in played], "calls": [[t["calls"] for t in g] for g in played]}
+
+
+def trace_records(prompts: list[dict], responses, masks, scores, groups, entropies) -> list[TraceRecord]:
+    """Trajectories as a training step's ``TraceRecord``s: the full response with its mask (tool answers in place)."""
+    return [TraceRecord(torch.tensor(p["prompt_ids"]), torch.tensor(r), e, float(s), g, p["ground_truth"], None,
+                        question=p["question"], extra_info=p["extra_info"], data_source=calculator.DATA_SOURCE,
+                        response_mask=torch.tensor(m))
+            for p, r, m, s, g, e in zip(prompts, responses, masks, scores, groups, entropies)]
+
+
+def segment_values(player: Player, records: list[TraceRecord], settings):
+    return compute_segment_values(player.model, player.tokenizer, records, settings, task=resolve_task(settings.task),
+                                  max_positions=player.model.config.max_position_embeddings)
+
+
+# --------------------------------------------------------------------------------------------------- gradient quality
+def gradient_concentration(model, tokenizer, flat: torch.Tensor, rows: int = 4) -> dict:
+    """Where a flat gradient's squared norm lies: the share of the (tied) token-embedding matrix, and of its ``rows``
+    largest rows, by token. A reference gradient concentrated on a few rows makes every batch's cosine with it close
+    to ±1, and the mean cosine a noisy statistic."""
+    offset, shares = 0, {}
+    total = float(flat.pow(2).sum())
+    for name, parameter in model.named_parameters():
+        part = flat[offset: offset + parameter.numel()].view(parameter.shape)
+        offset += parameter.numel()
+        if name.endswith("embed_tokens.weight"):
+            row_norms = part.pow(2).sum(1)
+            top = row_norms.argsort(descending=True)[:rows].tolist()
+            shares = {"embedding_share": float(row_norms.sum()) / total,
+                      "top_rows": {tokenizer.convert_ids_to_tokens(i): float(row_norms[i]) / total for i in top}}
+    return shares
+
+
+def evaluate_batch(player: Player, pool: dict, gstar: dict, table: dict, items, methods) -> dict:
+    """Per method: cosine, relative error and norm ratio of the batch gradient against g* without the batch."""
+    model, pad = player.model, player.tokenizer.pad_token_id
+    params = list(model.parameters())
+    prompts = [pool["prompts"][p] for p, _ in items]
+    responses = [pool["responses"][p][r] for p, r in items]
+    masks = [pool["response_masks"][p][r] for p, r in items]
+    scores = torch.stack([pool["scores"][p, r] for p, r in items]).float()
+    index = np.array([str(p) for p, _ in items], dtype=object)
+    logp, mask, entropy = forward_log_probs(model, [p["prompt_ids"] for p in prompts], responses, pad,
+                                            with_entropy=True, response_masks=masks)
+    tokens = float(mask.sum())
+    loo = torch.stack([loo_advantages(pool["scores"])[p, r] for p, r in items])
+    own = flat_grad(-(loo * logp.sum(1)).sum(), params)
+    reference = (gstar["sum"] - own) / (gstar["tokens"] - tokens)
+    records = trace_records(prompts, responses, masks, scores.tolist(), index,
+                            [entropy[i, : len(r)].clone() for i, r in enumerate(responses)])
+    results = {}
+    for method in methods:
+        estimator, settings = table[method]
+        started, info = time.perf_counter(), {}
+        if estimator == "grpo":
+            advantages = group_outcome_advantage(scores, index)[0].unsqueeze(-1) * mask
+        else:
+            values = segment_values(player, records, settings)
+            outcome = redistribute(scores, mask, index, values.segment_ends, values.raw_values,
+                                   settings.redistribution, reward_range=settings.reward_range)
+            advantages = outcome.advantages.float()
+            info = {"fallback_frac": float(outcome.fallback.float().mean()),
+                    "traces_without_candidates": values.metrics.get("rredcot/traces_without_candidates", 0.0)}
+        if bool((advantages[mask == 0] != 0).any()):
+            raise AssertionError(f"{method}: advantage on a tool-output, template or padding token")
+        g = flat_grad(-(advantages * logp).sum() / tokens, params)
+        results[method] = {"cosine": cosine(g, reference),
+                           "rel_error": float((g - reference).pow(2).sum() / reference.pow(2).sum()),
+                           "norm_ratio": float(g.norm() / reference.norm()),
+                           "zero_advantage_frac": float(((advantages == 0) & (mask > 0)).sum() / tokens),
+                           "seconds": time.perf_counter() - started, **info}
+    return results
+
+
+def gradient_quality(player: Player, args, cache: Path, table: dict) -> dict:
+    fingerprint = {"pool_prompts": args.pool_prompts, "pool_rollouts": args.pool_rollouts, "seed": args.seed,
+                   "group_size": args.group_size}
+    pool_path, gstar_path, batches_path = cache / "pool.pt", cache / "gstar.pt", cache / "batches.json"
+    pool = torch.load(pool_path, weights_only=False) if pool_path.exists() else None
+    if pool is not None and pool.get("fingerprint") != fingerprint:
+        raise SystemExit(f"{pool_path} was made with {pool.get('fingerprint')}, not {fingerprint}: use another --cache")
+    if pool is None:
+        started = time.perf_counter()
+        pool = make_pool(player, args.pool_prompts, args.pool_rollouts, args.seed)
+        pool["fingerprint"], pool["seconds"] = fingerprint, time.perf_counter() - started
+        torch.save(pool, pool_path)
+    print(f"pool: {args.pool_prompts}x{args.pool_rollouts} trajectories ({pool['seconds']:.0f}s), accuracy "
+          f"{float(pool['scores'].mean()):.3f}, mean turns {np.mean(pool['turns']):.2f}", flush=True)
+    if gstar_path.exists():
+        gstar = torch.load(gstar_path, weights_only=False)
+    else:
+        started = time.perf_counter()
+        gstar = compute_gstar(player.model, pool, player.tokenizer.pad_token_id,
+                              chunk_prompts=max(1, 128 // args.pool_rollouts))
+        gstar["seconds"] = time.perf_counter() - started
+        torch.save(gstar, gstar_path)
+    print(f"g*: split-half cosine {gstar['split_half_cosine']:.3f} ({gstar['seconds']:.0f}s)", flush=True)
+    records = json.loads(batches_path.read_text()) if batches_path.exists() else {}
+    if records and records.get("fingerprint") != fingerprint:
+        raise SystemExit(f"{batches_path} belongs to another pool; use another --cache")
+    records["fingerprint"] = fingerprint
+    results = records.setdefault("results", {})
+    methods = list(METHODS)
+    plan = [(s, ["grpo"]) for s in args.sizes + args.grpo_sizes] + [(s, methods[1:]) for s in args.sizes]
+    for size, todo in plan:
+        for b in range(args.batches):
+            missing = [m for m in todo if str(b) not in results.get(m, {}).get(str(size), {})]
+            if not missing:
+                continue
+            items = draw_batch(args.seed, args.pool_prompts, args.pool_rollouts, size, args.group_size, b)
+            for method, value in evaluate_batch(player, pool, gstar, table, items, missing).items():
+                results.setdefault(method, {}).setdefault(str(size), {})[str(b)] = value
+            common.write_result(records, batches_path, say=False)
+    headline = 32 if 32 in args.sizes else max(args.sizes)
+    summary = summarise(results, methods, args.sizes, args.grpo_sizes, args.group_size, headline, args.bootstrap,
+                        args.seed)
+    scores = pool["scores"]
+    summary["settings"] = {
+        "pool_prompts": args.pool_prompts, "pool_rollouts_per_prompt": args.pool_rollouts,
+        "pool_accuracy": float(scores.mean()), "pool_mean_turns": float(np.mean(pool["turns"])),
+        "pool_mean_calls": float(np.mean(pool["calls"])),
+        "pool_prompts_all_correct": int((scores.min(1).values == 1).sum()),
+        "pool_prompts_all_wrong": int((scores.max(1).values == 0).sum()),
+        "group_size": args.group_size, "sizes_prompts": args.sizes, "grpo_only_sizes_prompts": args.grpo_sizes,
+        "batches_per_size": args.batches, "headline_prompts": headline,
+        "loss": "token mean over the model's tokens of the batch: -sum(A_t log pi(o_t)) / tokens (ratio 1); tool "
+                "answers and template tokens between turns are context, in no sum",
+        "gstar": {"estimator": "REINFORCE, leave-one-out baseline per prompt, token mean over the model's tokens of "
+                               "the pool; the batch's own trajectories removed from it for each batch",
+                  "pool_trajectories": int(scores.numel()), "pool_model_tokens": gstar["tokens"],
+                  "split_half_cosine": gstar["split_half_cosine"],
+                  "spearman_brown_cosine": gstar["spearman_brown_cosine"], "seconds": gstar.get("seconds")},
+        "pool_seconds": pool.get("seconds"),
+        "gstar_concentration": gradient_concentration(player.model, player.tokenizer, gstar["sum"]),
+        "positive_cosine_batches": {method: {str(int(size) * args.group_size): float(np.mean(
+            [r["cosine"] > 0 for r in results[method][str(size)].values()])) for size in results[method]}
+            for method in methods},
+        "ess": f"GRPO's mean cosine fitted as 1/cos^2 = alpha + beta/n over its sizes; ess_over_grpo_at_32: GRPO "
+               f"rollouts matching the method's mean cosine at {headline}x{args.group_size} / "
+               f"{headline * args.group_size}, bootstrap interval over batches",
+    }
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------- value quality
+def holder_segment(record: dict, problem, ends: list[int]) -> int | None:
+    """The segment holding a failed trajectory's first wrong tool call: turn k's segment (turns are segments)."""
+    wrong = calculator.calculator_wrong_step({"expressions": calculator.step_expressions(problem)}, record["response"])
+    if record["score"] > 0 or wrong is None:
+        return None
+    turn = wrong[0] - 1
+    return turn if turn < len(ends) else None
+
+
+def value_quality(player: Player, args, cache: Path, table: dict) -> dict:
+    path = cache / "value_quality.json"
+    fingerprint = {"prompts": args.vq_prompts, "samples": args.vq_samples, "mc": args.mc_samples, "seed": args.seed}
+    if path.exists() and json.loads(path.read_text()).get("fingerprint") == fingerprint:
+        per_trace = json.loads(path.read_text())["per_trace"]
+        seconds = json.loads(path.read_text())["seconds"]
+    else:
+        started = time.perf_counter()
+        problems = draw_problems(args.vq_prompts, args.seed, "value_quality")
+        played = player.play(problems, args.vq_samples, args.seed + 1)
+        flat = [(i, t) for i, group in enumerate(played) for t in group]
+        prompts = [prompt_entry(problems[i], t["prompt_ids"]) for i, t in flat]
+        _, _, entropy = forward_log_probs(player.model, [p["prompt_ids"] for p in prompts],
+                                          [t["response_ids"] for _, t in flat], player.tokenizer.pad_token_id,
+                                          with_entropy=True, response_masks=[t["response_mask"] for _, t in flat])
+        records = trace_records(prompts, [t["response_ids"] for _, t in flat], [t["response_mask"] for _, t in flat],
+                                [t["score"] for _, t in flat], [str(i) for i, _ in flat],
+                                [entropy[k, : len(t["response_ids"])].clone() for k, (_, t) in enumerate(flat)])
+        ends, values, seconds = None, {}, {}
+        for name in VALUE_SOURCES:
+            t0 = time.perf_counter()
+            result = segment_values(player, records, table[name][1])
+            seconds[name] = time.perf_counter() - t0
+            trace_ends = [[e for e in row.tolist() if e >= 0] for row in result.segment_ends]
+            if ends is not None and trace_ends != ends:
+                raise RuntimeError("segmentation differs between value sources")
+            ends = trace_ends
+            values[name] = [result.raw_values[k, : len(e)].tolist() for k, e in enumerate(ends)]
+        starts = []  # (state, turn, problem) of every S_k, k < K
+        for k, (i, t) in enumerate(flat):
+            for start in [0, *ends[k][:-1]]:
+                if start not in t["turn_starts"]:
+                    raise RuntimeError(f"segment start {start} is not an assistant-turn start {t['turn_starts']}")
+                starts.append((t["state"], t["turn_starts"].index(start), problems[i]))
+        t0 = time.perf_counter()
+        mc = player.continuation_scores(starts, args.mc_samples, args.seed + 2)
+        seconds["mc"] = time.perf_counter() - t0
+        per_trace, cursor = [], 0
+        for k, (i, t) in enumerate(flat):
+            count = len(ends[k])
+            per_trace.append({
+                "response": t["response"], "outcome": t["score"], "turns": t["turns"], "calls": t["calls"],
+                "segment_ends": ends[k], "turn_starts": t["turn_starts"], "mc": mc[cursor: cursor + count],
+                **{name: [None if v != v else v for v in values[name][k]] for name in VALUE_SOURCES},
+                "holder_segment": holder_segment(t, problems[i], ends[k])})
+            cursor += count
+        seconds["total"] = time.perf_counter() - started
+        common.write_result({"fingerprint": fingerprint, "per_trace": per_trace, "seconds": seconds}, path, say=False)
+    return {**value_tables(per_trace), "seconds": seconds, "per_trace": per_trace}
+
+
+def _series(values) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in values], dtype=float)
+
+
+def value_tables(per_trace: list[dict]) -> dict:
+    """Per value source (and MC itself): Spearman/Pearson with MC over states, and localisation of the first wrong
+    call by the most negative segment reward."""
+    traces = {"n": len(per_trace), "correct": int(sum(t["outcome"] > 0 for t in per_trace)),
+              "states": int(sum(len(t["segment_ends"]) for t in per_trace)),
+              "mean_turns": float(np.mean([t["turns"] for t in per_trace])),
+              "failed_with_wrong_call": int(sum(t["holder_segment"] is not None for t in per_trace))}
+    sources = {}
+    for name in (*VALUE_SOURCES, "mc"):
+        xs, ys, within, hits, chance = [], [], [], [], []
+        for t in per_trace:
+            estimate, truth = _series(t[name]), _series(t["mc"])
+            keep = ~np.isnan(estimate)
+            xs += list(estimate[keep])
+            ys += list(truth[keep])
+            rho = spearman(estimate[keep], truth[keep])
+            if rho is not None:
+                within.append(rho)
+            rewards = np.diff(np.append(estimate, t["outcome"]))
+            hit = localisation_hit([None if r != r else float(r) for r in rewards], t["holder_segment"])
+            if hit is not None:
+                hits.append(hit[0])
+                chance.append(hit[1])
+        sources[name] = {"spearman": spearman(xs, ys), "pearson": pearson(xs, ys), "n_states": len(xs),
+                         "within_trace_spearman": float(np.mean(within)) if within else None,
+                         "within_trace_n": len(within),
+                         "localisation": float(np.mean(hits)) if hits else None, "localisation_n": len(hits),
+                         "localisation_chance": float(np.mean(chance)) if chance else None,
+                         "nan_fraction": float(np.mean([v is None for t in per_trace for v in t[name]]))}
+    return {"traces": traces, "sources": sources}
+
+
+# --------------------------------------------------------------------------------------------------------- step cost
+def step_cost(build: Path, args, cache: Path) -> dict:
+    """``--cost-steps`` steps of the calculator recipe per method, launched one after another (one sitting)."""
+    rows = {}
+    for name in LAUNCHED:
+        overrides = METHODS[name]
+        out = cache / "runs" / name
+        metrics = out / "metrics.jsonl"
+        if not (metrics.exists() and len(common.read_metrics(metrics)) >= args.cost_steps):
+            out.mkdir(parents=True, exist_ok=True)
+            metrics.unlink(missing_ok=True)
+            env = {**os.environ, "RREDCOT_BUILD": str(build), "VERL_FILE_LOGGER_PATH": str(metrics)}
+            env.pop("RAY_ADDRESS", None)
+            command = ["timeout", "-k", "30", "1800", "setsid", sys.executable, "-m", "rredcot_verl.main",
+                       "--config-dir", str(common.RECIPES), "--config-name", RECIPE, *overrides,
+                       f"trainer.total_training_steps={args.cost_steps}", f"data.seed={args.seed + 1}",
+                       f"algorithm.rredcot.snapshot_dir={out / 'snapshots'}"]
+            with open(out / "train.log", "w") as log:
+                code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT).returncode
+            if code != 0:
+                raise SystemExit(f"{name}: the launch exited {code}; see {out / 'train.log'}")
+        steps = [r for r in common.read_metrics(metrics) if r["step"] >= 2]
+        rows[name] = {"median_step_s": statistics.median(r["timing_s/step"] for r in steps),
+                      "median_adv_s": statistics.median(r.get("timing_s/adv", float("nan")) for r in steps),
+                      "steps": len(steps), "mean_score": float(np.mean([r["critic/score/mean"] for r in steps])),
+                      "failed_groups": int(sum(r["rollout/failed_groups"] for r in steps))}
+    for row in rows.values():
+        row["over_grpo"] = row["median_step_s"] / rows["grpo"]["median_step_s"]
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------- run
+def print_tables(result: dict) -> None:
+    gq = result["gradient_quality"]
+    print(f"GRADIENT QUALITY ({gq['settings']['pool_prompts']}x{gq['settings']['pool_rollouts_per_prompt']} pool, "
+          f"accuracy {gq['settings']['pool_accuracy']:.3f})")
+    print_table({**gq, "settings": {"gstar": {**gq["settings"]["gstar"], "pool_rollouts":
+                                              gq["settings"]["gstar"]["pool_trajectories"]}}},
+                gq["settings"]["group_size"])
+    headline = str(gq["settings"]["headline_prompts"] * gq["settings"]["group_size"])
+    for name, entry in gq["methods"].items():
+        batch = entry["batches"].get(headline, {})
+        if "cosine_minus_grpo_mean" in batch:
+            low, high = batch["cosine_minus_grpo_ci95"]
+            print(f"  {name} - grpo at {headline} rollouts: {batch['cosine_minus_grpo_mean']:+.4f} "
+                  f"[{low:+.4f}, {high:+.4f}]")
+    vq = result["value_quality"]
+    print(f"VALUE QUALITY {vq['traces']}")
+    print(f"{'source':<26}{'spearman':>9}{'pearson':>9}{'within':>9}{'loc':>7}{'n':>4}{'chance':>8}")
+    for name, e in vq["sources"].items():
+        print(f"{name:<26}{fmt(e['spearman'], 9)}{fmt(e['pearson'], 9)}{fmt(e['within_trace_spearman'], 9)}"
+              f"{fmt(e['localisation'], 7)}{e['localisation_n']:>4}{fmt(e['localisation_chance'], 8)}")
+    if result.get("step_cost"):
+        print("STEP COST (median timing_s/step, steps >= 2)")
+        for name, row in result["step_cost"].items():
+            print(f"  {name:<26}{row['median_step_s']:8.2f} s  {row['over_grpo']:.2f}x grpo")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cli = common.parser(__doc__, RESULTS_PATH, "tiny pool, one batch size, MC K=2, no launches; temp cache and output",
+                        build=False)
+    cli.add_argument("--cache", type=Path, default=None, help=f"caches (default {CACHE_DIR})")
+    cli.add_argument("--pool-prompts", type=int, default=128)
+    cli.add_argument("--pool-rollouts", type=int, default=32)
+    cli.add_argument("--group-size", type=int, default=4)
+    cli.add_argument("--sizes", type=int, nargs="+", default=[32, 8, 16], help="prompts per batch, all methods")
+    cli.add_argument("--grpo-sizes", type=int, nargs="*", default=[64, 128], help="extra GRPO-only batch prompts")
+    cli.add_argument("--batches", type=int, default=20)
+    cli.add_argument("--vq-prompts", type=int, default=24)
+    cli.add_argument("--vq-samples", type=int, default=4)
+    cli.add_argument("--mc-samples", type=int, default=16)
+    cli.add_argument("--cost-steps", type=int, default=5, help="steps per launch for the step cost (0: none)")
+    cli.add_argument("--seed", type=int, default=0)
+    cli.add_argument("--bootstrap", type=int, default=1000)
+    args = cli.parse_args(argv)
+    if args.smoke:
+        args.pool_prompts, args.pool_rollouts, args.sizes, args.grpo_sizes, args.batches = 4, 8, [2], [], 2
+        args.vq_prompts, args.vq_samples, args.mc_samples, args.cost_steps, args.bootstrap = 2, 2, 2, 0, 20
+    cache = args.cache or (Path(tempfile.mkdtemp()) / "turn_credit" if args.smoke else CACHE_DIR)
+    out = args.out or (cache / "turn_credit.json" if args.smoke else RESULTS_PATH)
+    if max(args.sizes + args.grpo_sizes) > args.pool_prompts or args.group_size > args.pool_rollouts:
+        cli.error("batches must fit in the pool (prompts and rollouts per prompt)")
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    started = time.perf_counter()
+    build = cache / "build"
+    cm.build(str(build), log=lambda *a, **k: None)  # the shipped warm start, copied
+    player = Player(build)
+    table = {name: method_settings(name) for name in METHODS}
+    result = {"gradient_quality": gradient_quality(player, args, cache, table),
+              "value_quality": value_quality(player, args, cache, table),
+              "step_cost": step_cost(build, args, cache) if args.cost_steps else None}
+    warm_start = json.loads((build / cm.RECORD).read_text())["eval"]
+    result["settings"] = {
+        "task": "calculator (tasks/calculator.py): 3 operands of 1..9, two tool calls and a boxed answer",
+        "model": "the shipped calculator warm start (rredcot_verl/tasks/assets/calculator_warmstart)",
+        "warm_start_sampled_accuracy": warm_start["sampled"]["accuracy"],
+        "loop": {"engine": "HF generate at temperature 1 in verl's ToolAgentLoop turn order (hermes parser, the "
+                           "calculator tool, verl's Continuous Token builder)", "max_turns": LOOP.max_turns,
+                 "max_response_tokens": LOOP.max_response_tokens, "max_turn_tokens": LOOP.max_turn_tokens},
+        "methods": {name: f"recipes/tiny_cpu/{RECIPE}.yaml" + (f" with {', '.join(o)}" if o else " as is")
+                    for name, o in METHODS.items()},
+        "seed": args.seed, "mc_samples": args.mc_samples, "cost_steps": args.cost_steps,
+        "commands": {"run": ".venv/bin/python -m benchmarks.turn_credit  (rerun: resumes from --cache)",
+                     "smoke": ".venv/bin/python -m benchmarks.turn_credit --smoke"},
+        "argv": sys.argv[1:] if argv is None else argv, "wall_s": time.perf_counter() - started,
+        **common.machine_meta()}
+    print_tables(result)
+    return common.write_result(result, out)
+
+
+if __name__ == "__main__":
+    main()
