@@ -1,5 +1,6 @@
 """The embedded task: generator, reward, step checker, tokenizer, model folder, warm start and cached build."""
 
+import dataclasses
 import json
 import os
 import random
@@ -372,3 +373,18 @@ def test_committed_artefact_matches_the_default_settings():
     model, tokenizer = load_model_dir(path)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "Compute 1+2"}], add_generation_prompt=True,
                                          tokenize=False).endswith("assistant\n")
+
+
+def test_long_setting_meets_its_length_bar_within_its_models_positions():
+    """The long preset's task (build --setting long): reference traces of at least 16 steps and a median of at least
+    300 response tokens, prompt + the longest reference within the positions of the preset's model."""
+    preset = build_module.PRESETS["long"]
+    tokenizer = build_tokenizer(dataclasses.replace(preset.model, tokenizer_corpus_size=500), preset.task)
+    rng = random.Random(5)
+    problems = [make_problem(rng, preset.task) for _ in range(200)]
+    lengths = sorted(len(response_ids(tokenizer, reference_response(p))) for p in problems)
+    assert min(p.num_steps for p in problems) >= 16 and lengths[len(lengths) // 2] >= 300
+    prompts = max(len(chat_prompt_ids(tokenizer, p.prompt)) for p in problems)
+    assert prompts + lengths[-1] <= preset.model.max_position_embeddings
+    assert preset.sft.eval_max_new_tokens >= lengths[-1]  # the warm start is judged on whole traces
+    assert build_module.PRESETS["default"] == build_module.Preset()  # the default build is unchanged

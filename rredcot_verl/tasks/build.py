@@ -1,8 +1,13 @@
 """Build the embedded default: ``DIR/data/{train,val}.parquet`` and ``DIR/model/`` (tokenizer + warm-started weights).
 
-    python -m rredcot_verl.tasks.build --out DIR [--n-train N] [--n-val N] [--seed S]
+    python -m rredcot_verl.tasks.build --out DIR [--setting default|long] [--n-train N] [--n-val N] [--seed S]
                                        [--sft-steps N] [--sft-budget-s S] [--threads T]
                                        [--force] [--retrain] [--update-artefact]
+
+``--setting`` picks a preset (``PRESETS``): the task, the model's shape, the warm start and the shipped artefact.
+``default`` is the embedded task (2-5-step chains of operands 1..99, about 45-token traces); ``long`` is its long
+setting (36-44-step chains of operands 1..9, median reference response about 315 tokens) on a model of its own whose
+positions fit it (``LONG_TASK``; ``docs/choices.md``, "Long setting").
 
 The warm start is most of the demo's cost (about 17 core-minutes or more), so nothing is built twice:
 - ``DIR/build.json`` records a fingerprint of the settings for the data and for the model; a part whose fingerprint
@@ -21,7 +26,7 @@ import argparse
 import json
 import os
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 
 from rredcot_verl.tasks.arithmetic import ArithmeticTaskConfig, write_parquet
 from rredcot_verl.tasks.model import TinyModelConfig, build_model, build_tokenizer, load_model_dir, save_model_dir
@@ -29,9 +34,35 @@ from rredcot_verl.tasks.sft import WARMSTART_RECORD, SFTConfig, train_warm_start
 
 BUILD_VERSION = 1
 BUILD_RECORD = "build.json"
-ARTEFACT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "warmstart")
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+ARTEFACT_DIR = os.path.join(ASSETS, "warmstart")
 DEFAULT_N_TRAIN = 4096
 DEFAULT_N_VAL = 256
+# 36-44 steps of one-digit operands: a median reference response of about 315 tokens (7.5 per step line). One-digit
+# operands keep each step nearly always right (the default's 1..99 would leave almost no trace of 40 steps correct),
+# so the accuracy band is reached by the length of the chain, not the size of the numbers.
+LONG_TASK = ArithmeticTaskConfig(min_operand=1, max_operand=9, min_operands=37, max_operands=45)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What a setting's build is made of: the task, the model's shape, the warm start, and its shipped artefact."""
+
+    task: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
+    model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    artefact_dir: str = ARTEFACT_DIR
+
+
+PRESETS = {
+    "default": Preset(),
+    # Positions for a 99-token prompt and responses cut at 448 tokens; shorter batches of longer sequences (about the
+    # default's tokens per step); evaluation generates whole traces.
+    "long": Preset(LONG_TASK, TinyModelConfig(max_position_embeddings=1024),
+                   SFTConfig(max_steps=6000, budget_s=900.0, batch_size=16, eval_every_steps=250, n_eval=64,
+                             eval_max_new_tokens=448, target_band=(0.2, 0.5)),
+                   os.path.join(ASSETS, "warmstart_long")),
+}
 
 
 def data_fingerprint(task: ArithmeticTaskConfig, n_train: int, n_val: int, seed: int) -> dict:
@@ -164,12 +195,14 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="Build the embedded task: parquet data + warm-started model.")
     parser.add_argument("--out", required=True, help="output folder (data/, model/, build.json)")
+    parser.add_argument("--setting", choices=sorted(PRESETS), default="default",
+                        help="task, model and warm start preset (PRESETS)")
     parser.add_argument("--n-train", type=int, default=DEFAULT_N_TRAIN, help="training prompts")
     parser.add_argument("--n-val", type=int, default=DEFAULT_N_VAL, help="validation prompts")
     parser.add_argument("--seed", type=int, default=0, help="seed of the parquet problems")
-    parser.add_argument("--sft-steps", type=int, default=SFTConfig.max_steps, help="warm-start steps at most")
-    parser.add_argument("--sft-budget-s", type=float, default=SFTConfig.budget_s,
-                        help="warm-start wall-clock seconds at most")
+    parser.add_argument("--sft-steps", type=int, default=None, help="warm-start steps at most (default: the preset's)")
+    parser.add_argument("--sft-budget-s", type=float, default=None,
+                        help="warm-start wall-clock seconds at most (default: the preset's)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for the warm start: 1 on a shared machine, 2 on an idle 2-core one")
     parser.add_argument("--force", action="store_true", help="rebuild everything, ignoring caches")
@@ -180,9 +213,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.update_artefact and not args.retrain:
         parser.error("--update-artefact needs --retrain: the committed artefact must come from a fresh training run")
     torch.set_num_threads(args.threads)
-    sft = SFTConfig(max_steps=args.sft_steps, budget_s=args.sft_budget_s)
-    record = build(args.out, sft=sft, n_train=args.n_train, n_val=args.n_val, seed=args.seed, force=args.force,
-                   retrain=args.retrain, update_artefact=args.update_artefact)
+    preset = PRESETS[args.setting]
+    sft = replace(preset.sft, **{key: value for key, value in (("max_steps", args.sft_steps),
+                                                               ("budget_s", args.sft_budget_s)) if value is not None})
+    record = build(args.out, task=preset.task, model_config=preset.model, sft=sft, n_train=args.n_train,
+                   n_val=args.n_val, seed=args.seed, force=args.force, retrain=args.retrain,
+                   update_artefact=args.update_artefact, artefact_dir=preset.artefact_dir)
     print(json.dumps({k: record[k] for k in ("model_source", "train_parquet", "val_parquet", "model_dir",
                                              "max_prompt_tokens", "max_reference_response_tokens")}, indent=2))
 
