@@ -516,6 +516,38 @@ def print_table(result: dict, group: int) -> None:
         print(f"{method:<27}" + "".join(cells) + f"{fmt(rel, 11)}{fmt(e.get('ess_over_grpo_at_32'), 9)}{ci_text:>16}")
 
 
+def cached_pool(cache: Path, fingerprint: dict, make, gstar_of) -> tuple[dict, dict, dict, Path]:
+    """The pool, its g* and the per-batch records kept under ``cache``, each made once and reused on a rerun.
+
+    ``make()`` samples the pool and ``gstar_of(pool)`` computes g*; both are timed (``seconds``) and saved. The pool
+    and the batch records carry ``fingerprint``: a cache made with other settings is refused, not mixed in.
+    Returns (pool, g*, records with their ``results``, the records' path).
+    """
+    pool_path, gstar_path, batches_path = cache / "pool.pt", cache / "gstar.pt", cache / "batches.json"
+    pool = torch.load(pool_path, weights_only=False) if pool_path.exists() else None
+    if pool is not None and pool.get("fingerprint") != fingerprint:
+        raise SystemExit(f"{pool_path} was made with {pool.get('fingerprint')}, not {fingerprint}: use another --cache")
+    if pool is None:
+        started = time.perf_counter()
+        pool = make()
+        pool["fingerprint"], pool["seconds"] = fingerprint, time.perf_counter() - started
+        cache.mkdir(parents=True, exist_ok=True)
+        torch.save(pool, pool_path)
+    if gstar_path.exists():
+        gstar = torch.load(gstar_path, weights_only=False)
+    else:
+        started = time.perf_counter()
+        gstar = gstar_of(pool)
+        gstar["seconds"] = time.perf_counter() - started
+        torch.save(gstar, gstar_path)
+    records = json.loads(batches_path.read_text()) if batches_path.exists() else {}
+    if records and records.get("fingerprint") != fingerprint:
+        raise SystemExit(f"{batches_path} belongs to another pool; use another --cache")
+    records["fingerprint"] = fingerprint
+    records.setdefault("results", {})
+    return pool, gstar, records, batches_path
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = common.parser(__doc__, RESULTS_PATHS["default"], "tiny pool, 2 batches, one size; temp cache and output",
                            build=False)
@@ -560,34 +592,14 @@ def main(argv: list[str] | None = None) -> dict:
     fingerprint = {"pool_prompts": args.pool_prompts, "pool_rollouts": args.pool_rollouts, "seed": args.seed,
                    "group_size": args.group_size, "setting": args.setting}
 
-    pool_path, gstar_path, batches_path = cache / "pool.pt", cache / "gstar.pt", cache / "batches.json"
-    pool = torch.load(pool_path, weights_only=False) if pool_path.exists() else None
-    if pool is not None and pool.get("fingerprint") != fingerprint:
-        raise SystemExit(f"{pool_path} was made with {pool.get('fingerprint')}, not {fingerprint}: use another --cache")
-    if pool is None:
-        t0 = time.perf_counter()
-        prompts = load_pool_prompts(setting_train_file(args.setting, build, cache), args.pool_prompts, args.seed,
-                                    tokenizer)
-        pool = make_pool(engine, tokenizer, prompts, args.pool_rollouts)
-        pool["fingerprint"], pool["seconds"] = fingerprint, time.perf_counter() - t0
-        cache.mkdir(parents=True, exist_ok=True)
-        torch.save(pool, pool_path)
-        print(f"pool: {args.pool_prompts}x{args.pool_rollouts} rollouts in {pool['seconds']:.0f}s, "
-              f"accuracy {float(pool['scores'].mean()):.3f}", flush=True)
-    if gstar_path.exists():
-        gstar = torch.load(gstar_path, weights_only=False)
-    else:
-        t0 = time.perf_counter()
-        gstar = compute_gstar(model, pool, tokenizer.pad_token_id, chunk_prompts=max(1, 256 // args.pool_rollouts))
-        gstar["seconds"] = time.perf_counter() - t0
-        torch.save(gstar, gstar_path)
-        print(f"g*: {gstar['seconds']:.0f}s, split-half cosine {gstar['split_half_cosine']:.3f}", flush=True)
-
-    records = json.loads(batches_path.read_text()) if batches_path.exists() else {}
-    if records and records.get("fingerprint") != fingerprint:
-        raise SystemExit(f"{batches_path} belongs to another pool; use another --cache")
-    records["fingerprint"] = fingerprint
-    results = records.setdefault("results", {})
+    pool, gstar, records, batches_path = cached_pool(cache, fingerprint, lambda: make_pool(
+        engine, tokenizer, load_pool_prompts(setting_train_file(args.setting, build, cache), args.pool_prompts,
+                                             args.seed, tokenizer), args.pool_rollouts),
+        lambda pool: compute_gstar(model, pool, tokenizer.pad_token_id, chunk_prompts=max(1, 256 // args.pool_rollouts)))
+    print(f"pool: {args.pool_prompts}x{args.pool_rollouts} rollouts in {pool['seconds']:.0f}s, accuracy "
+          f"{float(pool['scores'].mean()):.3f}; g*: {gstar['seconds']:.0f}s, split-half cosine "
+          f"{gstar['split_half_cosine']:.3f}", flush=True)
+    results = records["results"]
 
     def write():
         common.write_result(records, batches_path, say=False)

@@ -57,9 +57,10 @@ if __package__ in (None, ""):  # ``python benchmarks/turn_credit.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common
-from benchmarks.common import fmt, localisation_hit, pearson, spearman
-from benchmarks.gradient_quality import (compute_gstar, cosine, draw_batch, flat_grad, forward_log_probs,
-                                         loo_advantages, print_table, summarise)
+from benchmarks.common import fmt, localisation_hit
+from benchmarks.gradient_quality import (cached_pool, compute_gstar, cosine, draw_batch, flat_grad,
+                                         forward_log_probs, loo_advantages, print_table, summarise)
+from benchmarks.value_quality import correlations
 from rredcot_verl.core.outcomes import group_outcome_advantage
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.redistribution import redistribute
@@ -192,7 +193,8 @@ def evaluate_batch(player: Player, pool: dict, gstar: dict, table: dict, items, 
     logp, mask, entropy = forward_log_probs(model, [p["prompt_ids"] for p in prompts], responses, pad,
                                             with_entropy=True, response_masks=masks)
     tokens = float(mask.sum())
-    loo = torch.stack([loo_advantages(pool["scores"])[p, r] for p, r in items])
+    pool_loo = loo_advantages(pool["scores"])
+    loo = torch.stack([pool_loo[p, r] for p, r in items])
     own = flat_grad(-(loo * logp.sum(1)).sum(), params)
     reference = (gstar["sum"] - own) / (gstar["tokens"] - tokens)
     records = trace_records(prompts, responses, masks, scores.tolist(), index,
@@ -224,31 +226,14 @@ def evaluate_batch(player: Player, pool: dict, gstar: dict, table: dict, items, 
 def gradient_quality(player: Player, args, cache: Path, table: dict) -> dict:
     fingerprint = {"pool_prompts": args.pool_prompts, "pool_rollouts": args.pool_rollouts, "seed": args.seed,
                    "group_size": args.group_size}
-    pool_path, gstar_path, batches_path = cache / "pool.pt", cache / "gstar.pt", cache / "batches.json"
-    pool = torch.load(pool_path, weights_only=False) if pool_path.exists() else None
-    if pool is not None and pool.get("fingerprint") != fingerprint:
-        raise SystemExit(f"{pool_path} was made with {pool.get('fingerprint')}, not {fingerprint}: use another --cache")
-    if pool is None:
-        started = time.perf_counter()
-        pool = make_pool(player, args.pool_prompts, args.pool_rollouts, args.seed)
-        pool["fingerprint"], pool["seconds"] = fingerprint, time.perf_counter() - started
-        torch.save(pool, pool_path)
+    pool, gstar, records, batches_path = cached_pool(
+        cache, fingerprint, lambda: make_pool(player, args.pool_prompts, args.pool_rollouts, args.seed),
+        lambda pool: compute_gstar(player.model, pool, player.tokenizer.pad_token_id,
+                                   chunk_prompts=max(1, 128 // args.pool_rollouts)))
     print(f"pool: {args.pool_prompts}x{args.pool_rollouts} trajectories ({pool['seconds']:.0f}s), accuracy "
-          f"{float(pool['scores'].mean()):.3f}, mean turns {np.mean(pool['turns']):.2f}", flush=True)
-    if gstar_path.exists():
-        gstar = torch.load(gstar_path, weights_only=False)
-    else:
-        started = time.perf_counter()
-        gstar = compute_gstar(player.model, pool, player.tokenizer.pad_token_id,
-                              chunk_prompts=max(1, 128 // args.pool_rollouts))
-        gstar["seconds"] = time.perf_counter() - started
-        torch.save(gstar, gstar_path)
-    print(f"g*: split-half cosine {gstar['split_half_cosine']:.3f} ({gstar['seconds']:.0f}s)", flush=True)
-    records = json.loads(batches_path.read_text()) if batches_path.exists() else {}
-    if records and records.get("fingerprint") != fingerprint:
-        raise SystemExit(f"{batches_path} belongs to another pool; use another --cache")
-    records["fingerprint"] = fingerprint
-    results = records.setdefault("results", {})
+          f"{float(pool['scores'].mean()):.3f}, mean turns {np.mean(pool['turns']):.2f}; g*: split-half cosine "
+          f"{gstar['split_half_cosine']:.3f} ({gstar['seconds']:.0f}s)", flush=True)
+    results = records["results"]
     methods = list(METHODS)
     plan = [(s, ["grpo"]) for s in args.sizes + args.grpo_sizes] + [(s, methods[1:]) for s in args.sizes]
     for size, todo in plan:
@@ -365,23 +350,17 @@ def value_tables(per_trace: list[dict]) -> dict:
               "failed_with_wrong_call": int(sum(t["holder_segment"] is not None for t in per_trace))}
     sources = {}
     for name in (*VALUE_SOURCES, "mc"):
-        xs, ys, within, hits, chance = [], [], [], [], []
+        together = correlations([(_series(t[name]), _series(t["mc"])) for t in per_trace])
+        hits, chance = [], []
         for t in per_trace:
-            estimate, truth = _series(t[name]), _series(t["mc"])
-            keep = ~np.isnan(estimate)
-            xs += list(estimate[keep])
-            ys += list(truth[keep])
-            rho = spearman(estimate[keep], truth[keep])
-            if rho is not None:
-                within.append(rho)
-            rewards = np.diff(np.append(estimate, t["outcome"]))
+            rewards = np.diff(np.append(_series(t[name]), t["outcome"]))
             hit = localisation_hit([None if r != r else float(r) for r in rewards], t["holder_segment"])
             if hit is not None:
                 hits.append(hit[0])
                 chance.append(hit[1])
-        sources[name] = {"spearman": spearman(xs, ys), "pearson": pearson(xs, ys), "n_states": len(xs),
-                         "within_trace_spearman": float(np.mean(within)) if within else None,
-                         "within_trace_n": len(within),
+        sources[name] = {"spearman": together["spearman"], "pearson": together["pearson"],
+                         "n_states": together["n_points"], "within_trace_spearman": together["within_spearman"],
+                         "within_trace_n": together["within_n"],
                          "localisation": float(np.mean(hits)) if hits else None, "localisation_n": len(hits),
                          "localisation_chance": float(np.mean(chance)) if chance else None,
                          "nan_fraction": float(np.mean([v is None for t in per_trace for v in t[name]]))}
