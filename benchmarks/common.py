@@ -32,20 +32,24 @@ from rredcot_verl.core import montecarlo
 from rredcot_verl.core.profiles import PROFILE_PRESETS
 from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.tasks import ArithmeticTaskConfig, first_wrong_step, parse_prompt, write_parquet
-from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, build
+from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, LONG_TASK, PRESETS, build
 from rredcot_verl.tasks.model import chat_prompt_ids
 from rredcot_verl.tasks.reward import compute_score
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 BUILD_DIR = ROOT / "outputs" / "tiny_cpu" / "build"
+BUILD_DIRS = {"default": BUILD_DIR, "long": ROOT / "outputs" / "tiny_cpu" / "build_long"}  # per build preset
 RECIPES = ROOT / "recipes" / "tiny_cpu"
 
 
 # ------------------------------------------------------------------------------------------------ records and CLI
-def build_task(out: Path) -> Path:
-    """The task build under ``out`` (data + the committed warm start; reused when cached); returns ``out``."""
-    build(str(out), log=lambda *args, **kwargs: None)
+def build_task(out: Path, preset: str = "default") -> Path:
+    """The task build of ``preset`` (``tasks.build.PRESETS``) under ``out`` (data + the committed warm start;
+    reused when cached); returns ``out``."""
+    chosen = PRESETS[preset]
+    build(str(out), task=chosen.task, model_config=chosen.model, sft=chosen.sft, artefact_dir=chosen.artefact_dir,
+          log=lambda *args, **kwargs: None)
     return out
 
 
@@ -168,16 +172,20 @@ def area_under_curve(points: list[dict]) -> float | None:
 # -------------------------------------------------------------------------------------------------- training runs
 @dataclass(frozen=True)
 class Setting:
-    """A setting of the embedded task, with verl's limits (prompts and references must fit, or they would be cut)."""
+    """A setting of the embedded task, with verl's limits (prompts and references must fit, or they would be cut)
+    and the build (``tasks.build.PRESETS``) whose warm start samples it."""
 
     task: ArithmeticTaskConfig
     max_prompt_length: int = 32
     max_response_length: int = 96
+    preset: str = "default"
 
 
 SETTINGS = {
     "default": Setting(ArithmeticTaskConfig()),  # the warm start's own task: 2..5-step chains
     "hard": Setting(ArithmeticTaskConfig(min_operands=5, max_operands=6)),  # its longest chains (RESULTS.md §3)
+    # 16-17-step chains restating the terms left: responses of about 425 tokens, on the long build's own model
+    "long": Setting(LONG_TASK, max_prompt_length=64, max_response_length=512, preset="long"),
 }
 MAIN_DATA_SEED = 0  # the build's generator stream
 
@@ -201,11 +209,13 @@ def write_setting_data(data_dir: Path, setting: Setting, val_size: int, data_see
 
 
 def launch_run(recipe: str, out: Path, steps: int, seed: int, build: Path, overrides: tuple[str, ...] = (),
-               timeout_s: int = 1800) -> int:
-    """One ``recipes/tiny_cpu/run.sh`` training run into ``out`` (metrics.jsonl, train.log); returns its exit code."""
+               timeout_s: int = 1800, preset: str = "default") -> int:
+    """One ``recipes/tiny_cpu/run.sh`` training run into ``out`` (metrics.jsonl, train.log) on the build of
+    ``preset`` (``tasks.build.PRESETS``) in ``build``; returns its exit code."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "RREDCOT_SEED"}  # data.seed is passed as an int below
-    env.update(RREDCOT_BUILD=str(build), OUT=str(out), RREDCOT_STEPS=str(steps), RUN_TIMEOUT=str(timeout_s))
+    env.update(RREDCOT_BUILD=str(build), OUT=str(out), RREDCOT_STEPS=str(steps), RUN_TIMEOUT=str(timeout_s),
+               RREDCOT_SETTING=preset)
     with open(out / "train.log", "w") as log:
         return subprocess.run([str(RECIPES / "run.sh"), recipe, f"data.seed={seed}", *overrides], env=env,
                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
@@ -291,6 +301,7 @@ def generate(model, tokenizer, sequences: list[list[int]], max_new_tokens: list[
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                 max_new_tokens=max(max_new_tokens[i] for i in chunk), do_sample=True, temperature=temperature,
                 top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=pad,
+                cache_implementation="static",  # a growing cache is copied whole each token: 2.5x slower on long traces
             )[:, width:].cpu()  # fmt: skip
             outputs += [output[row, : max_new_tokens[i]].tolist() for row, i in enumerate(chunk)]
     finally:
@@ -299,12 +310,13 @@ def generate(model, tokenizer, sequences: list[list[int]], max_new_tokens: list[
     return outputs
 
 
-def sample_traces(model, tokenizer, problems, samples_per_prompt: int, seed: int) -> list[Trace]:
+def sample_traces(model, tokenizer, problems, samples_per_prompt: int, seed: int,
+                  max_response_tokens: int = MAX_RESPONSE_TOKENS) -> list[Trace]:
     """``samples_per_prompt`` temperature-1 responses (the rollout distribution) to each problem, one batch."""
     eos = tokenizer.eos_token_id
     jobs = [(group, item) for group, item in enumerate(problems) for _ in range(samples_per_prompt)]
     prompts = [chat_prompt_ids(tokenizer, item[0].prompt) for _, item in jobs]
-    outputs = generate(model, tokenizer, prompts, [MAX_RESPONSE_TOKENS] * len(prompts), seed=seed)
+    outputs = generate(model, tokenizer, prompts, [max_response_tokens] * len(prompts), seed=seed, batch_size=256)
     traces = []
     for prompt, tokens, (group, (problem, truth, steps)) in zip(prompts, outputs, jobs):
         response = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
@@ -408,6 +420,7 @@ METHODS = {
     "ibpo_resume": Method("ibpo", _RESUME),
     "rredcot_ibpo": Method("rredcot_ibpo"),
     "rredcot_ibpo_resume": Method("rredcot_ibpo", _RESUME),
+    "rredcot_repairs_degenerate_resume": Method("rredcot_ibpo", (_AS_RREDCOT, _VALUE_DIFFERENCES, *_RESUME)),
     "rredcot_ibpo_edit_mask": Method("rredcot_ibpo", (f"{_RREDCOT}.rredcot_ibpo.wrong_trace_credit=edit_mask",)),
     "rredcot_ibpo_degenerate": Method("rredcot_ibpo", (_VALUE_DIFFERENCES,)),
     "segment_mc": Method("segment_mc"),

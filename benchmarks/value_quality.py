@@ -14,12 +14,19 @@ and their reading: RESULTS.md §1.
     python -m benchmarks.value_quality --from-json benchmarks/results/value_quality.json --out /tmp/vq.json
                                                        # the tables again from a result's per-trace records
     python -m benchmarks.value_quality --smoke         # seconds: 4 traces, MC K=4, temp output
+    python -m benchmarks.value_quality --setting long  # the long setting: benchmarks/results/value_quality_long.json
+
+On the long setting (``build --setting long``: 16-17 step lines of about 25 tokens each) every line is a segment, and
+the reference continuation is also measured under each ``probe.reference_alignment`` and against a coarse reference
+that writes two steps per line (``coarse_steps``): a trace and a reference that differ in step count, where the
+alignments disagree (docs/choices.md, "Reference values at length").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from pathlib import Path
 
@@ -38,27 +45,64 @@ from rredcot_verl.tasks import first_wrong_step, load_model_dir
 from rredcot_verl.tasks.base import ARITHMETIC
 
 RESULTS_PATH = common.RESULTS_DIR / "value_quality.json"
+LONG_RESULTS_PATH = common.RESULTS_DIR / "value_quality_long.json"
+# Every line of a long trace a segment (17-18 states), where the recipe's 8 would merge two or three lines each.
+LONG_SEGMENTATION = dataclasses.replace(RECIPE_SEGMENTATION, max_segments=20)
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A probe value source: ``probe.value_source``, its normalisation, ``probe.reference_alignment``, and whether
+    the bank's reference solution is the coarse one (two steps a line)."""
+
+    value_source: str
+    normalization: str = "raw"
+    alignment: str = "steps"
+    coarse: bool = False
+
+
 PROBE_SOURCES = {
-    "exit_raw": ("exit_probe", "raw"),
-    "exit_selfnorm": ("exit_probe", "self_normalized"),
-    "reference": ("reference_continuation", "raw"),  # always raw sums: its bank holds correct continuations only
-    "own_continuation": ("own_continuation", "raw"),
+    "exit_raw": Source("exit_probe"),
+    "exit_selfnorm": Source("exit_probe", "self_normalized"),
+    "reference": Source("reference_continuation"),  # always raw sums: its bank holds correct continuations only
+    "own_continuation": Source("own_continuation"),
 }
-STATE_SOURCES = [*PROBE_SOURCES, "rule"]
-SEGMENT_SOURCES = [*STATE_SOURCES, "loo", "grad_x_input", "mc"]
+LONG_PROBE_SOURCES = {
+    **PROBE_SOURCES,
+    "reference_proportional": Source("reference_continuation", alignment="proportional"),
+    "reference_content": Source("reference_continuation", alignment="content"),
+    **{f"coarse_reference_{alignment}": Source("reference_continuation", alignment=alignment, coarse=True)
+       for alignment in ("steps", "proportional", "content")},
+}
+STATE_SOURCES = [*LONG_PROBE_SOURCES, "rule"]
 THIRDS = ("early", "middle", "late")
+_STEP = re.compile(r"(-?\d+[+-]\d+)=(-?\d+)(?: (\S+))?")
 
 
-def value_sources(model, tokenizer, traces) -> tuple[list[list[int]], dict, dict]:
+def coarse_steps(steps: list[str]) -> list[str]:
+    """Two step lines as one: ``7-1=6 +5+9``, ``6+5=11 +9`` → ``7-1+5=11 +9`` (a last odd line kept as it is)."""
+    merged = []
+    for first, second in zip(steps[::2], steps[1::2]):
+        a, b = _STEP.fullmatch(first), _STEP.fullmatch(second)
+        merged.append(f"{a[1]}{b[1][len(a[2]):]}={b[2]}" + (f" {b[3]}" if b[3] else ""))
+    return merged + steps[len(steps) - len(steps) % 2:]
+
+
+def value_sources(model, tokenizer, traces, sources: dict[str, Source] = PROBE_SOURCES,
+                  segmentation=RECIPE_SEGMENTATION) -> tuple[list[list[int]], dict, dict]:
     """Segment ends per trace; per probe source, values v_0..v_{K-1} per trace (NaN: no estimate); seconds per
     source (``compute_segment_values`` over the whole batch)."""
-    records = [TraceRecord(t.prompt_ids, t.response_ids, trace_log_probs_and_entropy(model, t.prompt_ids,
-                                                                                     t.response_ids)[1],
-                           t.outcome, t.group, t.ground_truth, t.reference_steps) for t in traces]
+    entropies = [trace_log_probs_and_entropy(model, t.prompt_ids, t.response_ids)[1] for t in traces]
     ends, values, timings = None, {}, {}
-    for name, (source, normalization) in PROBE_SOURCES.items():
-        settings = RRedCoTSettings(segmentation=RECIPE_SEGMENTATION, candidates=CandidateSettings(), probe=ProbeSettings(
-            value_source=source, normalization=normalization, profile="embedded"))
+    for name, source in sources.items():
+        records = [TraceRecord(t.prompt_ids, t.response_ids, entropy, t.outcome, t.group, t.ground_truth,
+                               coarse_steps(t.reference_steps) if source.coarse else t.reference_steps)
+                   for t, entropy in zip(traces, entropies)]
+        # The coarse reference stands alone: the group's correct traces would bring back the fine steps.
+        candidates = CandidateSettings(source="ground_truth" if source.coarse else "both")
+        settings = RRedCoTSettings(segmentation=segmentation, candidates=candidates, probe=ProbeSettings(
+            value_source=source.value_source, normalization=source.normalization, profile="embedded",
+            reference_alignment=source.alignment))
         started = time.perf_counter()
         result = compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC,
                                         max_positions=model.config.max_position_embeddings)
@@ -111,7 +155,7 @@ def correlations(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
 def analyse(ends, state_values, segment_values, mc_values, holders) -> dict:
     """Correlation tables (states and segments) and localisation; ``holders``: trace index → erroneous segment."""
     states, segments = {}, {}
-    for name in STATE_SOURCES:
+    for name in state_values:
         pairs = list(zip(state_values[name], mc_values))
         entry = correlations(pairs)
         for part in THIRDS:
@@ -122,7 +166,7 @@ def analyse(ends, state_values, segment_values, mc_values, holders) -> dict:
         flat = np.concatenate(state_values[name])
         entry["mean_value"], entry["nan_fraction"] = float(np.nanmean(flat)), float(np.mean(np.isnan(flat)))
         states[name] = entry
-    for name in SEGMENT_SOURCES:
+    for name in segment_values:
         entry = correlations(list(zip(segment_values[name], segment_values["mc"]))) if name != "mc" else {}
         judged = [(segment_values[name][i], holder) for i, holder in holders.items()
                   if not np.all(np.isnan(segment_values[name][i]))]
@@ -141,35 +185,41 @@ def segment_rewards(values: np.ndarray, outcome: float) -> np.ndarray:
 
 
 def tables(per_trace: list[dict]) -> dict:
-    """``analyse`` of per-trace records (the JSON's ``per_trace``)."""
+    """``analyse`` of per-trace records (the JSON's ``per_trace``), over the sources they hold."""
+    names = [name for name in STATE_SOURCES if name in per_trace[0]]
     state_values = {name: [np.array([np.nan if v is None else v for v in t[name]], dtype=float) for t in per_trace]
-                    for name in STATE_SOURCES}
+                    for name in names}
     mc_values = [np.array(t["mc"], dtype=float) for t in per_trace]
     segment_values = {name: [segment_rewards(v, t["outcome"]) for v, t in zip(state_values[name], per_trace)]
-                      for name in STATE_SOURCES}
-    segment_values["mc"] = [segment_rewards(v, t["outcome"]) for v, t in zip(mc_values, per_trace)]
+                      for name in names}
     for name in ("loo", "grad_x_input"):
         segment_values[name] = [np.array(t[name], dtype=float) for t in per_trace]
+    segment_values["mc"] = [segment_rewards(v, t["outcome"]) for v, t in zip(mc_values, per_trace)]
     holders = {i: t["holder_segment"] for i, t in enumerate(per_trace) if t["holder_segment"] is not None}
     return analyse([t["segment_ends"] for t in per_trace], state_values, segment_values, mc_values, holders)
 
 
-def run(build: Path, num_prompts: int, samples_per_prompt: int, mc_samples: int, seed: int) -> dict:
+def run(build: Path, num_prompts: int, samples_per_prompt: int, mc_samples: int, seed: int,
+        setting: str = "default") -> dict:
     torch.set_num_threads(1)
     model, tokenizer = load_model_dir(str(build / "model"))
     model.eval()
+    long = setting == "long"
+    max_tokens = common.SETTINGS[setting].max_response_length
     problems = common.load_problems(build / "data" / "val.parquet", num_prompts)
-    traces = common.sample_traces(model, tokenizer, problems, samples_per_prompt, seed)
-    ends, probe_values, timings = value_sources(model, tokenizer, traces)
+    traces = common.sample_traces(model, tokenizer, problems, samples_per_prompt, seed, max_tokens)
+    ends, probe_values, timings = value_sources(model, tokenizer, traces, LONG_PROBE_SOURCES if long else PROBE_SOURCES,
+                                                LONG_SEGMENTATION if long else RECIPE_SEGMENTATION)
     started = time.perf_counter()
-    mc_values, _ = common.monte_carlo_values(model, tokenizer, traces, ends, num_samples=mc_samples, seed=seed + 1)
+    mc_values, _ = common.monte_carlo_values(model, tokenizer, traces, ends, num_samples=mc_samples, seed=seed + 1,
+                                             max_response_tokens=max_tokens)
     timings["mc"] = time.perf_counter() - started
     started = time.perf_counter()
     attribution = [attributions(model, tokenizer, t, e) for t, e in zip(traces, ends)]
     timings["loo+grad_x_input"] = time.perf_counter() - started
     per_trace = [
         {"text": t.text, "outcome": t.outcome, "segment_ends": ends[i], "mc": mc_values[i].tolist(),
-         **{name: [None if np.isnan(x) else float(x) for x in probe_values[name][i]] for name in PROBE_SOURCES},
+         **{name: [None if np.isnan(x) else float(x) for x in values[i]] for name, values in probe_values.items()},
          "rule": rule_values(tokenizer, t, [0, *ends[i][:-1]]).tolist(),
          **{name: attribution[i][name].tolist() for name in ("loo", "grad_x_input")},
          "first_wrong_step": first_wrong_step(t.problem, t.text), "holder_segment": common.holder_segment(
@@ -204,25 +254,30 @@ def main(argv: list[str] | None = None) -> dict:
     cli.add_argument("--samples-per-prompt", type=int, default=4)
     cli.add_argument("--mc-samples", type=int, default=32)
     cli.add_argument("--seed", type=int, default=0)
+    cli.add_argument("--setting", choices=("default", "long"), default="default",
+                     help="the task build: default, or long (its own build folder unless --build is given)")
     cli.add_argument("--from-json", type=Path, default=None,
                      help="recompute the tables from this result's per-trace records (no model, no sampling)")
     args = cli.parse_args(argv)
     if args.smoke:
         args.prompts, args.samples_per_prompt, args.mc_samples = 2, 2, 4
-    out = common.out_path(args, RESULTS_PATH)
+    long = args.setting == "long"
+    if long and args.build == common.BUILD_DIR:
+        args.build = common.BUILD_DIRS["long"]
+    out = common.out_path(args, LONG_RESULTS_PATH if long else RESULTS_PATH)
     if args.from_json is not None:
         stored = json.loads(args.from_json.read_text())
         result = {**stored, **tables(stored["per_trace"])}
         print_tables(result)
         return common.write_result(result, out)
-    common.build_task(args.build)
+    common.build_task(args.build, common.SETTINGS[args.setting].preset)
     started = time.perf_counter()
-    result = run(args.build, args.prompts, args.samples_per_prompt, args.mc_samples, args.seed)
-    result["meta"] = {"prompts": args.prompts, "samples_per_prompt": args.samples_per_prompt,
+    result = run(args.build, args.prompts, args.samples_per_prompt, args.mc_samples, args.seed, args.setting)
+    result["meta"] = {"setting": args.setting, "prompts": args.prompts, "samples_per_prompt": args.samples_per_prompt,
                       "mc_samples": args.mc_samples, "seed": args.seed, "exit_text": EXIT_TEXT,
-                      "segmentation": dataclasses.asdict(RECIPE_SEGMENTATION),
-                      "max_response_tokens": common.MAX_RESPONSE_TOKENS, "wall_s": time.perf_counter() - started,
-                      **common.machine_meta()}
+                      "segmentation": dataclasses.asdict(LONG_SEGMENTATION if long else RECIPE_SEGMENTATION),
+                      "max_response_tokens": common.SETTINGS[args.setting].max_response_length,
+                      "wall_s": time.perf_counter() - started, **common.machine_meta()}
     print_tables(result)
     return common.write_result(result, out)
 

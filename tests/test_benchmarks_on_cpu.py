@@ -8,10 +8,11 @@ import pytest
 import torch
 from scipy import stats
 
-from benchmarks import common, cost, sample_efficiency, value_gate, value_quality
+from benchmarks import common, cost, length_scaling, sample_efficiency, value_gate, value_quality
 from benchmarks.common import build_task, monte_carlo_values, spearman
 from rredcot_verl.core.concordance import ConcordanceCounts
 from rredcot_verl.tasks import compute_score, load_model_dir, parse_prompt, reference_response
+from rredcot_verl.tasks.arithmetic import response_step_lines
 from rredcot_verl.tasks.model import chat_prompt_ids, response_ids
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -118,8 +119,8 @@ def test_value_quality_smoke(build, tmp_path):
     result = value_quality.main(["--smoke", "--build", str(build), "--out", str(tmp_path / "vq.json")])
     written = json.loads((tmp_path / "vq.json").read_text())
     assert written["traces"]["n"] == 4 and written["traces"]["states"] > 4
-    assert set(written["states"]) == set(value_quality.STATE_SOURCES)
-    assert set(written["segments"]) == set(value_quality.SEGMENT_SOURCES)
+    assert set(written["states"]) == {*value_quality.PROBE_SOURCES, "rule"}
+    assert set(written["segments"]) == {*value_quality.PROBE_SOURCES, "rule", "loo", "grad_x_input", "mc"}
     samples = written["meta"]["mc_samples"]
     for trace in result["per_trace"]:
         assert len(trace["mc"]) == len(trace["segment_ends"]) == len(trace["loo"]) == len(trace["rule"])
@@ -130,6 +131,44 @@ def test_value_quality_smoke(build, tmp_path):
     recomputed = value_quality.main(["--from-json", str(tmp_path / "vq.json"), "--out", str(tmp_path / "re.json")])
     assert_same_result(json.loads((tmp_path / "re.json").read_text()), written)
     assert recomputed["states"] == result["states"] and recomputed["segments"] == result["segments"]
+
+
+def test_long_setting_values_every_line_under_each_reference_alignment(tmp_path):
+    """value_quality --setting long on the committed long warm start: every step line is a segment; with the fine
+    reference a trace of the reference's step count gets the same values by count and by proportion; the coarse
+    reference (two steps a line) is resumed elsewhere by proportion than by count."""
+    assert value_quality.coarse_steps(["7-1=6 +5+9", "6+5=11 +9", "11+9=20"]) == ["7-1+5=11 +9", "11+9=20"]
+    build = build_task(tmp_path / "long", "long")
+    model, tokenizer = load_model_dir(str(build / "model"))
+    model.eval()
+    problems = common.load_problems(build / "data" / "val.parquet", 2)
+    traces = common.sample_traces(model, tokenizer, problems, 2, seed=0,
+                                  max_response_tokens=common.SETTINGS["long"].max_response_length)
+    ends, values, _ = value_quality.value_sources(model, tokenizer, traces, value_quality.LONG_PROBE_SOURCES,
+                                                  value_quality.LONG_SEGMENTATION)
+    for i, trace in enumerate(traces):
+        lines = response_step_lines(trace.text) or []
+        assert len(ends[i]) >= min(len(lines), value_quality.LONG_SEGMENTATION.max_segments)
+        if len(lines) == trace.problem.num_steps:
+            assert values["reference_proportional"][i].tolist() == values["reference"][i].tolist()
+    assert any(values["coarse_reference_proportional"][i].tolist() != values["coarse_reference_steps"][i].tolist()
+               for i in range(len(traces)))
+
+
+def test_length_scaling_reads_each_roles_gradient_result_where_the_protocol_wrote_it(tmp_path):
+    """The length table's gain columns are the protocol's own numbers: IBPO's resumed repairs from the operator
+    comparison at the default and hard lengths, every role from the long protocol at the long length."""
+    result = length_scaling.main(["--smoke", "--out", str(tmp_path / "ls.json")])
+    hard = json.loads((RESULTS / "ibpo_operators_hard.json").read_text())["methods"]["ibpo_resume"]["batches"]["128"]
+    entry = result["lengths"]["hard"]["gradient"]["ibpo"]
+    assert entry["method"] == "ibpo_resume" and entry["source"].endswith("ibpo_operators_hard.json")
+    assert entry["cosine_minus_grpo"] == hard["cosine_minus_grpo_mean"]
+    assert result["lengths"]["default"]["gradient"]["best_without_references"]["method"] == \
+        "rredcot_repairs_degenerate"  # the committed rewrite-operator result, named as such
+    long = result["lengths"]["long"]["gradient"]
+    assert {entry["method"] for entry in long.values()} == set(length_scaling.ROLES.values())
+    if (RESULTS / "gradient_quality_long.json").exists():
+        assert all(entry["source"] is not None for entry in long.values())
 
 
 def test_committed_value_quality_json_recomputes_from_its_per_trace_records(tmp_path):

@@ -95,8 +95,13 @@ def test_methods_are_read_from_their_recipes_with_the_overrides_their_names_say(
     assert method_settings("segment_mc")[1].segment_mc.num_continuations == 9
     assert set(gradient_quality.METHODS) <= set(json.loads(
         (gradient_quality.RESULTS_PATHS["hard"]).read_text())["methods"]) | {"segment_mc", "ibpo_resume",
-                                                                            "rredcot_ibpo_resume"}
+                                                                            "rredcot_ibpo_resume",
+                                                                            "rredcot_repairs_degenerate_resume"}
     assert method_settings("ibpo_resume")[1].ibpo.repair_operator == "resume"
+    estimator, repairs = method_settings("rredcot_repairs_degenerate_resume")
+    assert estimator == "rredcot" and repairs.candidates.source == "group_and_repairs"
+    assert repairs.redistribution.degenerate_groups == "value_differences"
+    assert repairs.ibpo.repair_operator == "resume" and repairs.ibpo.revision_template is None
     assert method_settings("ibpo")[1].ibpo.repair_operator == "rewrite"  # what the committed results measured
 
 

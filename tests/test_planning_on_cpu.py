@@ -204,6 +204,29 @@ def test_continuation_text_resumes_at_the_step_the_prefix_reached():
     assert continuation_text("\n23+45=68\n68-17=51\n51+8=59\n", lines, ARITHMETIC) == ""
 
 
+def test_reference_alignment_resumes_a_reference_of_another_length_or_route():
+    """When trace and bank entry differ in step count or route, ``steps`` resumes by count, ``proportional`` at the
+    same fraction of the entry, ``content`` after the entry step the prefix's last step reads like."""
+    reference = ["7-1=6 +5+9-8", "6+5=11 +9-8", "11+9=20 -8", "20-8=12"]
+    # A trace that merged the first two steps: it has completed one line that reads like the entry's second.
+    merged = "\n7-1+5=11 +9-8\n"
+    assert continuation_text(merged, reference, ARITHMETIC) == "\n".join(reference[1:])
+    assert continuation_text(merged, reference, ARITHMETIC, "content") == "\n".join(reference[2:])
+    # Proportional: 1 of the trace's 3 steps done stands for round(4/3) = 1 entry step; 2 of 3 for 3 of 4.
+    assert continuation_text(merged, reference, ARITHMETIC, "proportional", 3) == "\n".join(reference[1:])
+    two = merged + "11+9=20 -8\n"
+    assert continuation_text(two, reference, ARITHMETIC, "proportional", 3) == reference[3]
+    assert continuation_text(two, reference, ARITHMETIC, "content") == reference[3]
+    # A long trace against a short solution: 10 of 20 paragraphs done resumes half way through the 4 steps.
+    long_body = "\n" + "".join(f"Thought {i}.\n\n" for i in range(10))
+    assert continuation_text(long_body, reference, PARAGRAPHS, "proportional", 20) == "\n\n".join(reference[2:])
+    # A partial step is finished when the aligned entry step starts with it, under every alignment.
+    for alignment in ("steps", "proportional", "content"):
+        assert continuation_text("\n7-1=6 +5+9-8\n6+", reference, ARITHMETIC, alignment, 4).startswith("5=11 +9-8\n")
+    with pytest.raises(ValueError, match="reference_alignment"):
+        ProbeSettings(reference_alignment="nearest")
+
+
 def test_embedded_profile_reproduces_the_task_format():
     """On the embedded task the S_0 reference continuation is exactly the reference response + EOS, and exit
     probes after a step line force "</think>\\n\\boxed" and score "{answer}" + EOS."""

@@ -207,6 +207,25 @@ def test_first_wrong_step_on_malformed_responses():
     assert first_wrong_step(PROBLEM, format_response(reference_steps(PROBLEM), 60)) is None
 
 
+RESTATED = ArithmeticProblem((23, 45, 17, 8), ("+", "-", "+"), restate_remaining_terms=True)
+
+
+@pytest.mark.parametrize(
+    "steps, expected",
+    [
+        (["23+45=68 -17+8", "68-17=51 +8", "51+8=59"], None),  # the long setting's format
+        (["23+45=68", "68-17=51", "51+8=59"], None),  # lines without the restatement are judged by their step
+        (["23+45=68 -17", "68-17=51", "51+8=59"], 1),  # a term dropped from the restatement
+        (["23+45=68 -17+8", "68-17=51 -8", "51-8=43"], 2),  # a sign miscopied in it
+        (["23+45=68 -17+8", "68-17=51 +8", "51+8=59 +8"], 3),  # a restatement after the last step
+        (["23+45=68 -17+8", "68-17=52 +8", "52+8=60"], 2),  # the step itself wrong, restatement right
+    ],
+)
+def test_first_wrong_step_judges_restated_terms(steps, expected):
+    assert reference_steps(RESTATED) == ["23+45=68 -17+8", "68-17=51 +8", "51+8=59"]
+    assert first_wrong_step(RESTATED, format_response(steps, 59)) == expected
+
+
 # --- tokenizer and model folder --------------------------------------------------------------------------------
 
 
@@ -373,6 +392,19 @@ def test_committed_artefact_matches_the_default_settings():
     model, tokenizer = load_model_dir(path)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "Compute 1+2"}], add_generation_prompt=True,
                                          tokenize=False).endswith("assistant\n")
+
+
+def test_committed_long_artefact_matches_the_long_preset_and_its_band():
+    """build --setting long copies the committed long warm start: its fingerprint is the preset's, its kept checkpoint
+    samples inside the preset's band, and its model has the preset's positions."""
+    preset = build_module.PRESETS["long"]
+    record = json.loads(open(os.path.join(preset.artefact_dir, "warmstart.json")).read())
+    assert record["fingerprint"] == build_module.model_fingerprint(preset.task, preset.model, preset.sft), \
+        "stale artefact: reproduce it with build --setting long --retrain --update-artefact"
+    low, high = preset.sft.target_band
+    assert low <= record["kept"]["sampled"]["accuracy"] <= high
+    model, _ = load_model_dir(preset.artefact_dir)
+    assert model.config.max_position_embeddings == preset.model.max_position_embeddings
 
 
 def test_long_setting_meets_its_length_bar_within_its_models_positions():

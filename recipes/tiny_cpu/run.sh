@@ -2,6 +2,8 @@
 # Train one estimator on the embedded task: recipes/tiny_cpu/run.sh <grpo|rredcot|ibpo|segment_mc> [hydra overrides...]
 #
 # Env: RREDCOT_BUILD  task + model folder (default outputs/tiny_cpu/build; built and cached if missing)
+#      RREDCOT_SETTING  the build's preset (default "default"; "long" for the long setting: pass its data limits,
+#                     data.max_prompt_length=64 data.max_response_length=512)
 #      OUT            run folder (default outputs/tiny_cpu/<estimator>): metrics.jsonl, train.log, snapshots/
 #      RREDCOT_STEPS  training steps (default 30)      RREDCOT_SEED  data seed (default 1)
 #      RREDCOT_REWARD_FILE  reward function file (default rredcot_verl/tasks/reward.py, the task's exact-integer reward)
@@ -21,7 +23,7 @@ OUT="${OUT:-$ROOT/outputs/tiny_cpu/$EST}"
 mkdir -p "$OUT"
 export VERL_FILE_LOGGER_PATH="$OUT/metrics.jsonl"
 rm -f "$VERL_FILE_LOGGER_PATH"
-"$PY" -m rredcot_verl.tasks.build --out "$RREDCOT_BUILD" >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log" >&2; exit 1; }
+"$PY" -m rredcot_verl.tasks.build --out "$RREDCOT_BUILD" --setting "${RREDCOT_SETTING:-default}" >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log" >&2; exit 1; }
 
 CMD=("$PY" -m rredcot_verl.main --config-dir "$ROOT/recipes/tiny_cpu" --config-name "$EST"
      "algorithm.rredcot.snapshot_dir=$OUT/snapshots" "trainer.experiment_name=$EST" "$@")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, Protocol, Sequence
 
 import torch
+from rapidfuzz import fuzz
 
 from rredcot_verl.core.probes import Probe, build_exit_probes, build_reference_probes
 from rredcot_verl.core.profiles import ProbeProfile, ProbeTokenizer, answer_region_start
@@ -224,22 +225,43 @@ def _group_banks(traces, texts, opened, settings: RRedCoTSettings, task: TaskAda
     return banks
 
 
-def continuation_text(body: str, steps: Sequence[str], task: TaskAdapter) -> str:
+def resume_index(written: Sequence[str], completed: int, steps: Sequence[str], alignment: str,
+                 trace_steps: int) -> int:
+    """How many of a bank entry's ``steps`` a prefix's ``completed`` steps (of ``written``) stand for.
+
+    ``steps``: as many as the prefix completed. ``proportional``: the same fraction of the entry as the prefix has of
+    its whole trace (``trace_steps`` steps), so a trace of dozens of paragraphs walks a four-line solution at its own
+    pace. ``content``: up to the entry step the last completed step reads most like (rapidfuzz ratio; the earliest
+    of equals), so a trace that skipped, merged or repeated steps resumes where its text says it is.
+    """
+    if alignment == "steps" or completed == 0:
+        return completed
+    if alignment == "proportional":
+        return min(len(steps), round(completed * len(steps) / max(trace_steps, completed)))
+    if alignment == "content":
+        last = written[completed - 1]
+        scores = [fuzz.ratio(last, step) for step in steps]
+        return 1 + max(range(len(steps)), key=lambda j: (scores[j], -j)) if steps else 0
+    raise ValueError(f"unknown reference alignment {alignment!r}")
+
+
+def continuation_text(body: str, steps: Sequence[str], task: TaskAdapter, alignment: str = "steps",
+                      trace_steps: int = 0) -> str:
     """Text that continues the thinking ``body`` written so far along a bank entry's ``steps``, up to its last step.
 
     The prefix has completed the steps of ``task.split_steps(body)`` that its text has closed with the separator; the
-    continuation resumes the entry after as many of its steps. A step the prefix has started: when the entry's step
-    at that index starts with the text written so far, the continuation finishes it; otherwise the prefix's version
-    stands for that step (the separator is completed and the entry resumes at the next step), as a completed wrong
-    step does.
+    continuation resumes the entry after the steps those stand for (``resume_index``: ``alignment``, with the whole
+    trace's ``trace_steps``). A step the prefix has started: when the entry's next step starts with the text written
+    so far, the continuation finishes it; otherwise the prefix's version stands for that step (the separator is
+    completed and the entry resumes at the one after), as a completed wrong step does.
     """
     sep = task.step_separator
     written = task.split_steps(body)
     if not written:  # thinking just opened: the first step starts on a new line
         return ("" if body.endswith("\n") else "\n") + sep.join(steps)
     if body.rstrip(" \t").endswith(sep):
-        return sep.join(steps[len(written):])
-    done = len(written) - 1  # the last step is still being written
+        return sep.join(steps[resume_index(written, len(written), steps, alignment, trace_steps):])
+    done = resume_index(written, len(written) - 1, steps, alignment, trace_steps)  # the last step is being written
     current = body[body.rfind(sep) + len(sep):] if sep in body else body
     current = current.lstrip()
     rest = list(steps[done + 1:])
@@ -341,7 +363,8 @@ class _Planner:
             return response.index(self.think_end_id, turn_start, turn_stop)
         return len(response)
 
-    def reference_probes(self, trace, starts, bank, opened, bodies) -> list[Probe]:
+    def reference_probes(self, trace, starts, bank, opened, bodies, trace_steps: int) -> list[Probe]:
+        alignment = self.settings.probe.reference_alignment
         response = trace.response_ids.tolist()
         prompt = trace.prompt_ids.tolist()
         banks = []
@@ -351,7 +374,7 @@ class _Planner:
             context = prompt + response[:start]
             entries = []
             for steps, answer in bank.correct_steps:
-                steps_text = opening + continuation_text(body, steps, self.task)
+                steps_text = opening + continuation_text(body, steps, self.task, alignment, trace_steps)
                 stem = steps_text + self.profile.exit_text + self.profile.answer_prefix + answer
                 if self.at_response_start(start):
                     stem = stem.lstrip()
@@ -460,7 +483,8 @@ def plan_traces(
                         starts = [min(start, answer_start) for start in starts]
                     opened, bodies = _opened_and_bodies(planner, trace, starts, prompt_opened, reference)
                     if reference:
-                        plan.probes = planner.reference_probes(trace, starts, bank, opened, bodies)
+                        trace_steps = len(task.split_steps(_thinking_text(text, planner.profile, prompt_opened)))
+                        plan.probes = planner.reference_probes(trace, starts, bank, opened, bodies, trace_steps)
                     else:
                         plan.probes = planner.exit_probes(trace, starts, bank, opened)
                 else:

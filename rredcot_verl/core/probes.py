@@ -27,6 +27,10 @@ import torch
 from rredcot_verl.core.profiles import AUTO, AUTO_FAMILIES, PROFILE_KEYS, ProbeProfile, resolve_profile
 
 VALUE_SOURCES = ("exit_probe", "reference_continuation", "own_continuation")
+# How a reference continuation finds where a trace's prefix stands in a bank entry (core/planning.py,
+# ``resume_index``): by the count of steps written, by the same fraction of each, or by the entry step the last
+# written step reads most like.
+REFERENCE_ALIGNMENTS = ("steps", "proportional", "content")
 NORMALIZATIONS = ("raw", "self_normalized")
 KIND_CORRECT = "correct"
 KIND_INCORRECT = "incorrect"  # scored only for the self-normalising denominator
@@ -48,6 +52,12 @@ class ProbeSettings:
             ``plain``) or a preset of ``profiles.PROFILE_PRESETS``: ``"qwen3"``, ``"r1_distill"``, ``"plain"`` (a
             model without thinking markers: Qwen2.5-Instruct, Llama, Mistral), ``"embedded"`` (the tiny task). The
             answer text (exit text, prefix, closings) follows the task's answer style (``boxed`` or ``gsm8k``).
+        reference_alignment: where a reference continuation resumes a bank entry after a trace's prefix, one of
+            ``REFERENCE_ALIGNMENTS``: ``"steps"`` (default: after as many entry steps as the prefix has completed),
+            ``"proportional"`` (after the same fraction of the entry's steps as the prefix has of its trace's: a long
+            trace against a short reference solution) or ``"content"`` (after the entry step most like the prefix's
+            last completed step, rapidfuzz ratio: a trace that skipped, merged or repeated steps). Measured in
+            docs/choices.md, "Reference values at length".
         think_start, think_end, think_opener, exit_text, answer_prefix, answer_closings, answer_eos: null (default)
             takes the preset's value, anything else overrides it (meanings in ``core/profiles.py``). ``think_end``
             is also the marker the segmentation cuts the answer segment at.
@@ -56,6 +66,7 @@ class ProbeSettings:
     value_source: str = "exit_probe"
     normalization: str = "self_normalized"
     profile: str = AUTO
+    reference_alignment: str = "steps"
     think_start: str | None = None
     think_end: str | None = None
     think_opener: str | None = None
@@ -69,6 +80,9 @@ class ProbeSettings:
             raise ValueError(f"value_source must be one of {VALUE_SOURCES}, got {self.value_source!r}")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+        if self.reference_alignment not in REFERENCE_ALIGNMENTS:
+            raise ValueError(f"reference_alignment must be one of {REFERENCE_ALIGNMENTS}, got "
+                             f"{self.reference_alignment!r}")
         if isinstance(self.answer_closings, list):
             object.__setattr__(self, "answer_closings", tuple(self.answer_closings))
         # Validates the preset name and the overrides now, not at the first training step; ``auto`` is resolved

@@ -28,7 +28,7 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 PROMPT_PREFIX = "Compute "
 
-_STEP_LINE = re.compile(r"(-?\d+)([+-])(\d+)=(-?\d+)", re.ASCII)
+_STEP_LINE = re.compile(r"(-?\d+)([+-])(\d+)=(-?\d+)(?: ((?:[+-]\d+)+))?", re.ASCII)
 _PROMPT = re.compile(r"Compute (\d+(?:[+-]\d+)+)", re.ASCII)
 _TERM = re.compile(r"([+-]?)(\d+)", re.ASCII)
 
@@ -43,12 +43,16 @@ class ArithmeticTaskConfig:
             for 30% greedy accuracy) is for 1..99; 1..9 saturates near 99%.
         min_operands: fewest operands in a chain, default 3 (2 steps).
         max_operands: most operands in a chain, default 6 (5 steps).
+        restate_remaining_terms: reference step lines end with the terms still to add (``27-1=26 +8+3``), so the
+            next operand is always the first term of the line above instead of the k-th term of the prompt: the
+            long setting's format, which a tiny model learns by copying locally (``docs/choices.md``).
     """
 
     min_operand: int = 1
     max_operand: int = 99
     min_operands: int = 3
     max_operands: int = 6
+    restate_remaining_terms: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_operand <= self.max_operand:
@@ -65,10 +69,14 @@ class ArithmeticTaskConfig:
 
 @dataclass(frozen=True)
 class ArithmeticProblem:
-    """``operands[0] ops[0] operands[1] ops[1] ...``; ``len(ops) == len(operands) - 1``, each op is ``+`` or ``-``."""
+    """``operands[0] ops[0] operands[1] ops[1] ...``; ``len(ops) == len(operands) - 1``, each op is ``+`` or ``-``.
+
+    ``restate_remaining_terms`` is the reference's line format (``ArithmeticTaskConfig``); judging accepts both.
+    """
 
     operands: tuple[int, ...]
     ops: tuple[str, ...]
+    restate_remaining_terms: bool = False
 
     def __post_init__(self) -> None:
         if len(self.operands) < 2 or len(self.ops) != len(self.operands) - 1:
@@ -110,7 +118,7 @@ def make_problem(rng: random.Random, config: ArithmeticTaskConfig = ArithmeticTa
     n = rng.randint(config.min_operands, config.max_operands)
     operands = tuple(rng.randint(config.min_operand, config.max_operand) for _ in range(n))
     ops = tuple(rng.choice("+-") for _ in range(n - 1))
-    return ArithmeticProblem(operands, ops)
+    return ArithmeticProblem(operands, ops, config.restate_remaining_terms)
 
 
 def parse_prompt(prompt: str) -> ArithmeticProblem:
@@ -122,11 +130,18 @@ def parse_prompt(prompt: str) -> ArithmeticProblem:
     return ArithmeticProblem(tuple(int(digits) for _, digits in terms), tuple(sign for sign, _ in terms[1:]))
 
 
+def remaining_terms(problem: ArithmeticProblem, step: int) -> str:
+    """The terms after 1-based ``step``, signs included (``-1+8+3``); empty after the last step."""
+    return "".join(f"{op}{b}" for op, b in zip(problem.ops[step:], problem.operands[step + 1:]))
+
+
 def reference_steps(problem: ArithmeticProblem) -> list[str]:
-    """One line per step, e.g. ``['23+45=68', '68-17=51', '51+8=59']``."""
+    """One line per step, e.g. ``['23+45=68', '68-17=51', '51+8=59']``; with ``restate_remaining_terms`` each line
+    but the last ends with the terms still to add: ``['23+45=68 -17+8', '68-17=51 +8', '51+8=59']``."""
     lines, left = [], problem.operands[0]
-    for op, b, total in zip(problem.ops, problem.operands[1:], problem.running_totals()):
-        lines.append(f"{left}{op}{b}={total}")
+    for step, (op, b, total) in enumerate(zip(problem.ops, problem.operands[1:], problem.running_totals()), start=1):
+        tail = remaining_terms(problem, step) if problem.restate_remaining_terms else ""
+        lines.append(f"{left}{op}{b}={total}" + (f" {tail}" if tail else ""))
         left = total
     return lines
 
@@ -160,8 +175,10 @@ def first_wrong_step(problem: ArithmeticProblem, response_text: str) -> int | No
     """1-based index of the first step line that is wrong; None when every step is right.
 
     Step line k (k-th non-empty line of the think block) is wrong when it does not parse as ``a±b=c``, when
-    ``c != a±b``, when ``a`` is not the previous result (the first operand for k=1), or when ``±b`` is not the
-    prompt's k-th term. A trace that writes fewer lines than the problem has steps is wrong at the first missing
+    ``c != a±b``, when ``a`` is not the previous result (the first operand for k=1), when ``±b`` is not the
+    prompt's k-th term, or when the line restates the remaining terms (``a±b=c ±d±e``) and gets them wrong: a dropped
+    term is the error of the line that dropped it, not of the next. Lines without the restatement are judged by
+    their step alone, so both formats are judged alike. A trace that writes fewer lines than the problem has steps is wrong at the first missing
     step; one that writes more is wrong at the first extra line. A response without ``<think>`` is wrong at step 1.
     Only the think block is judged: a wrong ``\\boxed{}`` after all-correct steps gives None (the reward sees it).
     """
@@ -178,6 +195,8 @@ def first_wrong_step(problem: ArithmeticProblem, response_text: str) -> int | No
         left, line_op, right, result = int(match[1]), match[2], int(match[3]), int(match[4])
         true_result = left + right if line_op == "+" else left - right
         if left != expected_left or line_op != op or right != b or result != true_result:
+            return k
+        if match[5] is not None and match[5] != remaining_terms(problem, k):
             return k
         expected_left = result
     if len(lines) > problem.num_steps:
