@@ -171,9 +171,10 @@ def test_length_scaling_reads_each_roles_gradient_result_where_the_protocol_wrot
         assert all(entry["source"] is not None for entry in long.values())
 
 
-def test_committed_value_quality_json_recomputes_from_its_per_trace_records(tmp_path):
-    committed = json.loads((RESULTS / "value_quality.json").read_text())
-    value_quality.main(["--from-json", str(RESULTS / "value_quality.json"), "--out", str(tmp_path / "vq.json")])
+@pytest.mark.parametrize("name", ["value_quality.json", "value_quality_long.json"])
+def test_committed_value_quality_json_recomputes_from_its_per_trace_records(tmp_path, name):
+    committed = json.loads((RESULTS / name).read_text())
+    value_quality.main(["--from-json", str(RESULTS / name), "--out", str(tmp_path / "vq.json")])
     assert_same_result(json.loads((tmp_path / "vq.json").read_text()), committed)
 
 
