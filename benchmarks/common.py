@@ -184,7 +184,7 @@ class Setting:
 SETTINGS = {
     "default": Setting(ArithmeticTaskConfig()),  # the warm start's own task: 2..5-step chains
     "hard": Setting(ArithmeticTaskConfig(min_operands=5, max_operands=6)),  # its longest chains (RESULTS.md §3)
-    # 16-17-step chains restating the terms left: responses of about 425 tokens, on the long build's own model
+    # 16-17-step chains restating the terms left: responses of about 390 tokens, on the long build's own model
     "long": Setting(LONG_TASK, max_prompt_length=64, max_response_length=512, preset="long"),
 }
 MAIN_DATA_SEED = 0  # the build's generator stream

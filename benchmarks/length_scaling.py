@@ -1,7 +1,7 @@
 """Gain and cost against length: the gradient-quality protocol and the step-cost ratio to GRPO at three lengths.
 
 The lengths are the embedded task's settings (``common.SETTINGS``): ``default`` (2-5 steps, about 45-token traces),
-``hard`` (4-5 steps, about 55) and ``long`` (16-17 steps restating the terms left, about 425 tokens, on the long
+``hard`` (4-5 steps, about 55) and ``long`` (16-17 steps restating the terms left, about 390 tokens, on the long
 build's own model). Six roles are measured at each:
 
 * gain: the gradient-quality protocol's cosine with g* minus GRPO's at 32 prompts x 4 (paired over the same batches,

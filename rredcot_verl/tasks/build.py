@@ -7,7 +7,7 @@
 ``--setting`` picks a preset (``PRESETS``): the task, the model's shape, the warm start and the shipped artefact.
 ``default`` is the embedded task (2-5-step chains of operands 1..99, about 45-token traces); ``long`` is its long
 setting (16-17-step chains of operands 1..9, each line restating the terms still to add, median reference response
-about 425 tokens) on a model of its own whose positions fit it (``LONG_TASK``; ``docs/choices.md``, "Long setting").
+about 390 tokens) on a model of its own whose positions fit it (``LONG_TASK``; ``docs/choices.md``, "Long setting").
 
 The warm start is most of the demo's cost (about 17 core-minutes or more), so nothing is built twice:
 - ``DIR/build.json`` records a fingerprint of the settings for the data and for the model; a part whose fingerprint
@@ -39,7 +39,7 @@ ARTEFACT_DIR = os.path.join(ASSETS, "warmstart")
 DEFAULT_N_TRAIN = 4096
 DEFAULT_N_VAL = 256
 # 16-17 steps of one-digit operands, each step line restating the terms still to add: a median reference response of
-# about 425 tokens. The restatement makes every step a local copy (the next operand is the first term of the line
+# about 390 tokens. The restatement makes every step a local copy (the next operand is the first term of the line
 # above), which a 3-layer model learns; finding the k-th of 40 operands in the prompt it did not (docs/choices.md).
 LONG_TASK = ArithmeticTaskConfig(min_operand=1, max_operand=9, min_operands=17, max_operands=18,
                                  restate_remaining_terms=True)
@@ -57,7 +57,7 @@ class Preset:
 
 PRESETS = {
     "default": Preset(),
-    # Positions for a 50-token prompt and responses cut at 512 tokens; shorter batches of longer sequences (about the
+    # Positions for a 45-token prompt and responses cut at 512 tokens; shorter batches of longer sequences (about the
     # default's tokens per step); evaluation generates whole traces.
     "long": Preset(LONG_TASK, TinyModelConfig(max_position_embeddings=1024),
                    SFTConfig(max_steps=6000, budget_s=2400.0, batch_size=16, eval_every_steps=100, n_eval=64,
