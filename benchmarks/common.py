@@ -221,6 +221,22 @@ def launch_run(recipe: str, out: Path, steps: int, seed: int, build: Path, overr
                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
 
 
+def step_seconds(rows: list[dict], phase: str = "step") -> list[float]:
+    """``timing_s/<phase>`` of steps ≥ 2 (step 1 carries warm-up)."""
+    key = f"timing_s/{phase}"
+    return [row[key] for row in rows if row["step"] >= 2 and key in row]
+
+
+def with_step_ratios(entries: dict[str, dict]) -> dict[str, dict]:
+    """Add ``over_grpo`` (median step seconds over GRPO's, from runs of one sitting) to every entry that has a median
+    when the ``grpo`` entry has one; returns ``entries``."""
+    grpo = entries.get("grpo", {}).get("median_step_s")
+    for entry in entries.values():
+        if grpo and entry.get("median_step_s"):
+            entry["over_grpo"] = entry["median_step_s"] / grpo
+    return entries
+
+
 def read_metrics(path: Path) -> list[dict]:
     """verl FileLogger lines ``{"step": n, "data": {...}}`` → list of ``{"step": n, **data}``, in file order; a last
     line cut short by a killed run is dropped (a broken line elsewhere raises)."""

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import common
-from benchmarks.common import EXIT_TEXT, RECIPE_SEGMENTATION, fmt, launch_run, read_metrics
+from benchmarks.common import EXIT_TEXT, RECIPE_SEGMENTATION, fmt, launch_run, read_metrics, step_seconds
 from benchmarks.reference_scorers import score_probes_naive, trace_log_probs_and_entropy
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.probes import ProbeSettings, build_exit_probes
@@ -132,12 +132,6 @@ def measure_values(model, tokenizer, traces, mc_samples: int, repeats: int) -> d
     }
 
 
-def step_seconds(rows: list[dict], phase: str = "step") -> list[float]:
-    """``timing_s/<phase>`` of steps ≥ 2 (step 1 carries warm-up)."""
-    key = f"timing_s/{phase}"
-    return [row[key] for row in rows if row["step"] >= 2 and key in row]
-
-
 def phase_medians(rows: list[dict]) -> dict[str, float]:
     """Median seconds of every ``timing_s/*`` phase verl logs (nested phases included, so they do not add up)."""
     phases = sorted({key.removeprefix("timing_s/") for row in rows for key in row if key.startswith("timing_s/")})
@@ -160,11 +154,7 @@ def measure_training(runs_dir: Path, steps: int, seed: int, build: Path, launch:
         seconds = step_seconds(rows)
         result[method] = {"median_step_s": statistics.median(seconds) if seconds else None, "steps_used": len(seconds),
                           "phase_median_s": phase_medians(rows), "run": str(out)}
-    grpo = result.get("grpo", {}).get("median_step_s")
-    for entry in result.values():
-        if grpo and entry.get("median_step_s"):
-            entry["over_grpo"] = entry["median_step_s"] / grpo
-    return result
+    return common.with_step_ratios(result)
 
 
 def print_tables(result: dict) -> None:

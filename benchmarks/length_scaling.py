@@ -94,7 +94,7 @@ def cost_entry(out: Path) -> dict:
     """Median seconds of a run's steps >= 2 (step 1 carries the warm-up), from its metrics."""
     metrics = out / "metrics.jsonl"
     rows = common.read_metrics(metrics) if metrics.exists() else []
-    seconds = [row["timing_s/step"] for row in rows if row["step"] >= 2 and "timing_s/step" in row]
+    seconds = common.step_seconds(rows)
     return {"median_step_s": statistics.median(seconds) if seconds else None, "steps_used": len(seconds),
             "run": str(out)}
 
@@ -114,11 +114,7 @@ def measure_cost(length: str, steps: int, seed: int) -> dict:
                 rows[role] = {"error": f"run.sh exited {code}; see {out / 'train.log'}", "run": str(out)}
                 continue
         rows[role] = cost_entry(out)
-    grpo = rows.get("grpo", {}).get("median_step_s")
-    for entry in rows.values():
-        if grpo and entry.get("median_step_s"):
-            entry["over_grpo"] = entry["median_step_s"] / grpo
-    return rows
+    return common.with_step_ratios(rows)
 
 
 def print_table(result: dict) -> None:
@@ -148,12 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.cost_steps and length in args.settings:
             cost = measure_cost(length, args.cost_steps, args.seed)
         else:
-            cost = {role: cost_entry(RUNS_DIR / length / role) for role in ROLES
-                    if (RUNS_DIR / length / role / "metrics.jsonl").exists()}
-            grpo = cost.get("grpo", {}).get("median_step_s")
-            for entry in cost.values():
-                if grpo and entry.get("median_step_s"):
-                    entry["over_grpo"] = entry["median_step_s"] / grpo
+            cost = common.with_step_ratios({role: cost_entry(RUNS_DIR / length / role) for role in ROLES
+                                            if (RUNS_DIR / length / role / "metrics.jsonl").exists()})
         lengths[length] = {"setting": {"task": SETTINGS[length].task.__dict__, "preset": SETTINGS[length].preset,
                                        "max_response_length": SETTINGS[length].max_response_length},
                            "gradient": gradient, "cost": cost}

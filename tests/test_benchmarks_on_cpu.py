@@ -277,7 +277,7 @@ def test_step_times_skip_the_warm_up_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "data": {"timing_s/step": t}}) + "\n"
                             for s, t in [(1, 50.0), (2, 4.0), (3, 6.0)]))
-    assert cost.step_seconds(common.read_metrics(path)) == [4.0, 6.0]
+    assert common.step_seconds(common.read_metrics(path)) == [4.0, 6.0]
 
 
 def test_phase_medians_skip_the_warm_up_step_and_absent_phases(tmp_path):

@@ -120,8 +120,14 @@ def test_rredcot_dp2_trains_and_redistributes(build, rredcot_reference):
     rows = _assert_finite_steps(out, 3)
     # verl balances each step's tokens over the actor's dp ranks: the mean per rank is half the total with two.
     assert all(row["perf/total_num_tokens"] == 2 * row["global_seqlen/mean"] for row in rows)
-    assert all(row["rredcot/redistributed_frac"] > 0 for row in rows)
-    assert all(row["rredcot/fallback/nonfinite"] == 0 for row in rows)
+    # Every trace is redistributed except those of groups where all outcomes agree (all right or all wrong, which keep
+    # GRPO's zero): a step of four such groups redistributes nothing (CI met one), so only the three steps together
+    # must redistribute some trace.
+    for row in rows:
+        kept = {key: row[key] for key in row if key.startswith("rredcot/fallback/") and row[key]}
+        assert set(kept) <= {"rredcot/fallback/zero_return", "rredcot/fallback/empty"}, kept
+        assert round(row["rredcot/redistributed_frac"] * 16) + sum(kept.values()) == 16, row
+    assert any(row["rredcot/redistributed_frac"] > 0 for row in rows), [row["rredcot/redistributed_frac"] for row in rows]
     # Each rank's segment data landed on its own traces: segments end at the trace's own length (lengths differ
     # between traces) and the value column after the last segment is the trace's own outcome.
     for snapshot in sorted((out / "snapshots").glob("step_*.json")):
