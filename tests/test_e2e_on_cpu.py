@@ -75,8 +75,10 @@ def _prompts_per_step(rollout_data_dir: Path) -> dict[int, list[tuple[str, str]]
     return steps
 
 
-def _latest_snapshot(out: Path) -> dict:
-    return json.loads(sorted((out / "snapshots").glob("step_*.json"))[-1].read_text())
+def _snapshot_traces(out: Path) -> list[dict]:
+    """Every step's snapshot traces: a step may hold only all-agreeing groups, so checks of credit read all steps."""
+    return [trace for snapshot in sorted((out / "snapshots").glob("step_*.json"))
+            for trace in json.loads(snapshot.read_text())["traces"]]  # fmt: skip
 
 
 def _assert_finite_steps(out: Path, steps: int) -> list[dict]:
@@ -137,7 +139,7 @@ def test_rredcot_dp2_trains_and_redistributes(build, rredcot_reference):
                 continue
             assert ends and ends[-1] == len(trace["response_tokens"]), (snapshot.name, ends, len(trace["response_tokens"]))
             assert trace["seg_raw_values"][len(ends)] == pytest.approx(trace["outcome"]), snapshot.name
-    traces = _latest_snapshot(out)["traces"]
+    traces = _snapshot_traces(out)
     differing = 0
     for trace in traces:
         ends = [e for e in trace["seg_ends"] if e >= 0]
@@ -185,7 +187,7 @@ def test_ibpo_generates_repairs_and_localises_blame(build, tmp_path):
     rows = _assert_finite_steps(tmp_path, 2)
     assert all(row["ibpo/revisions"] > 0 for row in rows)
     assert all(row["ibpo/extra_generated_tokens"] > 0 for row in rows)
-    traces = _latest_snapshot(tmp_path)["traces"]
+    traces = _snapshot_traces(tmp_path)
     non_uniform_incorrect = [
         t for t in traces if t["outcome"] == 0 and len({round(a, 6) for a in t["token_advantages"]}) > 1
     ]
