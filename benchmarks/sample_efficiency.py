@@ -5,7 +5,13 @@ stages: a learning-rate sweep (``--sweep``: each method that has a sweep of its 
 rate of ``SWEEP_LRS``, seed 0, on problems of a generator stream the main runs do not validate on; the rate with the
 highest validation AUC wins, ties to the smaller rate), then main runs at the chosen rates, seeds ``--seeds`` ×
 ``--steps`` steps (segment_mc ``--segment-mc-steps``), greedy validation on ``--val-size`` problems every
-``--test-freq`` steps, on the task setting ``--setting`` (``common.SETTINGS``: ``default`` or ``hard``).
+``--test-freq`` steps, on the task setting ``--setting`` (``common.SETTINGS``: ``default``, ``hard`` or ``long``).
+
+The long setting (``LONG_METHODS``, on the long build) asks why a better gradient buys fewer steps than it is worth:
+every method trains at GRPO's swept rate, and each method but GRPO again at the rate that matches GRPO's update
+norm (``<method>_norm_matched``: GRPO's rate × GRPO's median Adam update norm / the method's, both from the first
+seed's runs at GRPO's rate, read from the optimizer state of every checkpoint; ``matched_learning_rate``). Its runs
+keep every checkpoint, so each run's summary has its update norms (``update_norms``).
 
 Every finished run is summarised in a ledger committed with the results (``results/sample_efficiency_runs/<setting>/
 {sweep,main}/<run>.json``: launch settings and summary); a run the ledger holds is read, not launched, and an
@@ -49,6 +55,13 @@ from rredcot_verl.tasks.model import PAD_TOKEN, chat_prompt_ids, response_ids
 
 METHODS = ("grpo", "rredcot", "rredcot_exit_probe", "rredcot_group", "rredcot_ground_truth", "ibpo", "segment_mc",
            "rredcot_ibpo", "rredcot_repairs_degenerate", "rredcot_exit_probe_gated")  # the study's, of common.METHODS
+# The long setting's: GRPO, IBPO, the best configuration without reference solutions and rredcot with dataset
+# references (benchmarks/length_scaling.py ROLES); the repair operator that fits the long model's context (resume).
+LONG_METHODS = ("grpo", "ibpo_resume", "rredcot_repairs_degenerate_resume", "rredcot")
+CHOICES = (*METHODS, *(method for method in LONG_METHODS if method not in METHODS))
+# Settings whose methods all train at GRPO's rate and again at the rate matching GRPO's update norm.
+NORM_MATCHED_SETTINGS = ("long",)
+NORM_MATCHED = "_norm_matched"  # suffix of a run label at the matched rate
 SWEEP_LRS = (1e-5, 3e-5, 1e-4)  # half-decades around the recipe's 2e-5 (3e-4 was dropped: RESULTS.md §3)
 SWEEP_SETTING = "default"  # one sweep sets the rates of both settings
 SWEEP_SEED = 0  # training seed (data.seed) of the sweep; the main runs use others
@@ -64,6 +77,17 @@ VAL_KEYS = ("val-core/rredcot_arithmetic/acc/mean@1", "val-core/rredcot_arithmet
 RUN_RECORD = "run.json"
 LEDGER_DIR = common.RESULTS_DIR / "sample_efficiency_runs"
 RUNS_ROOT_MARK = "<runs-root>"
+
+
+def methods_of(setting: str) -> tuple[str, ...]:
+    return LONG_METHODS if setting in NORM_MATCHED_SETTINGS else METHODS
+
+
+def rates_from(setting: str, methods) -> dict[str, str]:
+    """The methods that take another method's swept rate instead of their own, and whose."""
+    if setting in NORM_MATCHED_SETTINGS:
+        return {method: "grpo" for method in methods if method != "grpo"}
+    return {method: source for method, source in LEARNING_RATE_FROM.items() if method in methods}
 
 
 # ---------------------------------------------------------------- data
@@ -104,10 +128,11 @@ class RunSpec:
         return json.loads(json.dumps(asdict(self)))  # tuples as lists, as read back from disk
 
 
-def checkpoint_overrides(out: Path, every: int) -> tuple[str, ...]:
-    """verl checkpoints every ``every`` steps into ``out/checkpoints`` (the latest kept), resumed by a relaunch."""
+def checkpoint_overrides(out: Path, every: int, keep_all: bool = False) -> tuple[str, ...]:
+    """verl checkpoints every ``every`` steps into ``out/checkpoints`` (the latest kept, or all with ``keep_all``:
+    their optimizer states give the run's update norms), resumed by a relaunch."""
     return (f"trainer.default_local_dir={out / 'checkpoints'}", f"trainer.save_freq={every}",
-            "trainer.resume_mode=auto", "trainer.max_actor_ckpt_to_keep=1")
+            "trainer.resume_mode=auto", f"trainer.max_actor_ckpt_to_keep={'null' if keep_all else 1}")
 
 
 def launch_files(out: Path) -> list[Path]:
@@ -162,7 +187,7 @@ def clear_run(out: Path) -> None:
         shutil.rmtree(out / folder, ignore_errors=True)
 
 
-def ensure_run(out: Path, spec: RunSpec, build: Path, ledger: Ledger) -> int:
+def ensure_run(out: Path, spec: RunSpec, build: Path, ledger: Ledger, preset: str = "default") -> int:
     """Launch the run unless the ledger has it or its folder is complete; a run interrupted under the same settings
     resumes from its last checkpoint (main runs; sweep runs start over), and a failed launch is retried once (the
     machine is shared). A complete run is recorded in the ledger. Returns the exit code (0 if complete)."""
@@ -175,13 +200,15 @@ def ensure_run(out: Path, spec: RunSpec, build: Path, ledger: Ledger) -> int:
     record.write_text(json.dumps(spec.record(), indent=2) + "\n")
     overrides = (*spec.overrides, f"{LR_KEY}={spec.lr}")
     # A guard against hangs only: segment_mc steps take about 60 s here (benchmarks/results/cost.json), plus
-    # validation (about 50 s per 1,000 problems); an expired launch is relaunched and resumes from its checkpoint.
+    # validation (about 50 s per 1,000 problems; about 60 s at the long setting, whose steps take 6-13 s); an expired
+    # launch is relaunched and resumes from its checkpoint.
     timeout_s = 900 + 90 * spec.steps
     recipe = common.METHODS[spec.method].recipe
     code = 1
     for _ in range(2):
         archive_launch(out)
-        code = common.launch_run(recipe, out, spec.steps, spec.seed, build, overrides, timeout_s=timeout_s)
+        code = common.launch_run(recipe, out, spec.steps, spec.seed, build, overrides, timeout_s=timeout_s,
+                                 preset=preset)
         if code == 0:
             break
     ledger.summary(out, spec)
@@ -336,6 +363,47 @@ def snapshot_localisation(snapshots: list[dict]) -> dict | None:
     return result
 
 
+def checkpoint_update_norms(out: Path) -> list[dict] | None:
+    """From every verl checkpoint of the run (``checkpoints/global_step_<n>/actor``, all ranks' shards): the norm of
+    the AdamW step taken at that step, ``lr·m̂/(√v̂ + ε)`` from the saved moments (the decoupled weight decay left
+    out), the parameter norm, and the distance the parameters moved since the previous checkpoint. None without
+    checkpoints. Under Adam the step's size follows the consistency of the gradient's signs, not its norm."""
+    import torch
+
+    folders = sorted((out / "checkpoints").glob("global_step_*/actor"), key=lambda path: int(
+        path.parent.name.removeprefix("global_step_")))
+    if not folders:
+        return None
+    norms, previous = [], None
+    for folder in folders:
+        update_sq, parameters = 0.0, {}
+        for path in sorted(folder.glob("optim_world_size_*_rank_*.pt")):
+            state = torch.load(path, weights_only=False, map_location="cpu")
+            group = state["param_groups"][0]
+            (beta1, beta2), eps, lr = group["betas"], group["eps"], group["lr"]
+            for moments in state["state"].values():
+                step = float(moments["step"])
+                mean = _local(moments["exp_avg"]) / (1 - beta1**step)
+                scale = (_local(moments["exp_avg_sq"]) / (1 - beta2**step)).sqrt() + eps
+                update_sq += float(((lr * mean / scale) ** 2).sum())
+        for path in sorted(folder.glob("model_world_size_*_rank_*.pt")):
+            for name, tensor in torch.load(path, weights_only=False, map_location="cpu").items():
+                parameters[(path.name, name)] = _local(tensor).double()
+        entry = {"step": int(folder.parent.name.removeprefix("global_step_")), "adam_update_norm": update_sq**0.5,
+                 "parameter_norm": sum(float((t**2).sum()) for t in parameters.values()) ** 0.5}
+        if previous is not None:
+            entry["moved_since_previous"] = sum(float(((t - previous[key]) ** 2).sum())
+                                                for key, t in parameters.items()) ** 0.5
+        norms.append(entry)
+        previous = parameters
+    return norms
+
+
+def _local(tensor):
+    """A DTensor's shard (verl's FSDP2 checkpoints hold DTensors), or the tensor itself, in float64."""
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).double()
+
+
 def summarise_run(out: Path) -> dict:
     rows, snapshots = read_run(out), read_snapshots(out)
     validation = [(row["step"], next(row[key] for key in VAL_KEYS if key in row)) for row in rows
@@ -361,6 +429,7 @@ def summarise_run(out: Path) -> dict:
         "steps": max((row["step"] for row in rows), default=0),
         "diagnostics": window_means(rows),
         "localisation": snapshot_localisation(snapshots),
+        "update_norms": checkpoint_update_norms(out),
     }
 
 
@@ -389,18 +458,18 @@ def first_reaching(curve: list[dict], target: float) -> dict | None:
     return next((point for point in curve if point["step"] > 0 and point["accuracy"] >= target), None)
 
 
-def swept_methods(methods) -> list[str]:
-    """The methods with sweep runs of their own: ``methods``, each borrower replaced by its ``LEARNING_RATE_FROM``."""
-    return list(dict.fromkeys(LEARNING_RATE_FROM.get(method, method) for method in methods))
+def swept_methods(methods, borrowed: dict[str, str]) -> list[str]:
+    """The methods with sweep runs of their own: ``methods``, each borrower replaced by its source in ``borrowed``."""
+    return list(dict.fromkeys(borrowed.get(method, method) for method in methods))
 
 
 def choose_learning_rates(setting_dir: Path, methods, steps: int, test_freq: int, data: tuple[str, ...],
-                          ledger: Ledger) -> dict:
+                          ledger: Ledger, borrowed: dict[str, str]) -> dict:
     """Per method: the AUC of each complete sweep run and the chosen rate (highest AUC, ties to the smaller
-    rate); a method whose sweep is incomplete gets ``lr`` None and no main runs. A method in ``LEARNING_RATE_FROM``
-    gets the rate chosen for its source (``lr_from``) and no AUCs."""
+    rate); a method whose sweep is incomplete gets ``lr`` None and no main runs. A method in ``borrowed``
+    (``rates_from``) gets the rate chosen for its source (``lr_from``) and no AUCs."""
     chosen = {}
-    for method in swept_methods(methods):
+    for method in swept_methods(methods, borrowed):
         aucs = {}
         for lr, spec in sweep_specs(method, steps, test_freq, data).items():
             summary = ledger.summary(sweep_dir(setting_dir, method, lr), spec)
@@ -409,10 +478,25 @@ def choose_learning_rates(setting_dir: Path, methods, steps: int, test_freq: int
         best = max(SWEEP_LRS, key=lambda lr: (aucs[lr], -lr)) if complete else None
         chosen[method] = {"lr": best, "auc_by_lr": {f"{lr:g}": auc for lr, auc in aucs.items()}}
     for method in methods:
-        if method in LEARNING_RATE_FROM:
-            source = LEARNING_RATE_FROM[method]
+        if method in borrowed:
+            source = borrowed[method]
             chosen[method] = {"lr": chosen[source]["lr"], "auc_by_lr": None, "lr_from": source}
     return chosen
+
+
+def matched_learning_rate(grpo_lr: float, grpo_run: dict | None, method_run: dict | None) -> dict | None:
+    """The rate at which the method's Adam steps match GRPO's in norm: GRPO's rate × GRPO's median update norm over
+    the method's, both at GRPO's rate (the first seed's runs), to two significant digits so the launch settings stay
+    fixed. None until both runs have update norms."""
+    medians = []
+    for run in (grpo_run, method_run):
+        norms = [entry["adam_update_norm"] for entry in (run or {}).get("update_norms") or ()]
+        if not norms:
+            return None
+        medians.append(statistics.median(norms))
+    ratio = medians[0] / medians[1]
+    return {"lr": float(f"{grpo_lr * ratio:.2g}"), "update_norm_ratio": ratio, "grpo_median_update_norm": medians[0],
+            "method_median_update_norm": medians[1]}
 
 
 def mean_over_runs(per_run: list[dict | None]) -> dict | None:
@@ -536,13 +620,14 @@ def plot(result: dict, path: Path) -> None:
 
 
 def print_table(result: dict) -> None:
+    width = max([22, *(len(method) + 1 for method in result["methods"])])
     print(f"GRPO final accuracy {fmt(result['grpo_final_accuracy'], 0, 3)} (reached at step "
           f"{result['grpo_steps_to_final']})")
-    print(f"{'method':<22}{'seeds':>6}{'lr':>8}{'acc0':>7}{'final':>7}{'auc':>7}{'steps→':>7}{'/grpo':>7}"
+    print(f"{'method':<{width}}{'seeds':>6}{'lr':>8}{'acc0':>7}{'final':>7}{'auc':>7}{'steps→':>7}{'/grpo':>7}"
           f"{'s→':>7}{'step s':>8}{'adv rng':>8}{'gn var':>9}")
     for method, e in result["methods"].items():
         reached = e["steps_to_grpo_final"]
-        print(f"{method:<22}{len(e['seeds']):>6}{e['lr']:>8.0e}{fmt(e['initial_accuracy'], 7, 3)}"
+        print(f"{method:<{width}}{len(e['seeds']):>6}{e['lr']:>8.0e}{fmt(e['initial_accuracy'], 7, 3)}"
               f"{fmt(e['final_accuracy'], 7, 3)}{fmt(e['auc'], 7, 3)}{reached if reached is not None else '-':>7}"
               f"{fmt(e['steps_to_grpo_final_over_grpo'], 7)}{fmt(e['seconds_to_grpo_final'], 7, 0)}"
               f"{fmt(e['median_step_s'])}{fmt(e['advantage_range_mean'])}{fmt(e['grad_norm_variance'], 9, 4)}")
@@ -552,7 +637,7 @@ def print_table(result: dict) -> None:
         if paired:
             cells = [f"{fmt(paired[key], 0, 3)} [{', '.join(fmt(v, 0, 3) for v in paired[key + '_ci95'] or ())}]"
                      for key in ("auc_difference", "final_difference")]
-            print(f"{method:<22}{paired['seeds']:>3} seeds, to step {paired['up_to_step']:<4}" + "".join(
+            print(f"{method:<{width}}{paired['seeds']:>3} seeds, to step {paired['up_to_step']:<4}" + "".join(
                 f"{cell:>26}" for cell in cells))
     print(f"\nfirst → last {DIAGNOSTIC_WINDOW} steps: train reward, redistributed fraction, clipped-trace fraction, "
           "localisation of the first wrong step (chance)")
@@ -564,7 +649,7 @@ def print_table(result: dict) -> None:
         loc = e["localisation"]
         cells.append(f"{fmt(loc['first']['localisation'], 0, 2)}→{fmt(loc['last']['localisation'], 0, 2)} "
                      f"({fmt(loc['last']['chance'], 0, 2)})" if loc else "-")
-        print(f"{method:<22}" + "".join(f"{cell:>16}" for cell in cells[:3]) + f"  {cells[3]}")
+        print(f"{method:<{width}}" + "".join(f"{cell:>16}" for cell in cells[:3]) + f"  {cells[3]}")
 
 
 def write_synthetic_metrics(out: Path, slope: float, seed: int, steps: int, test_freq: int, step_s: float) -> None:
@@ -586,18 +671,47 @@ def write_synthetic_metrics(out: Path, slope: float, seed: int, steps: int, test
 def write_synthetic_runs(sweep_setting_dir: Path, setting_dir: Path, sweep: dict[str, dict[float, RunSpec]],
                          main: dict[str, list[RunSpec]], test_freq: int) -> None:
     """For ``--smoke`` and the tests. Sweep: the second rate of ``SWEEP_LRS`` learns fastest, so it is chosen.
-    Main: method m (index in ``METHODS``) gains ``0.01·(m+1)`` accuracy a step and takes ``5 + m`` s a step."""
+    Main: the m-th run label of ``main`` gains ``0.01·(m+1)`` accuracy a step and takes ``5 + m`` s a step."""
     for method, specs in sweep.items():
         for lr, spec in specs.items():
             out = sweep_dir(sweep_setting_dir, method, lr)
             write_synthetic_metrics(out, 0.02 if lr == SWEEP_LRS[1] else 0.01, spec.seed, spec.steps, test_freq, 5.0)
             (out / RUN_RECORD).write_text(json.dumps(spec.record()))
-    for method, specs in main.items():
-        m = METHODS.index(method)
+    for m, (label, specs) in enumerate(main.items()):
         for spec in specs:
-            out = main_dir(setting_dir, method, spec.seed)
+            out = main_dir(setting_dir, label, spec.seed)
             write_synthetic_metrics(out, 0.01 * (m + 1), spec.seed, spec.steps, test_freq, 5.0 + m)
             (out / RUN_RECORD).write_text(json.dumps(spec.record()))
+
+
+def main_specs(setting_name: str, methods, lrs: dict, seeds: list[int], steps: int, segment_mc_steps: int,
+               test_freq: int, data: tuple[str, ...], setting_dir: Path, ledger: Ledger) -> dict[str, list[RunSpec]]:
+    """The main runs by label: each method at its rate in ``lrs`` (skipped while that is None) and, on the
+    ``NORM_MATCHED_SETTINGS``, each method but GRPO at the rate matching GRPO's update norm (``<method>_norm_matched``,
+    once the first seed's runs at GRPO's rate are complete; its rate is added to ``lrs``)."""
+    keep_all = setting_name in NORM_MATCHED_SETTINGS
+
+    def specs_at(label: str, method: str, lr: float) -> list[RunSpec]:
+        run_steps = segment_mc_steps if method == "segment_mc" else steps
+        overrides = (*common.METHODS[method].overrides, *data, *schedule_overrides(run_steps, test_freq))
+        return [RunSpec(method, seed, run_steps, lr, (
+            *overrides, *checkpoint_overrides(main_dir(setting_dir, label, seed), test_freq, keep_all)))
+            for seed in seeds]
+
+    specs = {method: specs_at(method, method, lrs[method]["lr"]) for method in methods if lrs[method]["lr"] is not None}
+    if not keep_all or "grpo" not in specs:
+        return specs
+
+    def first_run(method: str) -> dict | None:
+        return ledger.summary(main_dir(setting_dir, method, seeds[0]), specs[method][0])
+
+    for method in [m for m in methods if m != "grpo" and m in specs]:
+        matched = matched_learning_rate(lrs["grpo"]["lr"], first_run("grpo"), first_run(method))
+        if matched is not None:
+            label = method + NORM_MATCHED
+            lrs[label] = {**matched, "auc_by_lr": None, "lr_from": "grpo", "matched_on_seed": seeds[0]}
+            specs[label] = specs_at(label, method, matched["lr"])
+    return specs
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -608,7 +722,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="runs go to <runs-root>/<setting>/{sweep,main}/")
     parser.add_argument("--ledger", type=Path, default=LEDGER_DIR,
                         help="finished runs' summaries, read before launching (temp with --smoke)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=CHOICES, default=None,
+                        help="default: the setting's study (LONG_METHODS on the long setting, else METHODS)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--segment-mc-steps", type=int, default=50,
@@ -627,6 +742,8 @@ def main(argv: list[str] | None = None) -> dict:
     if SWEEP_SEED in args.seeds:
         parser.error(f"seed {SWEEP_SEED} is the sweep's; main runs must use others")
     setting = SETTINGS[args.setting]
+    args.methods = args.methods or list(methods_of(args.setting))
+    borrowed = rates_from(args.setting, args.methods)
     if args.smoke:
         args.runs_root = Path(tempfile.mkdtemp()) / "runs"
         args.ledger = args.runs_root.parent / "ledger"
@@ -639,6 +756,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"{RESULTS_PATH.stem}_{args.setting}")
     out = args.out or (args.runs_root.parent / default_out.name if args.smoke else default_out)
     args.no_launch = args.no_launch or args.from_runs
+    # The sweep trains the default build; the main runs the build of their setting's preset.
+    sweep_build = args.build
+    main_build = common.BUILD_DIRS[setting.preset] if args.build == common.BUILD_DIR else args.build
 
     main_data = sweep_data = {"train_files": "synthetic", "val_files": "synthetic", "val_size": args.val_size}
     if not args.smoke:
@@ -646,43 +766,40 @@ def main(argv: list[str] | None = None) -> dict:
         main_data = data(setting_dir / "data_main", setting, args.val_size, MAIN_DATA_SEED)
         sweep_data = data(sweep_setting_dir / "data_sweep", sweep_setting, args.val_size, SWEEP_DATA_SEED)
     if not args.smoke and not args.from_runs:
-        common.build_task(args.build)
-        check_lengths_fit(main_data, setting, args.build)
+        common.build_task(sweep_build)
+        common.build_task(main_build, setting.preset)
+        check_lengths_fit(main_data, setting, main_build)
     sweep_overrides = data_overrides(sweep_data, sweep_setting)
     sweep = {m: sweep_specs(m, args.sweep_steps, args.sweep_test_freq, sweep_overrides)
-             for m in swept_methods(args.methods)}
+             for m in swept_methods(args.methods, borrowed)}
 
-    def main_specs(lrs: dict) -> dict[str, list[RunSpec]]:
-        specs = {}
-        for method in args.methods:
-            if lrs[method]["lr"] is None:
-                continue
-            steps = args.segment_mc_steps if method == "segment_mc" else args.steps
-            overrides = (*common.METHODS[method].overrides, *data_overrides(main_data, setting),
-                         *schedule_overrides(steps, args.test_freq))
-            specs[method] = [RunSpec(method, seed, steps, lrs[method]["lr"], (
-                *overrides, *checkpoint_overrides(main_dir(setting_dir, method, seed), args.test_freq)))
-                for seed in args.seeds]
-        return specs
+    def specs_now(lrs: dict) -> dict[str, list[RunSpec]]:
+        return main_specs(args.setting, args.methods, lrs, args.seeds, args.steps, args.segment_mc_steps,
+                          args.test_freq, data_overrides(main_data, setting), setting_dir, ledger)
 
     codes = {}
     if args.smoke:
         synthetic_lrs = {m: {"lr": SWEEP_LRS[1]} for m in args.methods}
-        write_synthetic_runs(sweep_setting_dir, setting_dir, sweep, main_specs(synthetic_lrs), args.test_freq)
+        write_synthetic_runs(sweep_setting_dir, setting_dir, sweep, specs_now(synthetic_lrs), args.test_freq)
     if not args.no_launch:  # sweep first: the main runs need its choice
         for method, specs in sweep.items():
             for lr, spec in specs.items():
                 out_dir = sweep_dir(sweep_setting_dir, method, lr)
-                codes[f"sweep/{method}_lr{lr:g}"] = ensure_run(out_dir, spec, args.build, ledger)
+                codes[f"sweep/{method}_lr{lr:g}"] = ensure_run(out_dir, spec, sweep_build, ledger)
     lrs = choose_learning_rates(sweep_setting_dir, args.methods, args.sweep_steps, args.sweep_test_freq,
-                                sweep_overrides, ledger)
-    specs = main_specs(lrs)  # with --sweep too: the JSON keeps the main runs already complete
+                                sweep_overrides, ledger, borrowed)
     if not args.no_launch and not args.sweep:
-        for seed in args.seeds:  # seed-major: an interrupted study has every method at the same number of seeds
-            for method, method_specs in specs.items():
-                spec = next(s for s in method_specs if s.seed == seed)
-                codes[f"main/{method}_seed{seed}"] = ensure_run(main_dir(setting_dir, method, seed), spec, args.build,
-                                                                ledger)
+        # Seed-major: an interrupted study has every method at the same number of seeds. The specs are read again
+        # before each run: a norm-matched rate exists once the first seed's runs at GRPO's rate are in.
+        labels = [*args.methods, *(m + NORM_MATCHED for m in args.methods
+                                   if args.setting in NORM_MATCHED_SETTINGS and m != "grpo")]
+        for seed in args.seeds:
+            for label in labels:
+                spec = next((s for s in specs_now(lrs).get(label, ()) if s.seed == seed), None)
+                if spec is not None:
+                    codes[f"main/{label}_seed{seed}"] = ensure_run(main_dir(setting_dir, label, seed), spec,
+                                                                   main_build, ledger, setting.preset)
+    specs = specs_now(lrs)  # with --sweep too: the JSON keeps the main runs already complete
 
     result = analyse(setting_dir, specs, args.val_size, ledger, args.timing_seeds)
     for method, entry in result["methods"].items():
@@ -698,10 +815,13 @@ def main(argv: list[str] | None = None) -> dict:
         "sweep_steps": args.sweep_steps,
         "sweep_test_freq": args.sweep_test_freq, "sweep_val_files": sweep_data["val_files"],
         "lr_rule": "highest validation AUC of the sweep run, ties to the smaller rate",
-        "learning_rate_from": {m: source for m, source in LEARNING_RATE_FROM.items() if m in args.methods},
+        "learning_rate_from": borrowed,
         "method_overrides": {m: list(common.METHODS[m].overrides) for m in args.methods},
         "synthetic": args.smoke, "exit_codes": codes, **common.machine_meta(),
     }
+    if args.setting in NORM_MATCHED_SETTINGS:
+        result["meta"]["norm_matched_rule"] = ("GRPO's rate x GRPO's median Adam update norm / the method's, from the "
+                                               f"seed-{args.seeds[0]} runs at GRPO's rate, to 2 significant digits")
     print("chosen learning rates: " + ", ".join(f"{m} {v['lr']}" for m, v in lrs.items()))
     print_table(result)
     result = common.write_result(result, out)

@@ -509,3 +509,88 @@ def test_sample_efficiency_settings_differ_only_in_chain_length():
     default, hard = sample_efficiency.SETTINGS["default"].task, sample_efficiency.SETTINGS["hard"].task
     assert (hard.min_operand, hard.max_operand) == (default.min_operand, default.max_operand)
     assert hard.min_operands > default.min_operands
+
+
+def _save_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """verl's FSDP checkpoint layout for one rank: the model's and the optimizer's state dicts."""
+    folder.mkdir(parents=True)
+    torch.save(model.state_dict(), folder / "model_world_size_1_rank_0.pt")
+    torch.save(optimizer.state_dict(), folder / "optim_world_size_1_rank_0.pt")
+
+
+def test_update_norms_read_from_checkpoints_are_the_steps_adamw_took(tmp_path):
+    """Without weight decay an AdamW step moves the parameters by exactly lr·m̂/(√v̂ + ε): the norm read from the
+    saved moments equals the distance between the checkpoints around that step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    for step in range(1, 4):
+        optimizer.zero_grad()
+        model(torch.randn(8, 6)).square().mean().backward()
+        optimizer.step()
+        if step >= 2:
+            _save_checkpoint(tmp_path / "checkpoints" / f"global_step_{step}" / "actor", model, optimizer)
+    norms = sample_efficiency.checkpoint_update_norms(tmp_path)
+    assert [entry["step"] for entry in norms] == [2, 3] and "moved_since_previous" not in norms[0]
+    assert norms[1]["adam_update_norm"] == pytest.approx(norms[1]["moved_since_previous"], rel=1e-4)
+    expected = sum(float(p.detach().double().square().sum()) for p in model.parameters()) ** 0.5
+    assert norms[1]["parameter_norm"] == pytest.approx(expected)
+    assert sample_efficiency.checkpoint_update_norms(tmp_path / "elsewhere") is None
+
+
+def test_norm_matched_rate_scales_grpos_rate_by_the_update_norm_ratio():
+    def run(*norms):
+        return {"update_norms": [{"step": 10 * (i + 1), "adam_update_norm": n} for i, n in enumerate(norms)]}
+
+    matched = sample_efficiency.matched_learning_rate(3e-5, run(2.0, 4.0, 3.0), run(6.0, 5.0, 7.0))
+    assert matched["update_norm_ratio"] == pytest.approx(0.5) and matched["lr"] == 1.5e-5
+    assert sample_efficiency.matched_learning_rate(3e-5, run(1.0), run(3.0))["lr"] == 1e-5  # two significant digits
+    assert sample_efficiency.matched_learning_rate(3e-5, run(1.0), {"update_norms": None}) is None
+    assert sample_efficiency.matched_learning_rate(3e-5, None, run(1.0)) is None
+
+
+def test_long_setting_trains_every_method_at_grpos_rate_and_keeps_its_checkpoints(tmp_path):
+    se = sample_efficiency
+    result = se.main(["--smoke", "--setting", "long", "--out", str(tmp_path / "se_long.json")])
+    assert set(result["methods"]) == set(se.LONG_METHODS)  # synthetic runs have no checkpoints: no matched rate yet
+    chosen = se.SWEEP_LRS[1]
+    assert all(entry["lr"] == chosen for entry in result["methods"].values())
+    assert {m: v.get("lr_from") for m, v in result["sweep"].items() if m != "grpo"} == dict.fromkeys(
+        se.LONG_METHODS[1:], "grpo")
+    runs_dir = Path(result["meta"]["runs_dir"])
+    swept = sorted(path.name for path in (runs_dir.parent / "default" / "sweep").iterdir())
+    assert swept == sorted(f"grpo_lr{lr:g}" for lr in se.SWEEP_LRS)
+    record = json.loads((runs_dir / "main" / "rredcot_seed1" / se.RUN_RECORD).read_text())
+    assert "trainer.max_actor_ckpt_to_keep=null" in record["overrides"]
+    assert result["meta"]["setting_parameters"]["preset"] == "long" and "norm_matched_rule" in result["meta"]
+
+
+def test_norm_matched_runs_appear_once_the_first_seeds_runs_have_update_norms(tmp_path):
+    se = sample_efficiency
+    ledger = se.Ledger(tmp_path / "ledger", tmp_path / "runs")
+    setting_dir = tmp_path / "runs" / "long"
+    lrs = {method: {"lr": 3e-5} for method in se.LONG_METHODS}
+
+    def specs():
+        return se.main_specs("long", se.LONG_METHODS, lrs, [1, 2], 100, 50, 10, ("data.max_response_length=512",),
+                             setting_dir, ledger)
+
+    first = specs()
+    assert list(first) == list(se.LONG_METHODS)
+    for method, norm in (("grpo", 0.02), ("rredcot", 0.04)):
+        spec = first[method][0]
+        path = ledger.path(se.main_dir(setting_dir, method, 1))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        summary = {"update_norms": [{"step": 10, "adam_update_norm": norm}]}
+        path.write_text(json.dumps({"spec": ledger.portable(spec), "summary": summary}))
+    second = specs()
+    assert list(second) == [*se.LONG_METHODS, "rredcot_norm_matched"]
+    matched = second["rredcot_norm_matched"]
+    assert [spec.seed for spec in matched] == [1, 2] and all(spec.method == "rredcot" for spec in matched)
+    assert all(spec.lr == 1.5e-5 for spec in matched) and lrs["rredcot_norm_matched"]["update_norm_ratio"] == 0.5
+    folder = se.main_dir(setting_dir, "rredcot_norm_matched", 2)
+    assert f"trainer.default_local_dir={folder / 'checkpoints'}" in matched[1].overrides
+    # The default and hard settings keep one checkpoint and have no matched runs.
+    default = se.main_specs("default", ("grpo", "rredcot"), lrs, [1], 100, 50, 10, (), tmp_path / "d", ledger)
+    assert list(default) == ["grpo", "rredcot"]
+    assert "trainer.max_actor_ckpt_to_keep=1" in default["rredcot"][0].overrides
