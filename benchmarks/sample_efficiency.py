@@ -58,7 +58,10 @@ METHODS = ("grpo", "rredcot", "rredcot_exit_probe", "rredcot_group", "rredcot_gr
 # The long setting's: GRPO, IBPO, the best configuration without reference solutions and rredcot with dataset
 # references (benchmarks/length_scaling.py ROLES); the repair operator that fits the long model's context (resume).
 LONG_METHODS = ("grpo", "ibpo_resume", "rredcot_repairs_degenerate_resume", "rredcot")
-CHOICES = (*METHODS, *(method for method in LONG_METHODS if method not in METHODS))
+# The hard setting's control: GRPO with 2.5x the rollouts a prompt, a gradient about as much better than GRPO's as the
+# repair-filled bank's at the gradient level, so its steps to GRPO's final say what such a gradient buys in steps.
+HARD_CONTROLS = ("grpo_n10",)
+CHOICES = (*METHODS, *HARD_CONTROLS, *(method for method in LONG_METHODS if method not in METHODS))
 # Settings whose methods all train at GRPO's rate and again at the rate matching GRPO's update norm.
 NORM_MATCHED_SETTINGS = ("long",)
 NORM_MATCHED = "_norm_matched"  # suffix of a run label at the matched rate
@@ -69,7 +72,7 @@ SWEEP_DATA_SEED = 1  # generator stream of the sweep's problems; the main runs' 
 # No sweep of their own: segment_mc (its steps cost ~6x GRPO's) takes rredcot's rate; the methods added after the
 # study take GRPO's (a user swaps the estimator, not the learning rate).
 LEARNING_RATE_FROM = {"segment_mc": "rredcot", **{method: "grpo" for method in (
-    "rredcot_ibpo", "rredcot_repairs_degenerate", "rredcot_exit_probe_gated")}}
+    "rredcot_ibpo", "rredcot_repairs_degenerate", "rredcot_exit_probe_gated", *HARD_CONTROLS)}}
 LR_KEY = "actor_rollout_ref.actor.optim.lr"
 RESULTS_PATH = common.RESULTS_DIR / "sample_efficiency.json"
 # verl logs the reward function's score as acc (reward when it returns a dict without "acc"); both are 0/1 here.
@@ -80,7 +83,9 @@ RUNS_ROOT_MARK = "<runs-root>"
 
 
 def methods_of(setting: str) -> tuple[str, ...]:
-    return LONG_METHODS if setting in NORM_MATCHED_SETTINGS else METHODS
+    if setting in NORM_MATCHED_SETTINGS:
+        return LONG_METHODS
+    return (*METHODS, *HARD_CONTROLS) if setting == "hard" else METHODS
 
 
 def rates_from(setting: str, methods) -> dict[str, str]:
