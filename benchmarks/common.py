@@ -423,8 +423,9 @@ _RESUME = (f"{_RREDCOT}.ibpo.repair_operator=resume", f"{_RREDCOT}.ibpo.revision
 # Every variant any benchmark trains or measures, by one name each (the names in results/*.json and RESULTS.md).
 METHODS = {
     "grpo": Method("grpo"),
-    # GRPO with 2.5x the rollouts a prompt (10 instead of 4; one optimizer step a training step all the same): how many
-    # steps a better gradient buys when it is GRPO's own
+    # GRPO with 1.5x and 2.5x the rollouts a prompt (6 or 10 instead of 4; one optimizer step a training step all the
+    # same): how many steps a better gradient buys when it is GRPO's own
+    "grpo_n6": Method("grpo", ("actor_rollout_ref.rollout.n=6",)),
     "grpo_n10": Method("grpo", ("actor_rollout_ref.rollout.n=10",)),
     "rredcot": Method("rredcot"),  # reference continuations from the dataset reference + the group's correct traces
     "rredcot_exit_probe": Method("rredcot", _EXIT_PROBE),  # the answer-forcing exit probe, affine value mapping

@@ -347,8 +347,8 @@ def test_sample_efficiency_hard_setting_takes_the_default_settings_sweep(tmp_pat
     assert "grpo_lr3e-05" in swept and len(swept) == 6 * len(sample_efficiency.SWEEP_LRS)
     assert all(entry["lr"] == sample_efficiency.SWEEP_LRS[1] for entry in result["sweep"].values())
     assert result["meta"]["setting_parameters"]["task"]["min_operands"] == 5
-    # The study's methods and the control: GRPO with 2.5x the rollouts a prompt, at GRPO's rate.
-    assert set(result["methods"]) == {*sample_efficiency.METHODS, "grpo_n10"}
+    # The study's methods and the controls: GRPO with 1.5x and 2.5x the rollouts a prompt, at GRPO's rate.
+    assert set(result["methods"]) == {*sample_efficiency.METHODS, "grpo_n6", "grpo_n10"}
     assert result["sweep"]["grpo_n10"]["lr_from"] == "grpo"
     record = json.loads((runs_dir / "main" / "grpo_n10_seed1" / sample_efficiency.RUN_RECORD).read_text())
     assert "actor_rollout_ref.rollout.n=10" in record["overrides"]
