@@ -55,9 +55,10 @@ from rredcot_verl.tasks.model import PAD_TOKEN, chat_prompt_ids, response_ids
 
 METHODS = ("grpo", "rredcot", "rredcot_exit_probe", "rredcot_group", "rredcot_ground_truth", "ibpo", "segment_mc",
            "rredcot_ibpo", "rredcot_repairs_degenerate", "rredcot_exit_probe_gated")  # the study's, of common.METHODS
-# The long setting's: GRPO, IBPO, the best configuration without reference solutions and rredcot with dataset
-# references (benchmarks/length_scaling.py ROLES); the repair operator that fits the long model's context (resume).
-LONG_METHODS = ("grpo", "ibpo_resume", "rredcot_repairs_degenerate_resume", "rredcot")
+# The long setting's: GRPO, the best configuration without reference solutions (the goal's), IBPO and rredcot with
+# dataset references (benchmarks/length_scaling.py ROLES), in launch order; the repair operator that fits the long
+# model's context (resume).
+LONG_METHODS = ("grpo", "rredcot_repairs_degenerate_resume", "ibpo_resume", "rredcot")
 # The hard setting's controls: GRPO with 1.5x and 2.5x the rollouts a prompt, gradients as much better than GRPO's as
 # the repair-filled bank's at the gradient level (ESS 1.49 measured here, §4; about 2.4 elsewhere), so their steps to
 # GRPO's final say what such a gradient buys in steps.
