@@ -19,6 +19,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from benchmarks.common import METHODS
 from rredcot_verl.core.settings import settings_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -227,17 +228,11 @@ def recipe_env(monkeypatch):
 
 # The recipes/tiny_cpu recipe each run of the study was launched from (benchmarks' method table; the JSON records
 # the overrides on top of it, meta.method_overrides).
-STUDY_RECIPES = {"grpo": "grpo", "rredcot": "rredcot", "rredcot_exit_probe": "rredcot", "rredcot_group": "rredcot",
-                 "rredcot_ground_truth": "rredcot", "ibpo": "ibpo", "segment_mc": "segment_mc",
-                 "rredcot_ibpo": "rredcot_ibpo", "rredcot_repairs_degenerate": "rredcot_ibpo",
-                 "rredcot_exit_probe_gated": "rredcot"}
-
-
 @functools.cache
 def measured_keys(run: str) -> dict:
     """What the study ran for ``run``: its tiny recipe with the overrides the JSON records for it."""
     overrides = HARD["meta"]["method_overrides"][run]
-    return method_keys(_compose(ROOT / "recipes" / "tiny_cpu", STUDY_RECIPES[run], overrides))
+    return method_keys(_compose(ROOT / "recipes" / "tiny_cpu", METHODS[run].recipe, overrides))
 
 
 def bash_block(marker: str) -> str:
@@ -369,7 +364,7 @@ def test_one_gpu_recipe_runs_the_readme_row_it_names(recipe_env):
     assert row, "the one-GPU recipe's header names no README row it runs"
     config = _compose(GPU_SINGLE, ONE_GPU_RECIPE.stem)
     assert method_keys(config) == readme_row_keys(row.group(1)) == measured_keys(row_runs()[row.group(1)])
-    study = _compose(ROOT / "recipes" / "tiny_cpu", STUDY_RECIPES[row_runs()[row.group(1)]])
+    study = _compose(ROOT / "recipes" / "tiny_cpu", METHODS[row_runs()[row.group(1)]].recipe)
     assert config.actor_rollout_ref.rollout.n == study.actor_rollout_ref.rollout.n, "not the study's group size"
     assert "NOT MEASURED HERE" not in header(ONE_GPU_RECIPE)
 
