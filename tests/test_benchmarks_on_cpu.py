@@ -182,6 +182,7 @@ def test_committed_value_quality_json_recomputes_from_its_per_trace_records(tmp_
     ("default", ["--timing-seeds", "3", "--methods", "grpo", "rredcot", "rredcot_exit_probe", "rredcot_group",
                  "rredcot_ground_truth", "ibpo", "segment_mc"]),
     ("hard", ["--timing-seeds", "1"]),
+    ("long", []),
 ])
 def test_committed_sample_efficiency_jsons_recompute_from_the_ledger(tmp_path, setting, argv):
     """The committed JSONs are what the committed ledger gives (RESULTS.md §3 names the commands)."""
