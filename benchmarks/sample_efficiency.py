@@ -423,7 +423,7 @@ def summarise_run(out: Path) -> dict:
     ranges = [row["critic/advantages/max"] - row["critic/advantages/min"] for row in rows
               if "critic/advantages/max" in row and "critic/advantages/min" in row]
     grad_norms = [row["actor/grad_norm"] for row in rows if "actor/grad_norm" in row]
-    step_times = [row["timing_s/step"] for row in rows if row["step"] >= 2 and "timing_s/step" in row]
+    step_times = common.step_seconds(rows)
     points = [{"step": step, "seconds": elapsed.get(step, 0.0), "accuracy": accuracy} for step, accuracy in validation]
     return {
         "validation": points,
@@ -491,16 +491,19 @@ def choose_learning_rates(setting_dir: Path, methods, steps: int, test_freq: int
     return chosen
 
 
+def median_update_norm(run: dict | None) -> float | None:
+    """A run summary's median AdamW step norm over its checkpoints; None for a run that kept none."""
+    norms = [entry["adam_update_norm"] for entry in (run or {}).get("update_norms") or ()]
+    return statistics.median(norms) if norms else None
+
+
 def matched_learning_rate(grpo_lr: float, grpo_run: dict | None, method_run: dict | None) -> dict | None:
     """The rate at which the method's Adam steps match GRPO's in norm: GRPO's rate × GRPO's median update norm over
     the method's, both at GRPO's rate (the first seed's runs), to two significant digits so the launch settings stay
     fixed. None until both runs have update norms."""
-    medians = []
-    for run in (grpo_run, method_run):
-        norms = [entry["adam_update_norm"] for entry in (run or {}).get("update_norms") or ()]
-        if not norms:
-            return None
-        medians.append(statistics.median(norms))
+    medians = [median_update_norm(grpo_run), median_update_norm(method_run)]
+    if None in medians:
+        return None
     ratio = medians[0] / medians[1]
     return {"lr": float(f"{grpo_lr * ratio:.2g}"), "update_norm_ratio": ratio, "grpo_median_update_norm": medians[0],
             "method_median_update_norm": medians[1]}
@@ -573,8 +576,7 @@ def analyse(setting_dir: Path, specs: dict, val_size: int, ledger: Ledger,
                for key in ("median_step_s", "advantage_range_mean", "token_advantage_variance",
                            "grad_norm_mean", "grad_norm_variance")},
             # seed mean of each run's median AdamW step norm over its checkpoints (runs that kept them)
-            "adam_update_norm": mean_or_none([statistics.median(e["adam_update_norm"] for e in run["update_norms"])
-                                              if run.get("update_norms") else None for run in runs.values()]),
+            "adam_update_norm": mean_or_none([median_update_norm(run) for run in runs.values()]),
         }
     grpo = per_method.get("grpo")
     for method, entry in per_method.items():
