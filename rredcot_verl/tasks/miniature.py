@@ -33,7 +33,7 @@ import random
 import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from rredcot_verl.tasks import base, math_data
 from rredcot_verl.tasks.base import GSM8K, gsm8k_solution_steps
@@ -47,6 +47,10 @@ from rredcot_verl.tasks.model import (
     train_qwen2_style_bpe,
 )
 from rredcot_verl.tasks.reward import extract_boxed_answer
+
+if TYPE_CHECKING:
+    import pandas as pd
+
 
 RECORD = "miniature.json"
 DATA_SOURCE = "miniature/math"
@@ -187,7 +191,7 @@ def _plain_math(text: str) -> str:
     return text
 
 
-def gsm8k_rows(problems: list[dict], split: str) -> "pd.DataFrame":
+def gsm8k_rows(problems: list[dict], split: str) -> pd.DataFrame:
     """verl's GSM8K rows (module docstring) for the shipped problems whose answer is a number."""
     import pandas as pd
 
