@@ -10,8 +10,9 @@ highest validation AUC wins, ties to the smaller rate), then main runs at the ch
 The long setting (``LONG_METHODS``, on the long build) asks why a better gradient buys fewer steps than it is worth:
 every method trains at GRPO's swept rate, and each method but GRPO again at the rate that matches GRPO's update
 norm (``<method>_norm_matched``: GRPO's rate × GRPO's median Adam update norm / the method's, both from the first
-seed's runs at GRPO's rate, read from the optimizer state of every checkpoint; ``matched_learning_rate``). Its runs
-keep every checkpoint, so each run's summary has its update norms (``update_norms``).
+seed's runs at GRPO's rate, read from the optimizer state of every checkpoint; ``matched_learning_rate``; a method
+whose matched rate rounds to GRPO's has no second runs, its runs at GRPO's rate are matched). Its runs keep every
+checkpoint, so each run's summary has its update norms (``update_norms``).
 
 Every finished run is summarised in a ledger committed with the results (``results/sample_efficiency_runs/<setting>/
 {sweep,main}/<run>.json``: launch settings and summary); a run the ledger holds is read, not launched, and an
@@ -704,7 +705,8 @@ def main_specs(setting_name: str, methods, lrs: dict, seeds: list[int], steps: i
                test_freq: int, data: tuple[str, ...], setting_dir: Path, ledger: Ledger) -> dict[str, list[RunSpec]]:
     """The main runs by label: each method at its rate in ``lrs`` (skipped while that is None) and, on the
     ``NORM_MATCHED_SETTINGS``, each method but GRPO at the rate matching GRPO's update norm (``<method>_norm_matched``,
-    once the first seed's runs at GRPO's rate are complete; its rate is added to ``lrs``)."""
+    once the first seed's runs at GRPO's rate are complete; its rate is added to ``lrs``, and to the method's entry
+    as ``norm_matched``). A matched rate equal to the method's own rate adds no runs: they would repeat its runs."""
     keep_all = setting_name in NORM_MATCHED_SETTINGS
 
     def specs_at(label: str, method: str, lr: float) -> list[RunSpec]:
@@ -723,10 +725,14 @@ def main_specs(setting_name: str, methods, lrs: dict, seeds: list[int], steps: i
 
     for method in [m for m in methods if m != "grpo" and m in specs]:
         matched = matched_learning_rate(lrs["grpo"]["lr"], first_run("grpo"), first_run(method))
-        if matched is not None:
-            label = method + NORM_MATCHED
-            lrs[label] = {**matched, "auc_by_lr": None, "lr_from": "grpo", "matched_on_seed": seeds[0]}
-            specs[label] = specs_at(label, method, matched["lr"])
+        if matched is None:
+            continue
+        lrs[method]["norm_matched"] = matched
+        if matched["lr"] == lrs[method]["lr"]:
+            continue  # the method's rate already matches GRPO's update norm: its runs there are the matched runs
+        label = method + NORM_MATCHED
+        lrs[label] = {**matched, "auc_by_lr": None, "lr_from": "grpo", "matched_on_seed": seeds[0]}
+        specs[label] = specs_at(label, method, matched["lr"])
     return specs
 
 
@@ -837,7 +843,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if args.setting in NORM_MATCHED_SETTINGS:
         result["meta"]["norm_matched_rule"] = ("GRPO's rate x GRPO's median Adam update norm / the method's, from the "
-                                               f"seed-{args.seeds[0]} runs at GRPO's rate, to 2 significant digits")
+                                               f"seed-{args.seeds[0]} runs at GRPO's rate, to 2 significant digits; "
+                                               "a matched rate equal to the method's own adds no runs (sweep[method]"
+                                               "['norm_matched'])")
     print("chosen learning rates: " + ", ".join(f"{m} {v['lr']}" for m, v in lrs.items()))
     print_table(result)
     result = common.write_result(result, out)

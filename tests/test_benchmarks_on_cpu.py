@@ -582,7 +582,7 @@ def test_norm_matched_runs_appear_once_the_first_seeds_runs_have_update_norms(tm
 
     first = specs()
     assert list(first) == list(se.LONG_METHODS)
-    for method, norm in (("grpo", 0.02), ("rredcot", 0.04)):
+    for method, norm in (("grpo", 0.02), ("rredcot", 0.04), ("ibpo_resume", 0.0201)):
         spec = first[method][0]
         path = ledger.path(se.main_dir(setting_dir, method, 1))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -593,6 +593,9 @@ def test_norm_matched_runs_appear_once_the_first_seeds_runs_have_update_norms(tm
     matched = second["rredcot_norm_matched"]
     assert [spec.seed for spec in matched] == [1, 2] and all(spec.method == "rredcot" for spec in matched)
     assert all(spec.lr == 1.5e-5 for spec in matched) and lrs["rredcot_norm_matched"]["update_norm_ratio"] == 0.5
+    # IBPO's steps match GRPO's at GRPO's rate (to two digits): its runs there are the matched ones, none repeat them.
+    assert lrs["ibpo_resume"]["norm_matched"]["lr"] == 3e-5 and "ibpo_resume_norm_matched" not in lrs
+    assert lrs["rredcot"]["norm_matched"]["lr"] == 1.5e-5
     folder = se.main_dir(setting_dir, "rredcot_norm_matched", 2)
     assert f"trainer.default_local_dir={folder / 'checkpoints'}" in matched[1].overrides
     # The default and hard settings keep one checkpoint and have no matched runs.
