@@ -644,7 +644,7 @@ def print_table(result: dict) -> None:
           f"{'s→':>7}{'step s':>8}{'adv rng':>8}{'gn var':>9}")
     for method, e in result["methods"].items():
         reached = e["steps_to_grpo_final"]
-        print(f"{method:<{width}}{len(e['seeds']):>6}{e['lr']:>8.0e}{fmt(e['initial_accuracy'], 7, 3)}"
+        print(f"{method:<{width}}{len(e['seeds']):>6}{e['lr']:>8.2g}{fmt(e['initial_accuracy'], 7, 3)}"
               f"{fmt(e['final_accuracy'], 7, 3)}{fmt(e['auc'], 7, 3)}{reached if reached is not None else '-':>7}"
               f"{fmt(e['steps_to_grpo_final_over_grpo'], 7)}{fmt(e['seconds_to_grpo_final'], 7, 0)}"
               f"{fmt(e['median_step_s'])}{fmt(e['advantage_range_mean'])}{fmt(e['grad_norm_variance'], 9, 4)}")
