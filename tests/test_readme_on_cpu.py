@@ -226,8 +226,6 @@ def recipe_env(monkeypatch):
         monkeypatch.setenv(name, value)
 
 
-# The recipes/tiny_cpu recipe each run of the study was launched from (benchmarks' method table; the JSON records
-# the overrides on top of it, meta.method_overrides).
 @functools.cache
 def measured_keys(run: str) -> dict:
     """What the study ran for ``run``: its tiny recipe with the overrides the JSON records for it."""
