@@ -600,6 +600,12 @@ def analyse(setting_dir: Path, specs: dict, val_size: int, ledger: Ledger,
 # ---------------------------------------------------------------- output
 
 
+def timed_seeds(result: dict) -> list[int]:
+    """The seeds whose training seconds the curves use: the timing seeds that have complete runs so far."""
+    return sorted({int(seed) for entry in result["methods"].values() for seed, run in entry["runs"].items()
+                   if run["median_step_s"] is not None})
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -626,7 +632,7 @@ def plot(result: dict, path: Path) -> None:
             axis.axhline(result["grpo_final_accuracy"], color="grey", linestyle=":", linewidth=1)
     by_step.set(xlabel="training step", ylabel="validation accuracy (mean@1)",
                 title=f"accuracy vs step (95% seed t interval), {result['meta']['setting']}")
-    timing_seeds = result["meta"]["timing_seeds"]
+    timing_seeds = timed_seeds(result)
     by_time.set(xlabel="training seconds (cumulative timing_s/step)",
                 title=f"accuracy vs wall-clock (seconds of seed{'s' if len(timing_seeds) > 1 else ''} "
                       f"{' '.join(map(str, timing_seeds))})")

@@ -449,6 +449,10 @@ def test_sample_efficiency_training_seconds_come_from_the_timing_seeds_only(tmp_
     assert timed["median_step_s"] == pytest.approx(5.0) and timed["final_seconds"] == pytest.approx(6 * 5.0)
     assert timed["seeds"] == [1, 2]  # accuracy still averages both seeds
     assert [p["accuracy"] for p in timed["curve"]] == [p["accuracy"] for p in every["curve"]]
+    # The wall-clock plot names the timing seeds that have runs, not those asked for.
+    assert se.timed_seeds({"methods": {"grpo": timed}}) == [2]
+    assert se.timed_seeds({"methods": {"grpo": se.analyse(runs_root / "default", specs, 1000, ledger,
+                                                          timing_seeds=[1, 2, 3])["methods"]["grpo"]}}) == [1, 2]
 
 
 def _write_launch(path: Path, rows: list[tuple[int, dict]], cut_last_line: bool = False) -> None:
