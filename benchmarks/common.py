@@ -53,6 +53,11 @@ def build_task(out: Path, preset: str = "default") -> Path:
     return out
 
 
+def local_tensor(tensor):
+    """A DTensor's shard (verl's FSDP2 checkpoints hold DTensors), or the tensor itself, in float64."""
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).double()
+
+
 def machine_meta() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "machine": platform.machine(),
             "python": platform.python_version()}

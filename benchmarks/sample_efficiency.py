@@ -391,12 +391,12 @@ def checkpoint_update_norms(out: Path) -> list[dict] | None:
             (beta1, beta2), eps, lr = group["betas"], group["eps"], group["lr"]
             for moments in state["state"].values():
                 step = float(moments["step"])
-                mean = _local(moments["exp_avg"]) / (1 - beta1**step)
-                scale = (_local(moments["exp_avg_sq"]) / (1 - beta2**step)).sqrt() + eps
+                mean = common.local_tensor(moments["exp_avg"]) / (1 - beta1**step)
+                scale = (common.local_tensor(moments["exp_avg_sq"]) / (1 - beta2**step)).sqrt() + eps
                 update_sq += float(((lr * mean / scale) ** 2).sum())
         for path in sorted(folder.glob("model_world_size_*_rank_*.pt")):
             for name, tensor in torch.load(path, weights_only=False, map_location="cpu").items():
-                parameters[(path.name, name)] = _local(tensor).double()
+                parameters[(path.name, name)] = common.local_tensor(tensor)
         entry = {"step": int(folder.parent.name.removeprefix("global_step_")), "adam_update_norm": update_sq**0.5,
                  "parameter_norm": sum(float((t**2).sum()) for t in parameters.values()) ** 0.5}
         if previous is not None:
@@ -405,11 +405,6 @@ def checkpoint_update_norms(out: Path) -> list[dict] | None:
         norms.append(entry)
         previous = parameters
     return norms
-
-
-def _local(tensor):
-    """A DTensor's shard (verl's FSDP2 checkpoints hold DTensors), or the tensor itself, in float64."""
-    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).double()
 
 
 def summarise_run(out: Path) -> dict:

@@ -126,3 +126,34 @@ def test_leave_one_out_advantages():
     scores = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
     expected = np.array([[1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3]])
     assert np.allclose(gradient_quality.loo_advantages(scores).numpy(), expected)
+
+
+def test_policy_from_a_verl_checkpoint_replaces_the_warm_start(tmp_path):
+    """``--policy``: a one-rank verl checkpoint's weights, in the warm start's architecture and tokenizer, become the
+    model both vLLM and the gradients load; other folders and sharded checkpoints are refused by name."""
+    from benchmarks.common import build_task
+    from rredcot_verl.tasks import load_model_dir
+
+    torch.set_num_threads(1)
+    build = build_task(tmp_path / "build")
+    warm, _ = load_model_dir(str(build / "model"))
+    with torch.no_grad():  # parameters, not state-dict entries: tied embeddings stay tied as in a real checkpoint
+        for parameter in warm.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+    trained = {name: tensor.clone() for name, tensor in warm.state_dict().items()}
+    actor = tmp_path / "grpo_seed2" / "checkpoints" / "global_step_40" / "actor"
+    actor.mkdir(parents=True)
+    torch.save(trained, actor / "model_world_size_1_rank_0.pt")
+
+    assert gradient_quality.policy_name(actor.parent) == gradient_quality.policy_name(actor) == "grpo_seed2_step40"
+    folder = gradient_quality.policy_model_dir(build / "model", actor.parent, tmp_path / "policy")
+    loaded, tokenizer = load_model_dir(str(folder))
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+    assert tokenizer.get_vocab() == load_model_dir(str(build / "model"), with_model=False)[1].get_vocab()
+
+    with pytest.raises(SystemExit, match="global_step_<n>"):
+        gradient_quality.policy_name(tmp_path / "grpo_seed2")
+    torch.save(trained, actor / "model_world_size_2_rank_1.pt")
+    with pytest.raises(SystemExit, match="model_world_size_2_rank_1.pt"):
+        gradient_quality.policy_model_dir(build / "model", actor.parent, tmp_path / "policy2")
