@@ -19,7 +19,7 @@ a rerun resumes from them, and with every batch cached it recomputes the JSON. M
 
 ``--policy <run>/checkpoints/global_step_<n>`` measures the same at a policy mid-training (a one-rank verl
 checkpoint of a ``sample_efficiency`` run) instead of the warm start: does a method's gradient advantage last as the
-policy sharpens (RESULTS.md §3)?
+policy sharpens (RESULTS.md §4)?
 """
 
 from __future__ import annotations
@@ -627,7 +627,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     limits = SETTINGS[args.setting]
     build = common.build_task(cache / "build", limits.preset)
-    model_dir = policy_model_dir(build / "model", args.policy, cache / "policy") if policy else build / "model"
+    model_dir = policy_model_dir(build / "model", args.policy, cache / f"policy_{policy}") if policy else build / "model"
     model, tokenizer = load_model_dir(str(model_dir))
     model.eval()  # no dropout; gradients are taken explicitly
     engine = Engine(model_dir, args.seed, limits)
