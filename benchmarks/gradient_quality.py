@@ -627,7 +627,8 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     limits = SETTINGS[args.setting]
     build = common.build_task(cache / "build", limits.preset)
-    model_dir = policy_model_dir(build / "model", args.policy, cache / f"policy_{policy}") if policy else build / "model"
+    model_dir = (policy_model_dir(build / "model", args.policy, cache / f"policy_{policy}") if policy
+                 else build / "model")
     model, tokenizer = load_model_dir(str(model_dir))
     model.eval()  # no dropout; gradients are taken explicitly
     engine = Engine(model_dir, args.seed, limits)
