@@ -524,9 +524,14 @@ def print_table(result: dict, group: int) -> None:
         print(f"{method:<27}" + "".join(cells) + f"{fmt(rel, 11)}{fmt(e.get('ess_over_grpo_at_32'), 9)}{ci_text:>16}")
 
 
+def checkpoint_step_dir(checkpoint: Path) -> Path:
+    """``<run>/checkpoints/global_step_<n>`` for that folder or its ``actor`` subfolder."""
+    return checkpoint.parent if checkpoint.name == "actor" else checkpoint
+
+
 def policy_name(checkpoint: Path) -> str:
     """``<run>_step<n>`` for a verl checkpoint folder ``<run>/checkpoints/global_step_<n>[/actor]``."""
-    step_dir = checkpoint.parent if checkpoint.name == "actor" else checkpoint
+    step_dir = checkpoint_step_dir(checkpoint)
     if not step_dir.name.startswith("global_step_") or step_dir.parent.name != "checkpoints":
         raise SystemExit(f"--policy {checkpoint}: expected a verl checkpoint folder <run>/checkpoints/global_step_<n>")
     return f"{step_dir.parent.parent.name}_step{step_dir.name.removeprefix('global_step_')}"
@@ -536,21 +541,20 @@ def policy_model_dir(build_model: Path, checkpoint: Path, out: Path) -> Path:
     """A model folder under ``out`` holding the policy of a verl FSDP checkpoint (``actor/model_world_size_1_rank_0
     .pt``) in the warm start's architecture and tokenizer, for both vLLM and the gradients. A sharded checkpoint is
     refused: its shards would have to be gathered, and the study's runs are one rank."""
-    actor = checkpoint if checkpoint.name == "actor" else checkpoint / "actor"
+    actor = checkpoint_step_dir(checkpoint) / "actor"
     shards = sorted(actor.glob("model_world_size_*_rank_*.pt"))
     if [path.name for path in shards] != ["model_world_size_1_rank_0.pt"]:
         raise SystemExit(f"--policy {checkpoint}: expected one rank's model_world_size_1_rank_0.pt in {actor}, found "
                          f"{[path.name for path in shards] or 'none'}")
     if (out / "model.safetensors").exists():
         return out
-    model, tokenizer = load_model_dir(str(build_model))
+    model, _ = load_model_dir(str(build_model))
     state = {name: common.local_tensor(tensor).to(torch.float32)
              for name, tensor in torch.load(shards[0], weights_only=False, map_location="cpu").items()}
     model.load_state_dict(state, strict=True)
-    # the chat template and generation config; the warm start's record does not describe this policy
+    # the tokenizer, chat template and generation config; the warm start's record does not describe this policy
     shutil.copytree(build_model, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("warmstart.json"))
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     return out
 
 
