@@ -601,6 +601,14 @@ def timed_seeds(result: dict) -> list[int]:
                    if run["median_step_s"] is not None})
 
 
+def seed_band(entry: dict) -> np.ndarray | None:
+    """The curve's 95% seed interval to shade, clipped to [0, 1]: only from three seeds on, because two seeds' t
+    interval (±12.7 sd) is wide enough to hide every other curve."""
+    if len(entry["seeds"]) < 3 or not all(p["ci95_seeds"] for p in entry["curve"]):
+        return None
+    return np.clip([p["ci95_seeds"] for p in entry["curve"]], 0.0, 1.0)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -617,16 +625,16 @@ def plot(result: dict, path: Path) -> None:
                  "linestyle": "--" if method in HARD_CONTROLS or method.endswith(NORM_MATCHED) else "-"}
         by_step.plot(steps, accuracy, marker="o", label=f"{method} ({len(entry['seeds'])} seeds, lr {entry['lr']:g})",
                      **style)
-        if all(p["ci95_seeds"] for p in curve):
-            by_step.fill_between(steps, [p["ci95_seeds"][0] for p in curve], [p["ci95_seeds"][1] for p in curve],
-                                 alpha=0.12, color=style["color"])
+        band = seed_band(entry)
+        if band is not None:
+            by_step.fill_between(steps, band[:, 0], band[:, 1], alpha=0.12, color=style["color"])
         timed = [(p["seconds"], p["accuracy"]) for p in curve if p["seconds"] is not None]
         by_time.plot([t for t, _ in timed], [a for _, a in timed], marker="o", label=method, **style)
     if result["grpo_final_accuracy"] is not None:
         for axis in (by_step, by_time):
             axis.axhline(result["grpo_final_accuracy"], color="grey", linestyle=":", linewidth=1)
     by_step.set(xlabel="training step", ylabel="validation accuracy (mean@1)",
-                title=f"accuracy vs step (95% seed t interval), {result['meta']['setting']}")
+                title=f"accuracy vs step (95% seed t interval, 3+ seeds), {result['meta']['setting']}")
     timing_seeds = timed_seeds(result)
     by_time.set(xlabel="training seconds (cumulative timing_s/step)",
                 title=f"accuracy vs wall-clock (seconds of seed{'s' if len(timing_seeds) > 1 else ''} "

@@ -455,6 +455,16 @@ def test_sample_efficiency_training_seconds_come_from_the_timing_seeds_only(tmp_
                                                           timing_seeds=[1, 2, 3])["methods"]["grpo"]}}) == [1, 2]
 
 
+def test_sample_efficiency_plot_shades_seed_intervals_from_three_seeds_clipped_to_accuracy_range():
+    def entry(seeds, intervals):
+        return {"seeds": seeds, "curve": [{"ci95_seeds": interval} for interval in intervals]}
+
+    assert sample_efficiency.seed_band(entry([1, 2], [[-2.0, 3.0], [0.1, 0.9]])) is None
+    assert sample_efficiency.seed_band(entry([1, 2, 3], [[0.4, 0.5], None])) is None
+    band = sample_efficiency.seed_band(entry([1, 2, 3], [[-0.2, 0.6], [0.5, 1.3]]))
+    assert band.tolist() == [[0.0, 0.6], [0.5, 1.0]]
+
+
 def _write_launch(path: Path, rows: list[tuple[int, dict]], cut_last_line: bool = False) -> None:
     text = "".join(json.dumps({"step": step, "data": data}) + "\n" for step, data in rows)
     path.write_text(text[: text.rstrip().rfind("\n") + 20] if cut_last_line else text)
