@@ -32,14 +32,15 @@ from rredcot_verl.core import montecarlo
 from rredcot_verl.core.profiles import PROFILE_PRESETS
 from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.tasks import ArithmeticTaskConfig, first_wrong_step, parse_prompt, write_parquet
-from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, LONG_TASK, PRESETS, build
+from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, EARLY_TASK, LONG_TASK, PRESETS, build
 from rredcot_verl.tasks.model import chat_prompt_ids
 from rredcot_verl.tasks.reward import compute_score
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 BUILD_DIR = ROOT / "outputs" / "tiny_cpu" / "build"
-BUILD_DIRS = {"default": BUILD_DIR, "long": ROOT / "outputs" / "tiny_cpu" / "build_long"}  # per build preset
+BUILD_DIRS = {"default": BUILD_DIR, "long": ROOT / "outputs" / "tiny_cpu" / "build_long",
+              "early": ROOT / "outputs" / "tiny_cpu" / "build_early"}  # per build preset
 RECIPES = ROOT / "recipes" / "tiny_cpu"
 
 
@@ -191,6 +192,8 @@ SETTINGS = {
     "hard": Setting(ArithmeticTaskConfig(min_operands=5, max_operands=6)),  # its longest chains (RESULTS.md §3)
     # 16-17-step chains restating the terms left: responses of about 390 tokens, on the long build's own model
     "long": Setting(LONG_TASK, max_prompt_length=64, max_response_length=512, preset="long"),
+    # 2-step chains of operands 1..99 restating the term left, on a warm start that can answer after a forced exit
+    "early": Setting(EARLY_TASK, preset="early"),
 }
 MAIN_DATA_SEED = 0  # the build's generator stream
 
