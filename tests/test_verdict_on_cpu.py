@@ -92,7 +92,7 @@ def test_equal_compute_rollouts_from_one_or_two_grpo_step_times():
 REGISTRATION = """
 name: check
 post_hoc: false
-registered: "2026-11-28"
+registered: "2026-11-27"
 setting: hard
 seeds: [1, 2, 3]
 steps: 100
