@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -153,3 +154,40 @@ def test_decision_follows_the_registered_rule():
         "auc_above_after_holm": True, "time_shift_at_least": True, "time_shift_interval_above": False}}
     worse = {**comparison, "paired": {"difference": -0.03, "p_holm": 0.01}}
     assert verdict.decide(worse, rule, "auc_paired", True)["decision"] == "below"
+
+
+def test_results_md_restated_tables_are_the_committed_json():
+    """RESULTS.md §3 "Restated": every row of its three tables (hard against GRPO and against GRPO with 6 rollouts,
+    long against GRPO) is its arm's comparison in results/restated_{hard,long}.json, at the rounding shown."""
+    results = LEDGER.parent
+    text = (results.parent / "RESULTS.md").read_text(encoding="utf-8").replace("\u2212", "-")
+    section = text[text.index("### Restated (2026-11-27)"):]
+    section = section[:section.index("\n### ", 1)]
+    tables = re.findall(r"^\| arm \|.*?\n\|---.*?\n((?:\|.*\n)+)", section, re.M)
+    sources = [("restated_hard", "grpo"), ("restated_hard", "grpo_n6"), ("restated_long", "grpo")]
+    assert len(tables) == len(sources)
+
+    def signed_interval(test):
+        return f"{test['difference']:+.3f} [{test['ci95'][0]:+.3f}, {test['ci95'][1]:+.3f}]"
+
+    def p_values(test):
+        return " -> ".join("<0.001" if p < 0.001 else f"{p:.3f}" for p in (test["p"], test["p_holm"]))
+
+    def shift(fit):
+        high = fit["ci95"][1]
+        return f"{fit['estimate']:.2f} [{fit['ci95'][0]:.2f}, {'>100' if high > 100 else f'{high:.2f}'}]"
+
+    for rows, (name, reference) in zip(tables, sources):
+        block = json.loads((results / f"{name}.json").read_text())["comparisons"][reference]
+        shown = {}
+        for row in rows.strip().splitlines():
+            cells = [cell.strip().replace("\u2192", "->") for cell in row.strip("|").split("|")]
+            shown[cells[0].strip("`")] = cells[1:]
+        assert set(shown) == set(block), name
+        for arm, cells in shown.items():
+            c = block[arm]
+            expected = [signed_interval(c["paired"]), p_values(c["paired"]), signed_interval(c["unpaired"]),
+                        p_values(c["unpaired"]), shift(c["time_shift"]["paired"])]
+            if len(cells) == 8:  # the full tables: seeds first, the unpaired time shift and the decision last
+                expected = [str(len(c["seeds"])), *expected, shift(c["time_shift"]["unpaired"]), c["decision"]]
+            assert cells == expected, (name, reference, arm)
