@@ -43,7 +43,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import yaml
 from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from scipy import stats
 
 from benchmarks import common
@@ -93,7 +95,6 @@ class Registration:
     primary_statistic: str = "auc_paired"  # STATISTICS
     correction: str = "holm"
     decision_rule: DecisionRule = MISSING
-    notes: str = ""
 
 
 def load_registration(path: Path) -> Registration:
@@ -102,7 +103,7 @@ def load_registration(path: Path) -> Registration:
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Registration), OmegaConf.load(path))
         registration: Registration = OmegaConf.to_object(merged)
-    except Exception as error:  # omegaconf's validation and missing-value errors
+    except (OmegaConfBaseException, yaml.YAMLError) as error:  # unknown key, wrong type, missing value, bad YAML
         raise ValueError(f"{path}: {error}") from error
     problems = []
     if registration.setting not in common.SETTINGS:

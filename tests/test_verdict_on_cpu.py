@@ -114,6 +114,7 @@ arms:
     (("primary_statistic: auc_paired", "primary_statistic: auc_paired\nreference: rredcot"), "reference 'rredcot'"),
     (("primary_statistic: auc_paired", "primary_statistic: auc_paired\ncorrection: bonferroni"), "only 'holm'"),
     (("setting: hard\n", ""), "setting"),
+    (("steps: 100", "steps: [100"), "flow sequence"),  # not YAML
 ])
 def test_registration_schema_refuses_a_bad_file(tmp_path, change, message):
     path = tmp_path / "bad.yaml"
