@@ -109,7 +109,7 @@ def _paper_data(folder: Path, monkeypatch) -> None:
     rows = [{"problem": f"What is {i} + {i}?", "solution": f"Add them.\n\nSo $\\boxed{{{2 * i}}}$."} for i in range(4)]
     for name in ("numina", "open_rs"):
         (folder / name).mkdir()
-        for split in ("train", "val"):
+        for split in ("train", "test"):
             convert(rows, "test", split).to_parquet(folder / name / f"{split}.parquet")
     monkeypatch.setenv("DATA_DIR", str(folder))
 
