@@ -506,6 +506,14 @@ def profile_for_template_kwargs(config: DictConfig) -> None:
               "auto resolves to plain (responses without a thinking block)")
 
 
+def say_cpu_strategy(config: DictConfig) -> None:
+    """CPU mode replaces verl's FSDP1 (``strategy: fsdp``, verl's default) by FSDP2: FSDP1 wraps the model with
+    ``FSDP(device_id=...)``, which needs an accelerator. On a GPU the strategy is left as set."""
+    if config.actor_rollout_ref.actor.get("strategy", None) == "fsdp":
+        print("rredcot_verl: CPU mode runs actor_rollout_ref.actor.strategy=fsdp2 instead of fsdp (verl's FSDP1 needs "
+              "an accelerator)")
+
+
 def prepare(config: DictConfig) -> DictConfig:
     """Check the config (``check``) and adapt it (trainer, CPU accommodations, Ray, plugin loading). Returns it."""
     cpu = use_cpu_mode()
@@ -533,6 +541,7 @@ def prepare(config: DictConfig) -> DictConfig:
             _set(config, key, value)
     # Otherwise Ray is verl's: ray.init() joins a cluster brought up with `ray start` on this node, else starts one.
     if cpu:
+        say_cpu_strategy(config)
         env.update(CPU_PROCESS_ENV)
         for key, value in CPU_CONFIG.items():
             _set(config, key, value)
