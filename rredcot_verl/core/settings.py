@@ -6,6 +6,7 @@ Every section maps onto the frozen dataclass of the module that uses it, so defa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import json
@@ -323,7 +324,9 @@ def _reason(facts: list[str], row: str | None) -> str:
 def resolve_auto(section: dict | None, estimator: str | None, offer: DataOffer | None) -> tuple[dict, AutoChoice]:
     """``section`` with its ``auto`` keys replaced by ``choose_auto``'s values (a copy), and the choice."""
     choice = choose_auto(section, estimator, offer)
-    resolved = json.loads(json.dumps(section)) if section is not None else None
+    if not choice.values:
+        return section, choice
+    resolved = copy.deepcopy(section)
     for dotted, value in choice.values.items():
         sub, name = dotted.split(".")
         resolved[sub][name] = value
