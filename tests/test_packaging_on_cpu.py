@@ -52,11 +52,12 @@ def _pinned(name: str) -> str:
 
 
 def test_the_readme_gpu_install_resolves_in_a_fresh_virtualenv(tmp_path):
-    """The README's GPU install, as written, resolves in a new virtualenv (its bundled pip, PyPI; this machine's local
-    wheels, indexes and constraints left out) with ``--dry-run --report``: pip reads the wheels' metadata (PEP 658)
-    and downloads none. It installs verl 0.9.1 with verl's own vLLM, torch and transformers pins, and the
-    transformers the pinned test environment runs (requirements-pinned.txt); flash-attn, an sdist whose build needs
-    torch, is the README's separate second step, not part of the extra."""
+    """The README's GPU install, as written, resolves in a new virtualenv against PyPI (this machine's local wheels,
+    indexes and constraints left out) with ``--dry-run --report``. The venv's pip is upgraded first: a current pip
+    reads the wheels' metadata files (PEP 658) and downloads no wheel, where the pip Python 3.11 bundles (23.2)
+    downloads them all (3.7 GB, CUDA wheels mostly). It installs verl 0.9.1 with verl's own vLLM, torch and transformers
+    pins, and the transformers the pinned test environment runs (requirements-pinned.txt); flash-attn, an sdist whose
+    build needs torch, is the README's separate second step, not part of the extra."""
     blocks = [block for block in re.findall(r"```bash\n(.*?)```", README, re.S) if "[gpu]" in block]
     assert len(blocks) == 1, "no single bash block with the GPU install"
     commands = [line.split("#")[0].strip() for line in blocks[0].strip().splitlines()]
@@ -68,10 +69,14 @@ def test_the_readme_gpu_install_resolves_in_a_fresh_virtualenv(tmp_path):
                PIP_DEFAULT_TIMEOUT="60")
     if os.environ.get("PIP_CERT"):
         env["PIP_CERT"] = os.environ["PIP_CERT"]
+    python = str(venv / "bin" / "python")
+    upgrade = subprocess.run([python, "-m", "pip", "install", "--quiet", "--upgrade", "pip"], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert upgrade.returncode == 0, upgrade.stderr[-2000:]
     report = tmp_path / "report.json"
     started = time.monotonic()
     result = subprocess.run(
-        [str(venv / "bin" / "python"), "-m", *shlex.split(GPU_INSTALL), "--dry-run", "--ignore-installed",
+        [python, "-m", *shlex.split(GPU_INSTALL), "--dry-run", "--ignore-installed",
          "--report", str(report), "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     resolved = {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
