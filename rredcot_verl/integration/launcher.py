@@ -4,12 +4,15 @@ Config: verl's ``ppo_trainer`` composed with ``conf/rredcot_trainer.yaml`` (hydr
 ``algorithm.adv_estimator`` may be ``grpo`` or any verl estimator, or ``rredcot`` / ``ibpo`` / ``rredcot_ibpo`` /
 ``segment_mc``, whose settings live under ``algorithm.rredcot``. Every estimator trains with the rredcot trainer, verl's
 sync trainer plus the estimators' hooks. Before Ray starts, the launcher checks what would otherwise fail late or
-degrade silently. For every estimator: one of verl's async trainer modes, an unknown estimator, a missing or broken
-local model folder (hub ids are verl's to download), local dataset files that do not exist. For this package's
-estimators also: unknown ``algorithm.rredcot`` keys, datasets without ``reward_model.ground_truth`` or whose prompts
-all exceed ``data.max_prompt_length``, extra generations without a rule reward to judge them, an engine context too
-short for IBPO's revisions, Ulysses sequence parallelism, and the run shapes of ``run_shapes.py`` (legacy trainer,
-bypass mode, a critic, groups of one, multi-turn rollouts, KL in reward, a reward model, Megatron, hybrid attention).
+degrade silently. For every estimator: an environment variable the config reads that is not set, one of verl's async
+trainer modes, an unknown estimator, a missing or broken local model folder (hub ids are verl's to download), local
+dataset files that do not exist. For this package's estimators also: unknown ``algorithm.rredcot`` keys, datasets
+without ``reward_model.ground_truth`` or whose prompts all exceed ``data.max_prompt_length``, reference continuations of
+worked solutions the training rows do not have, extra generations without a rule reward to judge them, an engine
+context too short for IBPO's revisions, Ulysses sequence parallelism, and the run shapes of ``run_shapes.py`` (legacy
+trainer, bypass mode, a critic, groups of one, multi-turn rollouts, KL in reward, a reward model, Megatron, hybrid
+attention). The ``algorithm.rredcot`` keys left at ``auto`` are chosen there from the training rows
+(``choose_auto_settings``) and written into the config, in one line saying which and why.
 
 ``python -m rredcot_verl.main --check-only ...`` runs every check, prints ``ok`` (naming the checks it had to skip: a
 hub model or tokenizer not in the local cache, remote dataset files) or the refusal, and exits 0 / 2 without starting
@@ -205,8 +208,7 @@ def choose_auto_settings(config: DictConfig, spec, skipped: list[str]) -> None:
     if section is None:
         return
     plain = OmegaConf.to_container(section, resolve=True)
-    leaves = [key for key in AUTO_KEYS if (plain.get(key.split(".")[0]) or {}).get(key.split(".")[1]) == AUTO]
-    if not leaves:
+    if not any((plain.get(key.split(".")[0]) or {}).get(key.split(".")[1]) == AUTO for key in AUTO_KEYS):
         return
     estimator = str(config.algorithm.adv_estimator)
     offer = None
