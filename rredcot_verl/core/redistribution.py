@@ -33,7 +33,12 @@ from functools import cached_property
 import torch
 
 from rredcot_verl.core.concordance import ConcordanceCounts, gate_is_open, value_outcome_concordance
-from rredcot_verl.core.outcomes import check_outcome_batch, check_reward_range, group_outcome_advantage
+from rredcot_verl.core.outcomes import (
+    check_outcome_batch,
+    check_reward_range,
+    correct_outcomes,
+    group_outcome_advantage,
+)
 
 __all__ = [
     "RedistributionSettings",
@@ -46,6 +51,7 @@ __all__ = [
 
 VALUE_MAPPINGS = ("affine", "log_affine", "raw")
 DEGENERATE_GROUPS = ("grpo", "value_differences")
+CREDIT_TRACES = ("all", "incorrect", "correct")
 # Slack for probabilities that should lie in [0, 1] but come out of float sums of probabilities (and for outcomes,
 # as a share of the reward range).
 _PROBABILITY_SLACK = 1e-4
@@ -64,7 +70,9 @@ class RedistributionSettings:
             GRPO advantage tensor unchanged. Default 1.0.
         anchored: pin V_0 to the group mean outcome and V_K to the trace's outcome (default True). False uses the
             probe values as they are (as expectations on the outcome scale), with V_K = ζ (RUDDER's literal reading).
-        value_mapping: how anchored runs treat intermediate probe values. ``"affine"`` (default) maps v̂ by the
+        value_mapping: how anchored runs treat intermediate probe values (a config's default is ``"auto"``, chosen
+            at launch: ``log_affine`` for continuation values, ``affine`` for exit probes). ``"affine"`` (the
+            dataclass default) maps v̂ by the
             affine map sending v̂_0 to V_0 and ζ to ζ (on the probability scale), then clamps into the reward range;
             if |ζ − v̂_0| < epsilon that map is undefined, and if its gain is out of bounds (``max_affine_gain``) it
             would amplify probe noise: in both cases the values are interpolated in token position from V_0 to ζ,
@@ -86,7 +94,9 @@ class RedistributionSettings:
             the values. Outside [0, max_affine_gain] the values are interpolated in token position (GRPO for that
             trace), counted in ``affine_gain_traces``. Default 10.0: the probes must move at least a tenth of the
             outcome gap. Used only by anchored ``affine`` runs; must be > 0.
-        degenerate_groups: all-correct and all-wrong groups (every outcome equal, Â = 0). ``"grpo"`` (default):
+        degenerate_groups: all-correct and all-wrong groups (every outcome equal, Â = 0); a config's default is
+            ``"auto"``, chosen at launch (``value_differences`` for ``rredcot`` on the ``group_and_repairs`` bank, as
+            README row C, else ``grpo``). ``"grpo"`` (the dataclass default):
             they keep GRPO's zero advantage. ``"value_differences"``: their traces get unanchored value differences
             R_k = v̂_k − v̂_{k−1} (v̂_K = ζ, on the outcome scale), spread as for mixed groups:
             A_t = λ · R_k · (L / n_k) / s, bounded by B·(high − low)/2 / s as above. s = (high − low)/2 with
@@ -105,6 +115,12 @@ class RedistributionSettings:
         concordance_window: batches whose comparisons the gate pools, the current one included (the trainer keeps
             the previous ones and saves them with its checkpoints). One 8 × 4 batch gives about 130 comparisons
             and a concordance with a standard deviation of about 0.06; ten pool them to about 0.02. Default 10.
+        credit_traces: which traces the values place credit on: ``"all"`` (default, the published method),
+            ``"incorrect"`` (traces whose outcome falls short of the top of ``reward_range``: the values decide where
+            the blame of a failure lands, while correct traces keep GRPO's uniform row, as IBPO leaves them) or
+            ``"correct"`` (the converse, for the ablation). A trace outside the chosen kind keeps GRPO's row bit for
+            bit, counted in ``uncredited_traces`` (a choice, not a fallback); its values still count in the value
+            gate. Why it exists: docs/choices.md, "Credit on wrong traces only".
         epsilon: added to the group std as in verl, and the threshold below which an outcome gap counts as zero
             (as a share of the reward range). Default 1e-6.
         norm_adv_by_std: divide the GRPO advantage by the group std (GRPO) or not (Dr.GRPO). Default True.
@@ -119,6 +135,7 @@ class RedistributionSettings:
     degenerate_groups: str = "grpo"
     min_value_concordance: float = 0.6
     concordance_window: int = 10
+    credit_traces: str = "all"
     epsilon: float = 1e-6
     norm_adv_by_std: bool = True
 
@@ -140,6 +157,8 @@ class RedistributionSettings:
             raise ValueError(f"max_affine_gain must be > 0, got {self.max_affine_gain}")
         if self.degenerate_groups not in DEGENERATE_GROUPS:
             raise ValueError(f"degenerate_groups must be one of {DEGENERATE_GROUPS}, got {self.degenerate_groups!r}")
+        if self.credit_traces not in CREDIT_TRACES:
+            raise ValueError(f"credit_traces must be one of {CREDIT_TRACES}, got {self.credit_traces!r}")
         if not 0.0 <= self.min_value_concordance <= 1.0:
             raise ValueError(f"min_value_concordance must lie in [0, 1], got {self.min_value_concordance}")
         if isinstance(self.concordance_window, bool) or not (
@@ -277,7 +296,8 @@ def redistribute(
     5. ``_value_differences`` of all-equal groups: f_k = λ·(R_k / s)·L / n_k within B, A_k = unit·f_k;
     6. ``_token_rows``: each token's advantage, its segment's A_k;
     7. shaped scores: a trace whose values sum against its shaped advantage keeps GRPO's row;
-    8. ``_value_gate``, then the final choice: the redistributed row where no reason holds, GRPO's elsewhere.
+    8. ``_value_gate``, then the final choice: the redistributed row where no reason holds and the trace is of the
+       kind ``credit_traces`` names, GRPO's elsewhere.
 
     Args:
         scores: (bs,) float outcome ζ per trace, on ``reward_range``.
@@ -313,7 +333,8 @@ def redistribute(
     unless ``degenerate_groups="value_differences"``), it has no segment data, its values or result hold NaN/inf,
     or the value gate is closed for the batch (``min_value_concordance``; closed too when neither this batch nor the
     window has a comparison).
-    Metrics (floats): ``redistributed_frac``; ``fallback/{empty,singleton_group,outside_reward_range,zero_return,
+    Metrics (floats): ``redistributed_frac`` (traces that got the redistributed row); ``uncredited_traces``
+    (traces outside ``credit_traces`` that kept GRPO's row by that choice); ``fallback/{empty,singleton_group,outside_reward_range,zero_return,
     missing_segments,nonfinite,against_shaped_advantage,low_value_concordance}`` (trace counts, each trace counted
     under its first reason in that order, except that a non-finite result counts under ``nonfinite`` only when no
     other reason holds; ``against_shaped_advantage`` only with ``shaped_scores``);
@@ -375,13 +396,15 @@ def redistribute(
     reasons.append(("nonfinite", ~(torch.isfinite(rows) | ~traces.in_response).all(1)))  # rows that overflowed
     fallback, counts = _first_reasons(reasons)
     interpolated = traces.interpolated & ~fallback  # f_t = 1 is GRPO's row: they keep it, bit for bit
-    write = (~fallback & ~interpolated).unsqueeze(1) & traces.in_response  # padding keeps GRPO's Â · 0
+    uncredited = ~fallback & ~_credited(traces, cfg)  # outside credit_traces: GRPO's row by choice, not a fallback
+    write = (~fallback & ~interpolated & ~uncredited).unsqueeze(1) & traces.in_response  # padding keeps GRPO's Â · 0
     advantages = torch.where(write, rows, traces.grpo) if cfg.mix > 0 else traces.grpo  # λ = 0: verl's tensor
 
     kept = ~fallback.unsqueeze(1)
     values = values.where(kept, float("nan")).to(raw_values.dtype)
     rewards = traces.rewards.where(kept, float("nan")).to(raw_values.dtype)
-    metrics = {**_metrics(traces, rows, fallback, counts), **gate_metrics}
+    metrics = {**_metrics(traces, rows, fallback | uncredited, counts), **gate_metrics,
+               "uncredited_traces": float(uncredited.sum())}
     return RedistributionResult(advantages, advantages, values, rewards, fallback, interpolated, metrics, concordance)
 
 
@@ -601,6 +624,15 @@ def _token_rows(traces: _Traces, advantages: torch.Tensor) -> torch.Tensor:
     sorted_ends = traces.segment_ends.where(traces.segment_ends >= 0, horizon + 1).contiguous()
     token_segment = torch.searchsorted(sorted_ends, policy_position, right=True).clamp(max=max_segments - 1)
     return advantages.gather(1, token_segment).to(traces.grpo.dtype)
+
+
+def _credited(traces: _Traces, cfg: RedistributionSettings) -> torch.Tensor:
+    """(bs,) bool, the traces of the kind ``credit_traces`` names (correct: the outcome reaches the top of the
+    reward range, as ``outcomes.correct_outcomes`` judges it)."""
+    if cfg.credit_traces == "all":
+        return torch.ones_like(traces.lengths, dtype=torch.bool)
+    correct = correct_outcomes(traces.scores, (traces.low, traces.high))
+    return correct if cfg.credit_traces == "correct" else ~correct
 
 
 def _value_gate(traces: _Traces, defined: torch.Tensor, prior: ConcordanceCounts, cfg: RedistributionSettings):
