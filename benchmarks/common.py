@@ -292,12 +292,18 @@ class Trace:
 
 
 def load_problems(val_path: Path, num_prompts: int) -> list[tuple]:
-    """The first ``num_prompts`` rows of a task parquet: (problem, ground truth, reference steps)."""
+    """The first ``num_prompts`` rows of a task parquet: (problem, ground truth, reference steps). The prompt does not
+    say whether step lines restate the terms left; the reference's first line does (a space before the terms), and
+    the problem keeps it, so that text written from it (``reference_steps``, exit examples) is the build's format."""
     import pandas as pd
 
-    return [(parse_prompt(row["prompt"][0]["content"]), str(row["reward_model"]["ground_truth"]),
-             [str(step) for step in row["extra_info"]["reference_steps"]])
-            for _, row in pd.read_parquet(val_path).head(num_prompts).iterrows()]
+    rows = []
+    for _, row in pd.read_parquet(val_path).head(num_prompts).iterrows():
+        steps = [str(step) for step in row["extra_info"]["reference_steps"]]
+        problem = dataclasses.replace(parse_prompt(row["prompt"][0]["content"]),
+                                      restate_remaining_terms=len(steps) > 1 and " " in steps[0])
+        rows.append((problem, str(row["reward_model"]["ground_truth"]), steps))
+    return rows
 
 
 @torch.no_grad()

@@ -65,9 +65,10 @@ LONG_METHODS = ("grpo", "rredcot_repairs_degenerate_resume", "ibpo_resume", "rre
 # the repair-filled bank's at the gradient level (ESS 1.49 measured here, §4; about 2.4 elsewhere), so their steps to
 # GRPO's final say what such a gradient buys in steps.
 HARD_CONTROLS = ("grpo_n6", "grpo_n10")
-# The answer-early setting's question (docs/choices.md, "Answer-early setting"): the policy's own exit-probe values
-# against GRPO, both at GRPO's swept rate (a user swaps the estimator, not the learning rate).
-EARLY_METHODS = ("grpo", "rredcot_exit_probe")
+# The answer-early setting's registered study (benchmarks/registrations/verdict.yaml): the policy's own exit-probe
+# values, the best configuration without reference solutions and IBPO against GRPO at equal rollouts and at equal
+# step time, every arm at GRPO's swept rate (a user swaps the estimator, not the learning rate).
+EARLY_METHODS = ("grpo", "rredcot_exit_probe", "rredcot_repairs_degenerate", "ibpo")
 CHOICES = (*METHODS, *HARD_CONTROLS, *(method for method in LONG_METHODS if method not in METHODS))
 # Settings whose methods all train at GRPO's rate and again at the rate matching GRPO's update norm.
 NORM_MATCHED_SETTINGS = ("long",)
