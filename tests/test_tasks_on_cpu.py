@@ -484,6 +484,20 @@ def test_committed_long_artefact_matches_the_long_preset_and_its_band():
     assert model.config.max_position_embeddings == preset.model.max_position_embeddings
 
 
+def test_committed_early_artefact_matches_its_preset_and_answers_only_the_last_step_early():
+    """build --setting early copies the committed answer-early warm start: its fingerprint is the preset's, it samples
+    inside 20-50% (the issue's band; the preset aims at 30-50% and kept its last checkpoint), and after a forced exit it
+    answers with one step left far more often than immediately (docs/choices.md, "Answer-early setting")."""
+    preset = build_module.PRESETS["early"]
+    record = json.loads(open(os.path.join(preset.artefact_dir, "warmstart.json")).read())
+    assert record["fingerprint"] == build_module.model_fingerprint(preset.task, preset.model, preset.sft), \
+        "stale artefact: reproduce it with build --setting early --retrain --update-artefact"
+    assert 0.2 <= record["kept"]["sampled"]["accuracy"] <= 0.5
+    exit_record = record["kept"]["exit"]
+    assert exit_record["last_step"] >= exit_record["immediate"] + 0.2
+    assert exit_record["immediate"] < record["kept"]["sampled"]["accuracy"] / 2
+
+
 def test_long_setting_meets_its_length_bar_within_its_models_positions():
     """The long preset's task (build --setting long): reference traces of at least 16 steps and a median of at least
     300 response tokens, prompt + the longest reference within the positions of the preset's model."""
