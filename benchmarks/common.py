@@ -442,6 +442,8 @@ METHODS = {
     # same): how many steps a better gradient buys when it is GRPO's own
     "grpo_n6": Method("grpo", ("actor_rollout_ref.rollout.n=6",)),
     "grpo_n10": Method("grpo", ("actor_rollout_ref.rollout.n=10",)),
+    # GRPO at rredcot's (exit probe) step time on the answer-early setting (registrations/verdict.yaml's pilot)
+    "grpo_n5": Method("grpo", ("actor_rollout_ref.rollout.n=5",)),
     "rredcot": Method("rredcot"),  # reference continuations from the dataset reference + the group's correct traces
     "rredcot_exit_probe": Method("rredcot", _EXIT_PROBE),  # the answer-forcing exit probe, affine value mapping
     "rredcot_exit_probe_gated": Method("rredcot", (*_EXIT_PROBE, f"{_RREDCOT}.redistribution.min_value_concordance=0.6")),

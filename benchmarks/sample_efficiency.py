@@ -68,8 +68,8 @@ HARD_CONTROLS = ("grpo_n6", "grpo_n10")
 # The answer-early setting's registered study (benchmarks/registrations/verdict.yaml): the policy's own exit-probe
 # values, the best configuration without reference solutions and IBPO against GRPO at equal rollouts and at equal
 # step time, every arm at GRPO's swept rate (a user swaps the estimator, not the learning rate).
-EARLY_METHODS = ("grpo", "rredcot_exit_probe", "rredcot_repairs_degenerate", "ibpo")
-CHOICES = (*METHODS, *HARD_CONTROLS, *(method for method in LONG_METHODS if method not in METHODS))
+EARLY_METHODS = ("grpo", "grpo_n5", "rredcot_exit_probe", "rredcot_repairs_degenerate", "ibpo")
+CHOICES = tuple(dict.fromkeys((*METHODS, *HARD_CONTROLS, *LONG_METHODS, *EARLY_METHODS)))
 # Settings whose methods all train at GRPO's rate and again at the rate matching GRPO's update norm.
 NORM_MATCHED_SETTINGS = ("long",)
 NORM_MATCHED = "_norm_matched"  # suffix of a run label at the matched rate
