@@ -32,14 +32,15 @@ from rredcot_verl.core import montecarlo
 from rredcot_verl.core.profiles import PROFILE_PRESETS
 from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.tasks import ArithmeticTaskConfig, first_wrong_step, parse_prompt, write_parquet
-from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, LONG_TASK, PRESETS, build
+from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, EARLY_TASK, LONG_TASK, PRESETS, build
 from rredcot_verl.tasks.model import chat_prompt_ids
 from rredcot_verl.tasks.reward import compute_score
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 BUILD_DIR = ROOT / "outputs" / "tiny_cpu" / "build"
-BUILD_DIRS = {"default": BUILD_DIR, "long": ROOT / "outputs" / "tiny_cpu" / "build_long"}  # per build preset
+BUILD_DIRS = {"default": BUILD_DIR, "long": ROOT / "outputs" / "tiny_cpu" / "build_long",
+              "early": ROOT / "outputs" / "tiny_cpu" / "build_early"}  # per build preset
 RECIPES = ROOT / "recipes" / "tiny_cpu"
 
 
@@ -191,6 +192,8 @@ SETTINGS = {
     "hard": Setting(ArithmeticTaskConfig(min_operands=5, max_operands=6)),  # its longest chains (RESULTS.md §3)
     # 16-17-step chains restating the terms left: responses of about 390 tokens, on the long build's own model
     "long": Setting(LONG_TASK, max_prompt_length=64, max_response_length=512, preset="long"),
+    # 2-step chains of operands 1..99 restating the term left, on a warm start that can answer after a forced exit
+    "early": Setting(EARLY_TASK, preset="early"),
 }
 MAIN_DATA_SEED = 0  # the build's generator stream
 
@@ -289,12 +292,18 @@ class Trace:
 
 
 def load_problems(val_path: Path, num_prompts: int) -> list[tuple]:
-    """The first ``num_prompts`` rows of a task parquet: (problem, ground truth, reference steps)."""
+    """The first ``num_prompts`` rows of a task parquet: (problem, ground truth, reference steps). The prompt does not
+    say whether step lines restate the terms left; the reference's first line does (a space before the terms), and
+    the problem keeps it, so that text written from it (``reference_steps``, exit examples) is the build's format."""
     import pandas as pd
 
-    return [(parse_prompt(row["prompt"][0]["content"]), str(row["reward_model"]["ground_truth"]),
-             [str(step) for step in row["extra_info"]["reference_steps"]])
-            for _, row in pd.read_parquet(val_path).head(num_prompts).iterrows()]
+    rows = []
+    for _, row in pd.read_parquet(val_path).head(num_prompts).iterrows():
+        steps = [str(step) for step in row["extra_info"]["reference_steps"]]
+        problem = dataclasses.replace(parse_prompt(row["prompt"][0]["content"]),
+                                      restate_remaining_terms=len(steps) > 1 and " " in steps[0])
+        rows.append((problem, str(row["reward_model"]["ground_truth"]), steps))
+    return rows
 
 
 @torch.no_grad()
@@ -433,6 +442,8 @@ METHODS = {
     # same): how many steps a better gradient buys when it is GRPO's own
     "grpo_n6": Method("grpo", ("actor_rollout_ref.rollout.n=6",)),
     "grpo_n10": Method("grpo", ("actor_rollout_ref.rollout.n=10",)),
+    # GRPO at rredcot's (exit probe) step time on the answer-early setting (registrations/verdict.yaml's pilot)
+    "grpo_n5": Method("grpo", ("actor_rollout_ref.rollout.n=5",)),
     "rredcot": Method("rredcot"),  # reference continuations from the dataset reference + the group's correct traces
     "rredcot_exit_probe": Method("rredcot", _EXIT_PROBE),  # the answer-forcing exit probe, affine value mapping
     "rredcot_exit_probe_gated": Method("rredcot", (*_EXIT_PROBE, f"{_RREDCOT}.redistribution.min_value_concordance=0.6")),

@@ -5,7 +5,8 @@ stages: a learning-rate sweep (``--sweep``: each method that has a sweep of its 
 rate of ``SWEEP_LRS``, seed 0, on problems of a generator stream the main runs do not validate on; the rate with the
 highest validation AUC wins, ties to the smaller rate), then main runs at the chosen rates, seeds ``--seeds`` ×
 ``--steps`` steps (segment_mc ``--segment-mc-steps``), greedy validation on ``--val-size`` problems every
-``--test-freq`` steps, on the task setting ``--setting`` (``common.SETTINGS``: ``default``, ``hard`` or ``long``).
+``--test-freq`` steps, on the task setting ``--setting`` (``common.SETTINGS``: ``default``, ``hard``, ``long`` or
+``early``, the answer-early setting: ``EARLY_METHODS``, on its own build, every method at GRPO's rate).
 
 The long setting (``LONG_METHODS``, on the long build) asks why a better gradient buys fewer steps than it is worth:
 every method trains at GRPO's swept rate, and each method but GRPO again at the rate that matches GRPO's update
@@ -64,7 +65,11 @@ LONG_METHODS = ("grpo", "rredcot_repairs_degenerate_resume", "ibpo_resume", "rre
 # the repair-filled bank's at the gradient level (ESS 1.49 measured here, §4; about 2.4 elsewhere), so their steps to
 # GRPO's final say what such a gradient buys in steps.
 HARD_CONTROLS = ("grpo_n6", "grpo_n10")
-CHOICES = (*METHODS, *HARD_CONTROLS, *(method for method in LONG_METHODS if method not in METHODS))
+# The answer-early setting's registered study (benchmarks/registrations/verdict.yaml): the policy's own exit-probe
+# values, the best configuration without reference solutions and IBPO against GRPO at equal rollouts and at equal
+# step time, every arm at GRPO's swept rate (a user swaps the estimator, not the learning rate).
+EARLY_METHODS = ("grpo", "grpo_n5", "rredcot_exit_probe", "rredcot_repairs_degenerate", "ibpo")
+CHOICES = tuple(dict.fromkeys((*METHODS, *HARD_CONTROLS, *LONG_METHODS, *EARLY_METHODS)))
 # Settings whose methods all train at GRPO's rate and again at the rate matching GRPO's update norm.
 NORM_MATCHED_SETTINGS = ("long",)
 NORM_MATCHED = "_norm_matched"  # suffix of a run label at the matched rate
@@ -88,12 +93,14 @@ RUNS_ROOT_MARK = "<runs-root>"
 def methods_of(setting: str) -> tuple[str, ...]:
     if setting in NORM_MATCHED_SETTINGS:
         return LONG_METHODS
+    if setting == "early":
+        return EARLY_METHODS
     return (*METHODS, *HARD_CONTROLS) if setting == "hard" else METHODS
 
 
 def rates_from(setting: str, methods) -> dict[str, str]:
     """The methods that take another method's swept rate instead of their own, and whose."""
-    if setting in NORM_MATCHED_SETTINGS:
+    if setting in (*NORM_MATCHED_SETTINGS, "early"):
         return {method: "grpo" for method in methods if method != "grpo"}
     return {method: source for method, source in LEARNING_RATE_FROM.items() if method in methods}
 

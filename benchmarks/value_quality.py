@@ -46,6 +46,8 @@ from rredcot_verl.tasks.base import ARITHMETIC
 
 RESULTS_PATH = common.RESULTS_DIR / "value_quality.json"
 LONG_RESULTS_PATH = common.RESULTS_DIR / "value_quality_long.json"
+RESULTS_PATHS = {"default": RESULTS_PATH, "long": LONG_RESULTS_PATH,
+                 "early": common.RESULTS_DIR / "value_quality_early.json"}
 # Every line of a long trace a segment (17-18 states), where the recipe's 8 would merge two or three lines each.
 LONG_SEGMENTATION = dataclasses.replace(RECIPE_SEGMENTATION, max_segments=20)
 
@@ -75,6 +77,12 @@ LONG_PROBE_SOURCES = {
        for alignment in ("steps", "proportional", "content")},
 }
 STATE_SOURCES = [*LONG_PROBE_SOURCES, "rule"]
+# Per setting: the probe sources measured and the segmentation (the recipe's on the default task; every line a
+# segment on the long and answer-early ones).
+SOURCES = {"default": PROBE_SOURCES, "long": LONG_PROBE_SOURCES, "early": PROBE_SOURCES}
+SEGMENTATIONS = {"default": RECIPE_SEGMENTATION, "long": LONG_SEGMENTATION, "early": LONG_SEGMENTATION}
+# The answer-early setting's goals (issue 52): exit-probe values against MC at the warm start, and a reasoning task.
+EARLY_GOALS = {"spearman": 0.6, "localisation": 0.6, "sampled_accuracy_band": (0.2, 0.5)}
 THIRDS = ("early", "middle", "late")
 _STEP = re.compile(r"(-?\d+[+-]\d+)=(-?\d+)(?: (\S+))?")
 
@@ -184,8 +192,47 @@ def segment_rewards(values: np.ndarray, outcome: float) -> np.ndarray:
     return np.diff(np.append(values, outcome))
 
 
+def by_steps_left(per_trace: list[dict]) -> dict:
+    """Mean exit values (raw, self-normalised) and Monte-Carlo values of the states by the steps left after them,
+    apart for states whose written lines are all right (``rule`` 1) and states after a wrong line: the shape of the
+    values along a trace. ``{"right" | "wrong": {steps left: {"n", "exit_raw", "exit_selfnorm", "mc"}}}``."""
+    names = ("exit_raw", "exit_selfnorm", "mc")
+    groups: dict[str, dict[int, list[tuple[float, ...]]]] = {"right": {}, "wrong": {}}
+    for t in per_trace:
+        for k, left in enumerate(t["steps_left"]):
+            kind = "right" if t["rule"][k] == 1.0 else "wrong"
+            groups[kind].setdefault(left, []).append(tuple(np.nan if t[name][k] is None else t[name][k]
+                                                           for name in names))
+
+    def mean(column: list[float]) -> float:  # NaN where no state has an estimate
+        present = [x for x in column if not np.isnan(x)]
+        return float(np.mean(present)) if present else float("nan")
+
+    return {kind: {left: {"n": len(rows), **{name: mean(column) for name, column in zip(names, zip(*rows))}}
+                   for left, rows in sorted(rows_by_left.items())}
+            for kind, rows_by_left in groups.items()}
+
+
+def early_goals(result: dict) -> dict:
+    """The answer-early setting's goals read off a result: each exit normalisation's pooled state Spearman and
+    localisation against their bars, the sampled accuracy against its band, the immediate exit against the chain."""
+    low, high = EARLY_GOALS["sampled_accuracy_band"]
+    sampled = result["traces"]["correct"] / result["traces"]["n"]
+    immediate = result["exit_accuracy"]["immediate"]
+    goals = {name: {"spearman": result["states"][name]["spearman"],
+                    "localisation": result["segments"][name]["localisation"],
+                    "met": (result["states"][name]["spearman"] >= EARLY_GOALS["spearman"]
+                            and result["segments"][name]["localisation"] >= EARLY_GOALS["localisation"])}
+             for name in ("exit_raw", "exit_selfnorm")}
+    goals["sampled_accuracy"] = {"value": sampled, "band": [low, high], "met": low <= sampled <= high}
+    goals["immediate_exit"] = {"value": immediate, "greedy_chain": result["exit_accuracy"]["greedy_chain"],
+                               "sampled_chain": sampled}
+    return goals
+
+
 def tables(per_trace: list[dict]) -> dict:
-    """``analyse`` of per-trace records (the JSON's ``per_trace``), over the sources they hold."""
+    """``analyse`` of per-trace records (the JSON's ``per_trace``), over the sources they hold; with the states'
+    steps left recorded (the answer-early setting), also ``by_steps_left``."""
     names = [name for name in STATE_SOURCES if name in per_trace[0]]
     state_values = {name: [np.array([np.nan if v is None else v for v in t[name]], dtype=float) for t in per_trace]
                     for name in names}
@@ -196,7 +243,16 @@ def tables(per_trace: list[dict]) -> dict:
         segment_values[name] = [np.array(t[name], dtype=float) for t in per_trace]
     segment_values["mc"] = [segment_rewards(v, t["outcome"]) for v, t in zip(mc_values, per_trace)]
     holders = {i: t["holder_segment"] for i, t in enumerate(per_trace) if t["holder_segment"] is not None}
-    return analyse([t["segment_ends"] for t in per_trace], state_values, segment_values, mc_values, holders)
+    result = analyse([t["segment_ends"] for t in per_trace], state_values, segment_values, mc_values, holders)
+    if "steps_left" in per_trace[0]:
+        result["by_steps_left"] = by_steps_left(per_trace)
+    return result
+
+
+def steps_left(tokenizer, trace, boundaries: list[int]) -> list[int]:
+    """Steps of the problem still to write after each state (0 once as many lines as steps are written)."""
+    ids = trace.response_ids.tolist()
+    return [max(trace.problem.num_steps - common.completed_lines(tokenizer, ids, b), 0) for b in boundaries]
 
 
 def run(build: Path, num_prompts: int, samples_per_prompt: int, mc_samples: int, seed: int,
@@ -204,12 +260,11 @@ def run(build: Path, num_prompts: int, samples_per_prompt: int, mc_samples: int,
     torch.set_num_threads(1)
     model, tokenizer = load_model_dir(str(build / "model"))
     model.eval()
-    long = setting == "long"
+    early = setting == "early"
     max_tokens = common.SETTINGS[setting].max_response_length
     problems = common.load_problems(build / "data" / "val.parquet", num_prompts)
     traces = common.sample_traces(model, tokenizer, problems, samples_per_prompt, seed, max_tokens)
-    ends, probe_values, timings = value_sources(model, tokenizer, traces, LONG_PROBE_SOURCES if long else PROBE_SOURCES,
-                                                LONG_SEGMENTATION if long else RECIPE_SEGMENTATION)
+    ends, probe_values, timings = value_sources(model, tokenizer, traces, SOURCES[setting], SEGMENTATIONS[setting])
     started = time.perf_counter()
     mc_values, _ = common.monte_carlo_values(model, tokenizer, traces, ends, num_samples=mc_samples, seed=seed + 1,
                                              max_response_tokens=max_tokens)
@@ -223,12 +278,26 @@ def run(build: Path, num_prompts: int, samples_per_prompt: int, mc_samples: int,
          "rule": rule_values(tokenizer, t, [0, *ends[i][:-1]]).tolist(),
          **{name: attribution[i][name].tolist() for name in ("loo", "grad_x_input")},
          "first_wrong_step": first_wrong_step(t.problem, t.text), "holder_segment": common.holder_segment(
-             tokenizer, t, ends[i])}
+             tokenizer, t, ends[i]),
+         **({"steps_left": steps_left(tokenizer, t, [0, *ends[i][:-1]])} if early else {})}
         for i, t in enumerate(traces)
     ]
-    return {**tables(per_trace), "traces": {
+    result = {**tables(per_trace), "traces": {
         "n": len(traces), "correct": int(sum(t.outcome for t in traces)), "states": int(sum(len(e) for e in ends)),
         "mean_segments": float(np.mean([len(e) for e in ends]))}, "timings_s": timings, "per_trace": per_trace}
+    if early:
+        result["exit_accuracy"] = exit_and_chain_accuracy(model, tokenizer, [problem for problem, _, _ in problems])
+    return result
+
+
+def exit_and_chain_accuracy(model, tokenizer, problems) -> dict:
+    """``tasks.sft.exit_accuracy`` (greedy answers after a forced exit on the reference cut after each line, by
+    steps left) on the prompts, beside the greedy accuracy of whole traces on them."""
+    from rredcot_verl.tasks.sft import accuracy_report, exit_accuracy, generate_responses
+
+    greedy = generate_responses(model, tokenizer, problems, False, common.SETTINGS["early"].max_response_length)
+    return {**exit_accuracy(model, tokenizer, problems), "greedy_chain": accuracy_report(problems, greedy)["accuracy"],
+            "problems": len(problems)}
 
 
 def print_tables(result: dict) -> None:
@@ -254,20 +323,21 @@ def main(argv: list[str] | None = None) -> dict:
     cli.add_argument("--samples-per-prompt", type=int, default=4)
     cli.add_argument("--mc-samples", type=int, default=32)
     cli.add_argument("--seed", type=int, default=0)
-    cli.add_argument("--setting", choices=("default", "long"), default="default",
-                     help="the task build: default, or long (its own build folder unless --build is given)")
+    cli.add_argument("--setting", choices=tuple(SOURCES), default="default",
+                     help="the task build: default, long or early (their own build folders unless --build is given)")
     cli.add_argument("--from-json", type=Path, default=None,
                      help="recompute the tables from this result's per-trace records (no model, no sampling)")
     args = cli.parse_args(argv)
     if args.smoke:
         args.prompts, args.samples_per_prompt, args.mc_samples = 2, 2, 4
-    long = args.setting == "long"
-    if long and args.build == common.BUILD_DIR:
-        args.build = common.BUILD_DIRS["long"]
-    out = common.out_path(args, LONG_RESULTS_PATH if long else RESULTS_PATH)
+    if args.build == common.BUILD_DIR:
+        args.build = common.BUILD_DIRS[common.SETTINGS[args.setting].preset]
+    out = common.out_path(args, RESULTS_PATHS[args.setting])
     if args.from_json is not None:
         stored = json.loads(args.from_json.read_text())
         result = {**stored, **tables(stored["per_trace"])}
+        if "exit_accuracy" in result:
+            result["goals"] = early_goals(result)
         print_tables(result)
         return common.write_result(result, out)
     common.build_task(args.build, common.SETTINGS[args.setting].preset)
@@ -275,9 +345,11 @@ def main(argv: list[str] | None = None) -> dict:
     result = run(args.build, args.prompts, args.samples_per_prompt, args.mc_samples, args.seed, args.setting)
     result["meta"] = {"setting": args.setting, "prompts": args.prompts, "samples_per_prompt": args.samples_per_prompt,
                       "mc_samples": args.mc_samples, "seed": args.seed, "exit_text": EXIT_TEXT,
-                      "segmentation": dataclasses.asdict(LONG_SEGMENTATION if long else RECIPE_SEGMENTATION),
+                      "segmentation": dataclasses.asdict(SEGMENTATIONS[args.setting]),
                       "max_response_tokens": common.SETTINGS[args.setting].max_response_length,
                       "wall_s": time.perf_counter() - started, **common.machine_meta()}
+    if "exit_accuracy" in result:
+        result["goals"] = early_goals(result)
     print_tables(result)
     return common.write_result(result, out)
 

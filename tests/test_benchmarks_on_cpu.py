@@ -171,7 +171,21 @@ def test_length_scaling_reads_each_roles_gradient_result_where_the_protocol_wrot
         assert all(entry["source"] is not None for entry in long.values())
 
 
-@pytest.mark.parametrize("name", ["value_quality.json", "value_quality_long.json"])
+def test_values_by_steps_left_split_right_and_wrong_prefixes():
+    """The answer-early table: states grouped by the steps left after them, apart before and after a wrong line."""
+    traces = [{"steps_left": [2, 2, 1, 0], "rule": [1.0, 1.0, 1.0, 1.0], "exit_raw": [0.1, 0.1, 0.5, 1.0],
+               "exit_selfnorm": [0.3, 0.3, 0.9, 1.0], "mc": [0.4, 0.5, 0.75, 1.0]},
+              {"steps_left": [2, 2, 1, 0], "rule": [1.0, 1.0, 0.0, 0.0], "exit_raw": [0.1, 0.1, 0.01, None],
+               "exit_selfnorm": [0.5, 0.5, 0.1, 0.0], "mc": [0.2, 0.3, 0.0, 0.0]}]
+    table = value_quality.by_steps_left(traces)
+    assert table["right"][2] == {"n": 4, "exit_raw": pytest.approx(0.1), "exit_selfnorm": pytest.approx(0.4),
+                                 "mc": pytest.approx(0.35)}
+    assert table["right"][1]["mc"] == 0.75 and table["right"][0]["n"] == 1
+    assert table["wrong"][1] == {"n": 1, "exit_raw": 0.01, "exit_selfnorm": 0.1, "mc": 0.0}
+    assert math.isnan(table["wrong"][0]["exit_raw"])  # no estimate there: not a zero
+
+
+@pytest.mark.parametrize("name", ["value_quality.json", "value_quality_long.json", "value_quality_early.json"])
 def test_committed_value_quality_json_recomputes_from_its_per_trace_records(tmp_path, name):
     committed = json.loads((RESULTS / name).read_text())
     value_quality.main(["--from-json", str(RESULTS / name), "--out", str(tmp_path / "vq.json")])

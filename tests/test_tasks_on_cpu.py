@@ -21,6 +21,7 @@ from rredcot_verl.tasks.arithmetic import (
     parse_prompt,
     reference_response,
     reference_steps,
+    slipped_steps,
     write_parquet,
 )
 from rredcot_verl.tasks.model import (
@@ -35,7 +36,18 @@ from rredcot_verl.tasks.model import (
     save_model_dir,
 )
 from rredcot_verl.tasks.reward import compute_score, extract_boxed_answer
-from rredcot_verl.tasks.sft import SFTConfig, band_distance, make_batch, train_warm_start
+from rredcot_verl.tasks.sft import (
+    EXIT_TEXT,
+    ExitExamples,
+    SFTConfig,
+    band_distance,
+    exit_accuracy,
+    exit_example,
+    make_batch,
+    make_training_batch,
+    slip_delta,
+    train_warm_start,
+)
 
 torch.set_num_threads(1)
 
@@ -226,6 +238,71 @@ def test_first_wrong_step_judges_restated_terms(steps, expected):
     assert first_wrong_step(RESTATED, format_response(steps, 59)) == expected
 
 
+def test_a_slipped_line_shifts_every_later_total_and_is_judged_where_it_slipped():
+    assert slipped_steps(RESTATED, 1, 10) == ["23+45=78 -17+8", "78-17=61 +8", "61+8=69"]
+    assert slipped_steps(RESTATED, 3, -2) == ["23+45=68 -17+8", "68-17=51 +8", "51+8=57"]
+    assert slipped_steps(RESTATED, 2, 0) == reference_steps(RESTATED)
+    rng = random.Random(3)
+    for _ in range(50):
+        problem = make_problem(rng, ArithmeticTaskConfig(restate_remaining_terms=True))
+        step = rng.randint(1, problem.num_steps)
+        delta = slip_delta(problem.running_totals()[step - 1], rng)
+        lines = slipped_steps(problem, step, delta)
+        assert first_wrong_step(problem, format_response(lines, problem.answer + delta)) == step
+        assert int(lines[-1].split("=")[1]) == problem.answer + delta  # the later lines follow the slip
+    with pytest.raises(ValueError, match="step"):
+        slipped_steps(RESTATED, 4, 1)
+
+
+@pytest.mark.parametrize("total", [0, 7, -7, 68, -68, 100, 205, -1234])
+def test_a_slip_changes_one_digit_and_keeps_the_sign(total):
+    rng = random.Random(total)
+    for _ in range(30):
+        slipped = total + slip_delta(total, rng)
+        digits, new = str(abs(total)), str(abs(slipped))
+        assert slipped != total and len(new) == len(digits)  # no leading zero, no digit dropped
+        assert [abs(int(a) - int(b)) for a, b in zip(digits, new) if a != b] == [1]  # one digit, one up or down
+        assert slipped == 0 or (slipped < 0) == (total < 0)
+
+
+def test_an_exit_example_is_the_cut_reference_with_the_exit_unlearned(tokenizer):
+    ids, mask = exit_example(tokenizer, RESTATED, 1)
+    assert ids == response_ids(tokenizer, format_response(["23+45=68 -17+8"], 59))
+    exit_ids = tokenizer.encode(EXIT_TEXT, add_special_tokens=False)
+    assert [i for i, m in zip(ids, mask) if m == 0] == exit_ids  # only the forced exit carries no loss
+    assert tokenizer.decode([i for i, m in zip(ids, mask) if m]).endswith("{59}<|endoftext|>")
+    immediate, mask = exit_example(tokenizer, RESTATED, 0)
+    assert immediate == response_ids(tokenizer, format_response([], 59))
+    # after a slipped line: that line and the exit unlearned, the answer the slipped lines lead to
+    ids, mask = exit_example(tokenizer, RESTATED, 2, slip_step=1, delta=10)
+    assert ids == response_ids(tokenizer, format_response(["23+45=78 -17+8", "78-17=61 +8"], 69))
+    unlearned = tokenizer.decode([i for i, m in zip(ids, mask) if m == 0])
+    assert unlearned == "23+45=78 -17+8\n" + EXIT_TEXT
+    for bad in ({"kept_steps": 3}, {"kept_steps": 1, "slip_step": 2, "delta": 1}, {"kept_steps": 1, "slip_step": 1}):
+        with pytest.raises(ValueError):
+            exit_example(tokenizer, RESTATED, **{"kept_steps": 1, **bad})
+
+
+def test_training_batches_mix_exit_examples_as_configured(tokenizer):
+    problems = [make_problem(random.Random(i), ArithmeticTaskConfig(restate_remaining_terms=True)) for i in range(32)]
+    whole = make_batch(tokenizer, problems)
+    for got, expected in zip(make_training_batch(tokenizer, problems, random.Random(0), None), whole):
+        assert torch.equal(got, expected)  # no exit examples: the whole references, as before
+    _, _, labels = make_training_batch(tokenizer, problems, random.Random(0), ExitExamples(fraction=1.0))
+    boxed, close = tokenizer.convert_tokens_to_ids("\\boxed"), tokenizer.convert_tokens_to_ids("</think>")
+    for row, problem in zip(labels, problems):
+        learned = row[row != -100].tolist()
+        assert boxed not in learned and close not in learned  # every row cut, none learns to exit
+    rng = random.Random(1)
+    cut = make_training_batch(tokenizer, problems * 8, rng, ExitExamples(0.5, (1.0,), 1.0))[2]
+    exits = sum(close not in row[row != -100].tolist() for row in cut)
+    assert 0.35 < exits / len(cut) < 0.65
+    with pytest.raises(ValueError, match="fraction"):
+        ExitExamples(fraction=1.5)
+    with pytest.raises(ValueError, match="steps_left_weights"):
+        ExitExamples(steps_left_weights=(1.0, 0.0))
+
+
 # --- tokenizer and model folder --------------------------------------------------------------------------------
 
 
@@ -405,6 +482,20 @@ def test_committed_long_artefact_matches_the_long_preset_and_its_band():
     assert low <= record["kept"]["sampled"]["accuracy"] <= high
     model, _ = load_model_dir(preset.artefact_dir)
     assert model.config.max_position_embeddings == preset.model.max_position_embeddings
+
+
+def test_committed_early_artefact_matches_its_preset_and_answers_only_the_last_step_early():
+    """build --setting early copies the committed answer-early warm start: its fingerprint is the preset's, it samples
+    inside 20-50% (the issue's band; the preset aims at 30-50% and kept its last checkpoint), and after a forced exit it
+    answers with one step left far more often than immediately (docs/choices.md, "Answer-early setting")."""
+    preset = build_module.PRESETS["early"]
+    record = json.loads(open(os.path.join(preset.artefact_dir, "warmstart.json")).read())
+    assert record["fingerprint"] == build_module.model_fingerprint(preset.task, preset.model, preset.sft), \
+        "stale artefact: reproduce it with build --setting early --retrain --update-artefact"
+    assert 0.2 <= record["kept"]["sampled"]["accuracy"] <= 0.5
+    exit_record = record["kept"]["exit"]
+    assert exit_record["last_step"] >= exit_record["immediate"] + 0.2
+    assert exit_record["immediate"] < record["kept"]["sampled"]["accuracy"] / 2
 
 
 def test_long_setting_meets_its_length_bar_within_its_models_positions():

@@ -138,9 +138,20 @@ def remaining_terms(problem: ArithmeticProblem, step: int) -> str:
 def reference_steps(problem: ArithmeticProblem) -> list[str]:
     """One line per step, e.g. ``['23+45=68', '68-17=51', '51+8=59']``; with ``restate_remaining_terms`` each line
     but the last ends with the terms still to add: ``['23+45=68 -17+8', '68-17=51 +8', '51+8=59']``."""
+    return slipped_steps(problem, 1, 0)
+
+
+def slipped_steps(problem: ArithmeticProblem, step: int, delta: int) -> list[str]:
+    """The reference lines with one slip: line ``step`` (1-based) writes its result ``delta`` off, and every later
+    line goes on from the wrong total, as a sampled trace does after a slip (``['23+45=78', '78-17=61', '61+8=69']``
+    for step 1, delta 10). Every line after ``step`` is right given the line above; the answer they reach is
+    ``problem.answer + delta``. ``delta`` 0 gives the reference."""
+    if not 1 <= step <= problem.num_steps:
+        raise ValueError(f"step must be in 1..{problem.num_steps}, got {step}")
     lines, left = [], problem.operands[0]
-    for step, (op, b, total) in enumerate(zip(problem.ops, problem.operands[1:], problem.running_totals()), start=1):
-        tail = remaining_terms(problem, step) if problem.restate_remaining_terms else ""
+    for k, (op, b, total) in enumerate(zip(problem.ops, problem.operands[1:], problem.running_totals()), start=1):
+        total += delta if k >= step else 0
+        tail = remaining_terms(problem, k) if problem.restate_remaining_terms else ""
         lines.append(f"{left}{op}{b}={total}" + (f" {tail}" if tail else ""))
         left = total
     return lines

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from rredcot_verl.tasks.arithmetic import ArithmeticTaskConfig, write_parquet
 from rredcot_verl.tasks.model import TinyModelConfig, build_model, build_tokenizer, load_model_dir, save_model_dir
-from rredcot_verl.tasks.sft import WARMSTART_RECORD, SFTConfig, train_warm_start, write_record
+from rredcot_verl.tasks.sft import WARMSTART_RECORD, ExitExamples, SFTConfig, train_warm_start, write_record
 
 BUILD_VERSION = 1
 BUILD_RECORD = "build.json"
@@ -43,6 +43,11 @@ DEFAULT_N_VAL = 256
 # above), which a 3-layer model learns; finding the k-th of 40 operands in the prompt it did not (docs/choices.md).
 LONG_TASK = ArithmeticTaskConfig(min_operand=1, max_operand=9, min_operands=17, max_operands=18,
                                  restate_remaining_terms=True)
+# Two steps of operands 1..99 with the restated terms: after a forced exit the warm start computes one step in its
+# head (never two: docs/choices.md, "Answer-early setting"), so from every state but the prompt the exit probe
+# reads the answer the written lines lead to.
+EARLY_TASK = ArithmeticTaskConfig(min_operand=1, max_operand=99, min_operands=3, max_operands=3,
+                                  restate_remaining_terms=True)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,15 @@ PRESETS = {
                    SFTConfig(max_steps=6000, budget_s=2400.0, batch_size=16, eval_every_steps=100, n_eval=64,
                              eval_max_new_tokens=512, target_band=(0.2, 0.5)),
                    os.path.join(ASSETS, "warmstart_long")),
+    # Answer-early examples (cut references, the exit text unlearned, half of them after a slipped line) beside the
+    # whole references; checkpoints every 100 steps, since sampled accuracy crosses the band within a few hundred;
+    # the band's upper part of 20-50%, where the one-step answer after an exit is sharper (docs/choices.md).
+    "early": Preset(EARLY_TASK, TinyModelConfig(),
+                    SFTConfig(max_steps=3000, budget_s=1800.0, eval_every_steps=100, eval_max_new_tokens=64,
+                              target_band=(0.3, 0.5),
+                              exit_examples=ExitExamples(fraction=0.5, steps_left_weights=(3.0, 1.0),
+                                                         slip_fraction=0.5)),
+                    os.path.join(ASSETS, "warmstart_early")),
 }
 
 
@@ -71,9 +85,12 @@ def data_fingerprint(task: ArithmeticTaskConfig, n_train: int, n_val: int, seed:
 
 
 def model_fingerprint(task: ArithmeticTaskConfig, model: TinyModelConfig, sft: SFTConfig) -> dict:
+    # Answer-early examples came after the default and long artefacts: they enter the fingerprint only when set, so
+    # those artefacts (built without them) still match.
+    sft_settings = {key: value for key, value in asdict(sft).items() if key != "exit_examples" or value is not None}
     # json round trip so tuples compare equal to the lists read back from disk
     return json.loads(json.dumps(
-        {"build_version": BUILD_VERSION, "task": asdict(task), "model": model.as_dict(), "sft": asdict(sft)}
+        {"build_version": BUILD_VERSION, "task": asdict(task), "model": model.as_dict(), "sft": sft_settings}
     ))
 
 

@@ -25,15 +25,55 @@ import time
 from dataclasses import asdict, dataclass
 
 from rredcot_verl.tasks.arithmetic import (
+    THINK_CLOSE,
+    THINK_OPEN,
     ArithmeticProblem,
     ArithmeticTaskConfig,
     make_problem,
     reference_response,
+    slipped_steps,
 )
 from rredcot_verl.tasks.model import chat_prompt_ids, response_ids
 from rredcot_verl.tasks.reward import compute_score
 
 WARMSTART_RECORD = "warmstart.json"
+
+
+# What the exit probe of the embedded profile forces after a step line (core/profiles.py, "embedded"), the text the
+# reference writes between its last line and the answer.
+EXIT_TEXT = THINK_CLOSE + "\n\\boxed"
+
+
+@dataclass(frozen=True)
+class ExitExamples:
+    """Answer-early examples mixed into the warm start (the ``early`` setting; docs/choices.md, "Answer-early setting").
+
+    A share of each batch is not a whole reference but the reference cut after k of its n step lines, followed by the
+    exit text the exit probe forces (``EXIT_TEXT``) and the final answer. The exit text carries no loss: the model
+    learns to answer when an exit is forced, not to exit early of its own accord (with a loss there, an early design
+    learned to stop thinking: docs/choices.md, "Embedded task and warm start"). A share of the cut examples carry one
+    slipped line (``arithmetic.slipped_steps``: a result one digit off, later lines going on from it), and their answer
+    is the one the slipped lines lead to: after a wrong line the forced answer should follow the written total, so
+    that the probe's value falls there, instead of the right answer read off the prompt.
+
+    Attributes:
+        fraction: share of each batch's problems written as cut examples, in [0, 1].
+        steps_left_weights: relative weights of cutting with 1, 2, 3, ... steps left (n − k); the last weight applies
+            to every larger count. n steps left is the immediate exit, no line kept.
+        slip_fraction: share of the cut examples with at least one line kept that carry one slipped line, in [0, 1].
+            The slipped line carries no loss (the model must not learn to slip); the lines after it and the answer do.
+    """
+
+    fraction: float = 0.4
+    steps_left_weights: tuple[float, ...] = (1.0,)
+    slip_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps_left_weights", tuple(self.steps_left_weights))
+        if not (0 <= self.fraction <= 1 and 0 <= self.slip_fraction <= 1):
+            raise ValueError(f"fraction and slip_fraction must lie in [0, 1]: {self}")
+        if not self.steps_left_weights or min(self.steps_left_weights) <= 0:
+            raise ValueError(f"steps_left_weights must be positive numbers, got {self.steps_left_weights}")
 
 
 @dataclass(frozen=True)
@@ -55,6 +95,8 @@ class SFTConfig:
         eval_max_new_tokens: generation limit (reference responses are at most about 70 tokens).
         target_band: (low, high) sampled accuracy the kept checkpoint should have; reaching it stops the run.
         seed: seed of the training problem stream and of the sampling in evaluation.
+        exit_examples: answer-early examples mixed into the batches (``ExitExamples``), None for whole references
+            only. With them, each checkpoint's record also holds the greedy exit accuracy (``exit_accuracy``).
     """
 
     max_steps: int = 3000
@@ -72,6 +114,7 @@ class SFTConfig:
     eval_max_new_tokens: int = 96
     target_band: tuple[float, float] = (0.30, 0.50)
     seed: int = 0
+    exit_examples: ExitExamples | None = None
 
     def __post_init__(self) -> None:
         if self.max_steps < 1 or self.batch_size < 1 or self.eval_every_steps < 1 or self.n_eval < 1:
@@ -99,6 +142,65 @@ def make_batch(tokenizer, problems: list[ArithmeticProblem]):
     sequences = [(chat_prompt_ids(tokenizer, problem.prompt), response_ids(tokenizer, reference_response(problem)))
                  for problem in problems]
     return pad_for_sft(tokenizer.pad_token_id, sequences)
+
+
+def slip_delta(total: int, rng: random.Random) -> int:
+    """How far a slip moves ``total``: one of its digits one up or one down (a carry or a borrow dropped or added,
+    the slip sampled step lines make most), never a leading digit to 0; the sign kept."""
+    digits = [int(d) for d in str(abs(total))]
+    place = rng.randrange(len(digits))
+    lowest = 1 if place == 0 and len(digits) > 1 else 0
+    moves = [move for move in (-1, 1) if lowest <= digits[place] + move <= 9]
+    delta = rng.choice(moves) * 10 ** (len(digits) - 1 - place)
+    return delta * (-1 if total < 0 else 1)
+
+
+def exit_example(tokenizer, problem: ArithmeticProblem, kept_steps: int, slip_step: int = 0,
+                 delta: int = 0) -> tuple[list[int], list[int]]:
+    """(response ids, loss mask) of the reference cut after ``kept_steps`` lines, ``EXIT_TEXT`` and the boxed answer
+    those lines lead to, then eos: ``format_response`` of the kept lines. With ``slip_step`` (1-based, at most
+    ``kept_steps``; 0 for none) that line's result is ``delta`` off and the answer is ``problem.answer + delta``
+    (``slipped_steps``). The mask is 0 on the exit text and on the slipped line, 1 elsewhere."""
+    if not 0 <= kept_steps < problem.num_steps:
+        raise ValueError(f"kept_steps must be in 0..{problem.num_steps - 1}, got {kept_steps}")
+    if not (0 <= slip_step <= kept_steps and (slip_step == 0) == (delta == 0)):
+        raise ValueError(f"need 0 <= slip_step <= kept_steps and a nonzero delta exactly when slip_step is set, got "
+                         f"slip_step={slip_step}, delta={delta}, kept_steps={kept_steps}")
+    lines = slipped_steps(problem, max(slip_step, 1), delta)[:kept_steps]
+    pieces = [(THINK_OPEN + "\n", 1), *((line + "\n", int(k != slip_step)) for k, line in enumerate(lines, 1)),
+              (EXIT_TEXT, 0), ("{" + f"{problem.answer + delta}" + "}", 1)]
+    ids, mask = [], []
+    for text, weight in pieces:
+        piece = tokenizer.encode(text, add_special_tokens=False)
+        ids += piece
+        mask += [weight] * len(piece)
+    return ids + [tokenizer.eos_token_id], mask + [1]
+
+
+def make_training_batch(tokenizer, problems: list[ArithmeticProblem], rng: random.Random,
+                        exit_examples: ExitExamples | None):
+    """``make_batch`` of the problems, with a share written as cut examples (``ExitExamples``; ``rng`` draws which,
+    where they are cut and their slips). Without ``exit_examples`` it is ``make_batch`` and draws nothing."""
+    if exit_examples is None:
+        return make_batch(tokenizer, problems)
+    sequences = []
+    for problem in problems:
+        prompt = chat_prompt_ids(tokenizer, problem.prompt)
+        if rng.random() >= exit_examples.fraction:
+            response = response_ids(tokenizer, reference_response(problem))
+            sequences.append((prompt + response, [0] * len(prompt) + [1] * len(response)))
+            continue
+        weights = exit_examples.steps_left_weights
+        steps_left = rng.choices(range(1, problem.num_steps + 1),
+                                 weights=[weights[min(left, len(weights)) - 1] for left in range(1, problem.num_steps + 1)])[0]
+        kept = problem.num_steps - steps_left
+        slip_step, delta = 0, 0
+        if kept and rng.random() < exit_examples.slip_fraction:
+            slip_step = rng.randint(1, kept)
+            delta = slip_delta(problem.running_totals()[slip_step - 1], rng)
+        response, mask = exit_example(tokenizer, problem, kept, slip_step, delta)
+        sequences.append((prompt + response, [0] * len(prompt) + mask))
+    return pad_masked(tokenizer.pad_token_id, sequences)
 
 
 def pad_for_sft(pad_token_id: int, sequences: list[tuple[list[int], list[int]]]):
@@ -164,6 +266,13 @@ def generate_responses(model, tokenizer, problems: list[ArithmeticProblem], do_s
 
     Sampling is plain temperature 1 (no top-k/top-p), the distribution the RL rollout samples from.
     """
+    return generate_after(model, tokenizer, [chat_prompt_ids(tokenizer, problem.prompt) for problem in problems],
+                          do_sample, max_new_tokens, seed, batch_size)
+
+
+def generate_after(model, tokenizer, sequences: list[list[int]], do_sample: bool, max_new_tokens: int, seed: int = 0,
+                   batch_size: int = 256) -> list[str]:
+    """``generate_responses`` after given token sequences (prompts, or prompts with a response prefix)."""
     import torch
 
     responses = []
@@ -172,9 +281,8 @@ def generate_responses(model, tokenizer, problems: list[ArithmeticProblem], do_s
     tokenizer.padding_side = "left"
     model.eval()
     try:
-        for start in range(0, len(problems), batch_size):
-            chunk = problems[start:start + batch_size]
-            prompts = [chat_prompt_ids(tokenizer, problem.prompt) for problem in chunk]
+        for start in range(0, len(sequences), batch_size):
+            prompts = sequences[start:start + batch_size]
             batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
             sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if do_sample else {
                 "do_sample": False}
@@ -193,6 +301,31 @@ def generate_responses(model, tokenizer, problems: list[ArithmeticProblem], do_s
         tokenizer.padding_side = padding_side
         torch.random.set_rng_state(generator_state)
     return responses
+
+
+def exit_accuracy(model, tokenizer, problems: list[ArithmeticProblem], max_new_tokens: int = 8) -> dict:
+    """Greedy accuracy of the answer written right after a forced exit on the reference cut after each of its lines
+    (``exit_example``'s text up to the answer): ``{"by_steps_left": {steps left: accuracy}, "immediate": accuracy
+    of the exit before any line, "last_step": accuracy with one step left}``. What the exit probe reads from a right
+    prefix, as accuracy: the warm start can answer early where it is high, and the task is still a reasoning task
+    where the immediate exit is well below the sampled accuracy of whole traces."""
+    sequences, keys = [], []
+    for problem in problems:
+        prompt = chat_prompt_ids(tokenizer, problem.prompt)
+        answer_length = len(tokenizer.encode("{" + f"{problem.answer}" + "}", add_special_tokens=False)) + 1
+        for kept in range(problem.num_steps):
+            sequences.append(prompt + exit_example(tokenizer, problem, kept)[0][:-answer_length])
+            keys.append((problem, problem.num_steps - kept))
+    texts = generate_after(model, tokenizer, sequences, False, max_new_tokens)
+    by_left: dict[int, list[float]] = {}
+    immediate = []
+    for (problem, left), text in zip(keys, texts):
+        score = compute_score(None, "\\boxed" + text, problem.answer)
+        by_left.setdefault(left, []).append(score)
+        if left == problem.num_steps:
+            immediate.append(score)
+    return {"by_steps_left": {k: sum(v) / len(v) for k, v in sorted(by_left.items())},
+            "immediate": sum(immediate) / len(immediate), "last_step": sum(by_left[1]) / len(by_left[1])}
 
 
 def accuracy_report(problems: list[ArithmeticProblem], responses: list[str]) -> dict:
@@ -244,8 +377,8 @@ def train_warm_start(model, tokenizer, task: ArithmeticTaskConfig, config: SFTCo
         lr = config.lr_at(step, progress)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        input_ids, attention_mask, labels = make_batch(
-            tokenizer, [make_problem(rng, task) for _ in range(config.batch_size)]
+        input_ids, attention_mask, labels = make_training_batch(
+            tokenizer, [make_problem(rng, task) for _ in range(config.batch_size)], rng, config.exit_examples
         )
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         if not torch.isfinite(loss):
@@ -295,13 +428,16 @@ def train_warm_start(model, tokenizer, task: ArithmeticTaskConfig, config: SFTCo
 def _evaluate(model, tokenizer, problems, config: SFTConfig, step: int, seconds: float, loss_ema) -> dict:
     greedy = generate_responses(model, tokenizer, problems, False, config.eval_max_new_tokens)
     sampled = generate_responses(model, tokenizer, problems, True, config.eval_max_new_tokens, seed=config.seed)
-    return {
+    checkpoint = {
         "step": step,
         "seconds": round(seconds, 1),
         "train_loss_ema": None if loss_ema is None else round(loss_ema, 4),
         "greedy": accuracy_report(problems, greedy),
         "sampled": accuracy_report(problems, sampled),
     }
+    if config.exit_examples is not None:
+        checkpoint["exit"] = exit_accuracy(model, tokenizer, problems)
+    return checkpoint
 
 
 def write_record(record: dict, model_dir: str) -> str:
