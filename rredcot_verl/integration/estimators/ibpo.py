@@ -143,7 +143,9 @@ def ibpo_repairs(
                                            r.kept + r.max_new_tokens)
         judged.append(failure is None)
     to_judge = [repair for repair, judge in zip(repairs, judged) if judge]
-    texts_to_judge = iter(tokenizer.batch_decode(to_judge, skip_special_tokens=True) if to_judge else [])
+    # As arrays: a tokenizer checks a list's ids one by one in Python before decoding it, an array's not at all.
+    texts_to_judge = iter(tokenizer.batch_decode([np.asarray(repair) for repair in to_judge], skip_special_tokens=True)
+                          if to_judge else [])
     for (i, _), r, repair, truncated, judge, (truth, extra, source) in zip(
         plan.pairs, planned, repairs, truncations, judged, reward_inputs
     ):
