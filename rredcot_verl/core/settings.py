@@ -185,13 +185,21 @@ DEFAULTS_FILE = Path(__file__).resolve().parents[1] / "conf" / "rredcot_defaults
 
 
 def settings_from_config(algorithm_config: Any) -> RRedCoTSettings:
-    """Read ``algorithm.rredcot`` (omegaconf node, dict or None) strictly."""
+    """Read ``algorithm.rredcot`` (omegaconf node, dict or None) strictly, with verl's
+    ``algorithm.norm_adv_by_std_in_grpo`` (default True) as ``norm_adv_by_std`` of its redistribution and IBPO
+    sections: the settings an estimator runs with."""
     section = algorithm_config.get("rredcot", None) if algorithm_config is not None else None
     if section is not None and not isinstance(section, dict):
         from omegaconf import OmegaConf
 
         section = OmegaConf.to_container(section, resolve=True)
-    return _build(RRedCoTSettings, section, "algorithm.rredcot")
+    settings = _build(RRedCoTSettings, section, "algorithm.rredcot")
+    norm = bool(algorithm_config.get("norm_adv_by_std_in_grpo", True)) if algorithm_config is not None else True
+    return dataclasses.replace(
+        settings,
+        redistribution=dataclasses.replace(settings.redistribution, norm_adv_by_std=norm),
+        ibpo=dataclasses.replace(settings.ibpo, norm_adv_by_std=norm),
+    )
 
 
 def default_section() -> dict:
