@@ -7,9 +7,9 @@ before verl's old-log-prob pass, continuations after it (they need its entropies
 :func:`server_generate`; tests pass a fake) and ``score`` (:func:`reward_function`) come from here. Token accounting
 is returned as metrics so the cost can be compared with GRPO.
 
-Every extra generation is judged with the reward verl gives the rollouts (:func:`reward_function`), and revision
-prompts are rendered with the dataset's ``data.apply_chat_template_kwargs`` as the rollouts' prompts are. The
-estimators import this module, so it imports none of them.
+Every extra generation is judged with the reward verl gives the rollouts (:func:`reward_function`); revision prompts
+are rendered with the dataset's ``data.apply_chat_template_kwargs`` as the rollouts' prompts are
+(``StepContext.chat_prompt_ids``). The estimators import this module, so it imports none of them.
 """
 
 from __future__ import annotations
