@@ -47,13 +47,7 @@ from rredcot_verl.core.planning import records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration import failures, rollouts
 from rredcot_verl.integration.estimators import (
-    ESTIMATORS,
-    AdvantageBatch,
-    AdvantageResult,
-    EngineUse,
-    Stage,
-    StepContext,
-    StepTraces,
+    ESTIMATORS, AdvantageBatch, AdvantageResult, EngineUse, Stage, StepContext, StepTraces,
 )
 from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
 from rredcot_verl.tasks import resolve_task

@@ -16,14 +16,7 @@ fields need a field there, with its batch key), and the module in the tuple belo
 
 from rredcot_verl.integration.estimators import ibpo, rredcot, rredcot_ibpo, segment_mc
 from rredcot_verl.integration.estimators.base import (
-    AdvantageBatch,
-    AdvantageResult,
-    EngineUse,
-    EstimatorSpec,
-    Stage,
-    StepContext,
-    StepTraces,
-    register,
+    AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces, register,
 )
 
 ESTIMATORS: dict[str, EstimatorSpec] = {

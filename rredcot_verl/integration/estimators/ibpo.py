@@ -16,13 +16,7 @@ from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration import rollouts
 from rredcot_verl.integration.estimators.base import (
-    AdvantageBatch,
-    AdvantageResult,
-    EngineUse,
-    EstimatorSpec,
-    Stage,
-    StepContext,
-    StepTraces,
+    AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces,
 )
 
 # StepContext.carry key: per prompt group, the token ids of its verified repairs (for a repair-filled value bank).

@@ -16,14 +16,7 @@ from rredcot_verl.core.planning import bank_metrics, plan_traces
 from rredcot_verl.core.redistribution import RedistributionResult, redistribute
 from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration.estimators.base import (
-    AdvantageBatch,
-    AdvantageResult,
-    EngineUse,
-    EstimatorSpec,
-    Stage,
-    StepContext,
-    StepTraces,
-    object_array,
+    AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces, object_array,
 )
 from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE, VERIFIED_REPAIRS
 

@@ -11,13 +11,7 @@ from rredcot_verl.core.segmentation import segment_response
 from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration import rollouts
 from rredcot_verl.integration.estimators.base import (
-    AdvantageBatch,
-    AdvantageResult,
-    EngineUse,
-    EstimatorSpec,
-    Stage,
-    StepContext,
-    StepTraces,
+    AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces,
 )
 from rredcot_verl.integration.estimators.rredcot import SEGMENT_INPUTS, redistributed_advantage
 
