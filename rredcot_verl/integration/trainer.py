@@ -47,7 +47,7 @@ from rredcot_verl.core.planning import records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration import failures, rollouts
 from rredcot_verl.integration.estimators import (
-    ESTIMATORS, AdvantageBatch, AdvantageResult, EngineUse, Stage, StepContext, StepTraces,
+    ESTIMATORS, AdvantageBatch, AdvantageResult, EngineUse, Stage, StepContext, StepTraces, generates,
 )
 from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
 from rredcot_verl.tasks import resolve_task
@@ -165,7 +165,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
     def step_context(self) -> StepContext:
         """What the estimator's stages get from this step (one context per step: it carries between them). The rollout
         engine, the reward and the engine's context only where a stage generates: the reward needs
-        ``reward.custom_reward_function``, which the launcher asks for only then."""
+        ``reward.custom_reward_function``, which the launcher asks for only then (the same ``generates``)."""
         context = StepContext(
             settings=self.settings,
             tokenizer=self.tokenizer,
@@ -178,7 +178,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
             max_response_length=int(self.config.data.max_response_length),
             chat_template_kwargs=dict(self.config.data.get("apply_chat_template_kwargs", None) or {}),
         )
-        if any(stage.engine_use is not EngineUse.NONE for stage in self.stages):
+        if generates(self.stages):
             context.generate = rollouts.server_generate(self.get_llm_client())
             context.score = self.reward_score
             context.max_model_length = self.engine_max_model_length

@@ -16,7 +16,7 @@ fields need a field there, with its batch key), and the module in the tuple belo
 
 from rredcot_verl.integration.estimators import ibpo, rredcot, rredcot_ibpo, segment_mc
 from rredcot_verl.integration.estimators.base import (
-    AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces, register,
+    AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces, generates, register,
 )
 
 ESTIMATORS: dict[str, EstimatorSpec] = {
@@ -27,5 +27,5 @@ for _spec in ESTIMATORS.values():
 
 __all__ = [
     "ESTIMATORS", "AdvantageBatch", "AdvantageResult", "EngineUse", "EstimatorSpec", "Stage", "StepContext",
-    "StepTraces", "register",
+    "StepTraces", "generates", "register",
 ]

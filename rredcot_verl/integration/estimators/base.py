@@ -213,6 +213,12 @@ class Stage:
     engine_use: EngineUse
 
 
+def generates(stages: tuple[Stage, ...]) -> bool:
+    """Some stage generates with the rollout engine: the step needs the engine, the rollouts' reward to judge what it
+    generates, and the engine's context."""
+    return any(stage.engine_use is not EngineUse.NONE for stage in stages)
+
+
 @dataclass(frozen=True)
 class EstimatorSpec:
     """One estimator, everything the trainer, launcher and workers need to know of it.

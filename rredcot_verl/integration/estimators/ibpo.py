@@ -159,11 +159,9 @@ REPAIR_STAGE = Stage(ibpo_repairs, EngineUse.BEFORE_LOG_PROB_PASS)
 
 
 def ibpo_advantage(batch: AdvantageBatch, settings: RRedCoTSettings) -> AdvantageResult:
-    """IBPO: repair-shaped reward R + λφ(high − R) before group normalisation, advantage masked to the edited tokens.
-
-    ``high`` and the correctness threshold come from ``algorithm.rredcot.reward_range``, the scale the repairs were
-    judged on.
-    """
+    """IBPO: repair-shaped reward R + λφ(high − R) before group normalisation, advantage masked to the edited
+    tokens. ``high`` and the correctness threshold come from ``algorithm.rredcot.reward_range``, the scale the repairs
+    were judged on."""
     phi, edited_mask = batch.require("ibpo", *REPAIR_INPUTS)
     cfg = settings.ibpo
     result = shaped_advantages(
