@@ -423,6 +423,7 @@ _RREDCOT = "algorithm.rredcot"
 _EXIT_PROBE = (f"{_RREDCOT}.probe.value_source=exit_probe", f"{_RREDCOT}.redistribution.value_mapping=affine")
 _AS_RREDCOT = "algorithm.adv_estimator=rredcot"  # on rredcot_ibpo.yaml: rredcot on its repair-filled bank
 _VALUE_DIFFERENCES = f"{_RREDCOT}.redistribution.degenerate_groups=value_differences"
+_CREDIT = _RREDCOT + ".redistribution.credit_traces={}"
 # Repairs resumed from the failed trace's divergence point (the package's default operator) instead of the tiny
 # recipes' rewrite, which sends a revision template.
 _RESUME = (f"{_RREDCOT}.ibpo.repair_operator=resume", f"{_RREDCOT}.ibpo.revision_template=null")
@@ -450,6 +451,13 @@ METHODS = {
     "rredcot_ibpo_edit_mask": Method("rredcot_ibpo", (f"{_RREDCOT}.rredcot_ibpo.wrong_trace_credit=edit_mask",)),
     "rredcot_ibpo_degenerate": Method("rredcot_ibpo", (_VALUE_DIFFERENCES,)),
     "segment_mc": Method("segment_mc"),
+    # The fade's mechanism (RESULTS.md §4): value credit on wrong traces only / on correct traces only
+    "rredcot_credit_incorrect": Method("rredcot", (_CREDIT.format("incorrect"),)),
+    "rredcot_credit_correct": Method("rredcot", (_CREDIT.format("correct"),)),
+    "rredcot_repairs_degenerate_resume_credit_incorrect": Method(
+        "rredcot_ibpo", (_AS_RREDCOT, _VALUE_DIFFERENCES, *_RESUME, _CREDIT.format("incorrect"))),
+    "rredcot_repairs_degenerate_resume_credit_correct": Method(
+        "rredcot_ibpo", (_AS_RREDCOT, _VALUE_DIFFERENCES, *_RESUME, _CREDIT.format("correct"))),
 }
 
 

@@ -64,7 +64,8 @@ DATA_SOURCE = "rredcot_arithmetic"
 METHODS = ("grpo", "rredcot_exit_probe_log_affine", "rredcot", "rredcot_ground_truth", "rredcot_group",
            "rredcot_degenerate", "rredcot_repairs", "rredcot_repairs_degenerate", "ibpo", "rredcot_ibpo",
            "rredcot_ibpo_edit_mask", "rredcot_ibpo_degenerate", "segment_mc", "ibpo_resume", "rredcot_ibpo_resume",
-           "rredcot_repairs_degenerate_resume")
+           "rredcot_repairs_degenerate_resume", "rredcot_credit_incorrect", "rredcot_credit_correct",
+           "rredcot_repairs_degenerate_resume_credit_incorrect", "rredcot_repairs_degenerate_resume_credit_correct")
 
 
 def uses_repairs(estimator: str, settings) -> bool:

@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from benchmarks.common import METHODS
+from benchmarks.verdict import equal_compute_rollouts
 from rredcot_verl.core.settings import settings_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +28,10 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 RESULTS = ROOT / "benchmarks" / "results"
 HARD = json.loads((RESULTS / "sample_efficiency_hard.json").read_text())
 DEFAULT = json.loads((RESULTS / "sample_efficiency.json").read_text())
+RESTATED = json.loads((RESULTS / "restated_hard.json").read_text())  # benchmarks.verdict on the hard study
+AGAINST_GRPO = RESTATED["comparisons"]["grpo"]
+RESTATED_LONG = json.loads((RESULTS / "restated_long.json").read_text())
+GRADIENT_LONG = json.loads((RESULTS / "gradient_quality_long.json").read_text())
 TIMING_REFERENCE = json.loads((RESULTS / "sample_efficiency_timing_reference" / "grpo_hard_seed1.json").read_text())
 VALUE_GATE = json.loads((RESULTS / "value_gate.json").read_text())
 ROW_LABELS = "ABCDEF"
@@ -57,6 +62,18 @@ def span(values, decimals: int) -> str:
     return f"{min(values):.{decimals}f}-{max(values):.{decimals}f}"
 
 
+def paired_interval(comparison: dict) -> str:
+    return interval(comparison["paired"]["difference"], comparison["paired"]["ci95"])
+
+
+def time_shift(comparison: dict) -> str:
+    """The paired time shift as the README shows it: factor [95% interval], one decimal, an upper end past 100 as
+    ">100"."""
+    shift = comparison["time_shift"]["paired"]
+    low, high = shift["ci95"]
+    return f"{shift['estimate']:.1f}x [{low:.1f}, {'>100' if high > 100 else f'{high:.1f}'}]"
+
+
 # ------------------------------------------------------------------------------------------------ the choice table
 
 
@@ -64,15 +81,15 @@ def choice_rows() -> dict[str, list[str]]:
     rows = {}
     for line in README.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and len(cells[0]) == 1 and cells[0] in ROW_LABELS and len(cells) == 6:
+        if line.startswith("| ") and len(cells[0]) == 1 and cells[0] in ROW_LABELS and len(cells) == 7:
             rows[cells[0]] = [plain(cell) for cell in cells]
     assert sorted(rows) == list(ROW_LABELS), f"the choice table's rows A-F not found: {sorted(rows)}"
     return rows
 
 
 def row_runs() -> dict[str, str]:
-    """Row label -> the run of sample_efficiency_hard.json the README names for it (in row order)."""
-    sentence = re.search(r"Rows are the runs (.+?) of `benchmarks/results/sample_efficiency_hard\.json`", README, re.S)
+    """Row label -> the arm of restated_hard.json (a run of sample_efficiency_hard.json) the README names for it."""
+    sentence = re.search(r"Rows\s+are\s+the\s+arms\s(.+?)\sof\s+`benchmarks/results/restated_hard\.json`", README, re.S)
     assert sentence, "the README no longer names the runs behind its choice table"
     runs = re.findall(r"`([a-z_]+)`", sentence.group(1).replace("methods.", ""))
     assert len(runs) == len(ROW_LABELS)
@@ -86,7 +103,7 @@ def cost_base(footnote: str) -> float:
 
 def row_cost(label: str) -> tuple[float, int]:
     """(ratio, decimals shown) of a row's step cost, recomputed from its JSON and sitting."""
-    cost = choice_rows()[label][5]
+    cost = choice_rows()[label][6]
     value, footnote = re.fullmatch(r"([0-9.]+)x ([¹²])", cost).groups()
     return HARD["methods"][row_runs()[label]]["median_step_s"] / cost_base(footnote), decimals_of(value)
 
@@ -94,13 +111,21 @@ def row_cost(label: str) -> tuple[float, int]:
 @pytest.mark.parametrize("label", list(ROW_LABELS))
 def test_choice_table_gains_steps_and_costs_are_the_json(label):
     cells, run = choice_rows()[label], row_runs()[label]
-    method = HARD["methods"][run]
-    paired = method["paired_with_grpo"]
-    assert cells[3] == interval(paired["auc_difference"], paired["auc_difference_ci95"]), (label, run)
-    steps = method["steps_to_grpo_final_over_grpo"]
-    assert cells[4] == ("-" if steps is None else f"{steps:.2f}x"), (label, run)
+    comparison = AGAINST_GRPO[run]
+    assert cells[2] == paired_interval(comparison), (label, run)
+    assert cells[3] == f"{comparison['paired']['p_holm']:.2f}", (label, run)
+    assert cells[4] == time_shift(comparison), (label, run)
     ratio, decimals = row_cost(label)
-    assert cells[5].split("x")[0] == f"{ratio:.{decimals}f}", (label, run)
+    assert cells[6].split("x")[0] == f"{ratio:.{decimals}f}", (label, run)
+    # Equal step time: GRPO's rollouts at the row's step cost, and the row minus that GRPO run if one was made.
+    rollouts = round(equal_compute_rollouts(ratio, 1.0, 4))
+    control = RESTATED["comparisons"].get(f"grpo_n{rollouts}")
+    if control and run in control:
+        assert cells[5] == f"{signed(control[run]['paired']['difference'])}, n = {rollouts}", (label, run)
+        low, high = control[run]["paired"]["ci95"]
+        assert low < 0 < high  # the footnote: "every interval of a row minus `grpo_n6` includes 0"
+    else:
+        assert cells[5] == f"- (n = {rollouts})", (label, run)
 
 
 def test_choice_table_footnotes_are_the_json():
@@ -110,13 +135,21 @@ def test_choice_table_footnotes_are_the_json():
     assert f"A-E at GRPO's learning rate, F at a {1 / rate['F']:.0f}x smaller one" in text
     assert f"GRPO {HARD['methods']['grpo']['median_step_s']:.2f} s a step" in text
     assert f"({TIMING_REFERENCE['summary']['median_step_s']:.2f} s a step" in text
-    assert f"over GRPO's {HARD['methods']['grpo']['steps_to_grpo_final']}" in text
-    resolved = [label for label in ROW_LABELS if HARD["methods"][row_runs()[label]]["paired_with_grpo"]
-                ["auc_difference_ci95"][0] > 0]
-    assert f"Only {' and '.join(resolved)} have intervals above 0" in text
+    assert f"adjusted over the {len(AGAINST_GRPO)} arms compared with GRPO" in text
+    resolved = [label for label in ROW_LABELS if AGAINST_GRPO[row_runs()[label]]["paired"]["ci95"][0] > 0]
+    assert f"before the correction only {' and '.join(resolved)} have intervals above 0, after it none does" in text
+    holm = {arm: c["paired"]["p_holm"] for arm, c in AGAINST_GRPO.items()}
+    assert min(holm, key=holm.get) == "grpo_n10" and min(holm.values()) >= 0.05
+    assert f"GRPO's own with 10 rollouts, {holm['grpo_n10']:.2f})" in text
+    steps = {arm: RESTATED["arms"][arm]["median_step_s"]["1"] for arm in ("grpo_n6", "grpo_n10")}
+    assert f"`grpo_n6` {steps['grpo_n6']:.2f} s and `grpo_n10` {steps['grpo_n10']:.2f} s a step" in text
+    assert sorted(arm for arm in RESTATED["arms"] if arm.startswith("grpo_n")) == ["grpo_n10", "grpo_n6"]
+    assert "only `grpo_n6` and `grpo_n10` were run (-: no run), and every interval of a row minus `grpo_n6` includes 0" \
+        in text
     gate = HARD["methods"][row_runs()["E"]]["diagnostics"]
     first, last = gate["first"]["rredcot/value_gate_open"], gate["last"]["rredcot/value_gate_open"]
     assert f"`value_gate_open` {first:.2f} over the first 10 steps, {last:.0f} over the last 10" in text
+    assert "the default `resume` matches them in gradient quality (§4) and was trained on the long setting only" in text
 
 
 def test_status_lines_are_the_json():
@@ -125,8 +158,20 @@ def test_status_lines_are_the_json():
                key=lambda m: DEFAULT["methods"][m]["paired_with_grpo"]["auc_difference"])
     paired = DEFAULT["methods"][best]["paired_with_grpo"]
     assert f"the best, `{best}`, is at AUC {interval(paired['auc_difference'], paired['auc_difference_ci95'])}" in text
-    exit_probe = HARD["methods"]["rredcot_exit_probe"]["paired_with_grpo"]
-    assert f"(AUC {interval(exit_probe['auc_difference'], exit_probe['auc_difference_ci95'])})" in text
+    exit_probe = AGAINST_GRPO["rredcot_exit_probe"]
+    assert f"(AUC {paired_interval(exit_probe)}, Holm p {exit_probe['paired']['p_holm']:.2f})" in text
+    leaders = [AGAINST_GRPO[row_runs()[label]]["paired"] for label in "ABC"]
+    bare = text.replace("**", "").replace("≥", ">=")
+    assert (f"lead GRPO by {signed(min(t['difference'] for t in leaders))} to "
+            f"{signed(max(t['difference'] for t in leaders))} AUC; none is resolved after a Holm correction over the "
+            f"{len(AGAINST_GRPO)} arms (p >= {min(t['p_holm'] for t in leaders):.2f})") in bare
+    # At equal compute: B-D's step cost buys GRPO 6 rollouts a prompt, and they lead that run by this much.
+    assert {round(equal_compute_rollouts(row_cost(label)[0], 1.0, 4)) for label in "BCD"} == {6}
+    equal = [RESTATED["comparisons"]["grpo_n6"][row_runs()[label]]["paired"]["difference"] for label in "BCD"]
+    assert f"(GRPO with 6 rollouts a prompt, not 4: {signed(min(equal))} to {signed(max(equal))})" in bare
+    n10 = AGAINST_GRPO["grpo_n10"]
+    assert f"GRPO with 2.5x its rollouts gains most: {paired_interval(n10)}" in text
+    assert all(n10["paired"]["difference"] > AGAINST_GRPO[run]["paired"]["difference"] for run in row_runs().values())
     costs = [row_cost(label)[0] for label in "ABCDE"]
     assert f"{span(costs, 2)}x measured, `segment_mc` {row_cost('F')[0]:.2f}x" in text
     lengths = {name: (data["methods"]["grpo"]["diagnostics"]["first"]["response_length/mean"]
@@ -156,6 +201,23 @@ def test_what_else_to_change_is_the_json():
     paper = {name: OmegaConf.load(ROOT / "recipes" / "paper" / f"qwen3_4b_numina_{name}.yaml").actor_rollout_ref.actor
              .optim.lr for name in ("grpo", "rredcot")}
     assert paper["rredcot"] == paper["grpo"] / 2 and "the paper recipe halves it" in text
+
+
+def test_length_line_brackets_the_gradient_gain_by_grpos_measured_points():
+    """The long setting's gradient gain as GRPO's measured cosines bracket it (more than 128 rollouts, fewer than
+    256), not as its fitted curve extrapolates it; IBPO's training gain with its correction."""
+    fit = GRADIENT_LONG["grpo_fit"]
+    measured = dict(zip(fit["sizes_rollouts"], fit["measured_cosines"]))
+    fitted = dict(zip(fit["sizes_rollouts"], fit["fitted_cosines"]))
+    methods = GRADIENT_LONG["methods"]
+    cosines = [methods[m]["batches"]["128"]["cosine_mean"] for m in ("ibpo_resume", "rredcot")]
+    assert all(measured[128] < cosine < measured[256] for cosine in cosines)
+    assert (f"worth 1-2x GRPO's rollouts as measured (cosine {cosines[0]:.3f} / {cosines[1]:.3f}; GRPO's "
+            f"{measured[128]:.3f} at 128 rollouts, {measured[256]:.3f} at 256; the "
+            f"{methods['ibpo_resume']['ess_over_grpo_at_32']:.1f}x / {methods['rredcot']['ess_over_grpo_at_32']:.1f}x "
+            f"once quoted extrapolated a fit putting GRPO's 256 point at {fitted[256]:.3f})") in FLAT
+    ibpo = RESTATED_LONG["comparisons"]["grpo"]["ibpo_resume"]
+    assert f"IBPO gains {paired_interval(ibpo)}, Holm p {ibpo['paired']['p_holm']:.2f}" in FLAT
 
 
 def test_watch_list_ranges_are_the_json():

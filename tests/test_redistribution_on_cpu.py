@@ -578,6 +578,7 @@ def one_trace_cases(draw):
         "max_affine_gain": draw(st.sampled_from([2.0, 10.0])),
         "epsilon": 1e-6,
         "norm_adv_by_std": draw(st.booleans()),
+        "credit_traces": draw(st.sampled_from(["all", "incorrect", "correct"])),
     }
     shaped = None
     if draw(st.booleans()):  # IBPO's shaping R' = R + λφ(high − R), λ = 0.6, on the incorrect traces
@@ -734,3 +735,53 @@ def test_batched_redistribution_equals_the_one_trace_reference_with_holes(case, 
     length = case[1][-1]
     holes = data.draw(st.lists(st.sampled_from([0, 0, 1, 4]), min_size=length, max_size=length), label="holes")
     _assert_equals_the_one_trace_reference(case, holes)
+
+
+# ------------------------------------------------------------------------------------------- credit on one kind only
+
+
+def _mixed_batch():
+    """Two groups of three: outcomes 1, 0, 0 and 0, 1, 1; three segments each, values that move."""
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    mask = torch.ones(6, 9)
+    ends = torch.tensor([[3, 6, 9]] * 6)
+    raw = torch.tensor([[0.5, 0.8, 0.9, float("nan")], [0.5, 0.2, 0.1, float("nan")], [0.4, 0.6, 0.1, float("nan")],
+                        [0.3, 0.1, 0.2, float("nan")], [0.3, 0.5, 0.9, float("nan")], [0.4, 0.3, 0.8, float("nan")]])
+    return scores, mask, ["a"] * 3 + ["b"] * 3, ends, raw
+
+
+@pytest.mark.parametrize("credit", ["incorrect", "correct"])
+def test_credit_on_one_kind_leaves_the_other_at_grpo_bit_for_bit(credit):
+    """With ``credit_traces`` set, the other kind's rows are verl's GRPO rows exactly, this kind's rows are those
+    of ``"all"`` exactly, and the kept traces are counted as uncredited, not as fallbacks."""
+    scores, mask, index, ends, raw = _mixed_batch()
+    everything = redistribute(scores, mask, index, ends, raw, _config())
+    plain = redistribute(scores, mask, index, ends, raw, _config(mix=0.0))
+    result = redistribute(scores, mask, index, ends, raw, _config(credit_traces=credit))
+    credited = scores == 1.0 if credit == "correct" else scores == 0.0
+    assert torch.equal(result.advantages[~credited], plain.advantages[~credited])
+    assert torch.equal(result.advantages[credited], everything.advantages[credited])
+    assert not torch.equal(everything.advantages[~credited], plain.advantages[~credited])  # "all" did move them
+    assert result.metrics["uncredited_traces"] == float((~credited).sum())
+    assert everything.metrics["uncredited_traces"] == 0.0
+    assert result.metrics["redistributed_frac"] == pytest.approx(float(credited.sum()) / 6)
+    assert not any(v for k, v in result.metrics.items() if k.startswith("fallback/"))
+
+
+def test_credit_on_incorrect_traces_learns_from_value_differences_in_all_wrong_groups_only():
+    """With ``degenerate_groups: value_differences``, an all-wrong group's traces get value-difference credit under
+    ``credit_traces: incorrect`` and an all-correct group's keep GRPO's zero row."""
+    mask, ends = torch.ones(4, 6), torch.tensor([[3, 6]] * 4)
+    scores = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    raw = torch.tensor([[0.5, 0.2, float("nan")], [0.3, 0.4, float("nan")], [0.6, 0.9, float("nan")],
+                        [0.5, 0.7, float("nan")]])
+    result = redistribute(scores, mask, ["w", "w", "c", "c"], ends, raw,
+                          _config(degenerate_groups="value_differences", credit_traces="incorrect"))
+    assert (result.advantages[:2] != 0).any(1).all()
+    assert torch.equal(result.advantages[2:], torch.zeros(2, 6))
+    assert result.metrics["uncredited_traces"] == 2.0
+
+
+def test_unknown_credit_traces_is_refused():
+    with pytest.raises(ValueError, match="credit_traces must be one of"):
+        RedistributionSettings(credit_traces="wrong")

@@ -59,6 +59,7 @@ def redistribute_trace(
     shaped_outcome: float | None = None,
     shaped_group_outcomes: Sequence[float] | None = None,
     response_mask: Sequence[int] | None = None,
+    credit_traces: str = "all",
 ) -> list[float]:
     """Token advantages of one trace.
 
@@ -71,6 +72,8 @@ def redistribute_trace(
             and the anchor V_0 come from them, the values still end at ζ.
         response_mask: 1 on the model's tokens, 0 on the tool output and template tokens between its turns (and
             after them); None: b_K ones. Everything below counts the model's tokens only; the holes get 0.
+        credit_traces: ``"all"``, ``"incorrect"`` or ``"correct"``: a trace of the other kind (correct: ζ reaches
+            ``high``) keeps its GRPO row.
 
     Returns:
         A token advantage per position of ``response_mask`` (b_K of them without one).
@@ -86,6 +89,9 @@ def redistribute_trace(
     )
     advantage = grpo_advantage(baseline, baseline_group, epsilon, norm_adv_by_std)
     grpo = [advantage if trained else 0.0 for trained in mask]
+    correct = outcome >= high - 1e-6 * width  # outcomes.CORRECT_TOLERANCE
+    if credit_traces != "all" and correct != (credit_traces == "correct"):
+        return grpo
 
     # 1. Values V_0..V_K on the probability scale [0, 1], where the probes live.
     zeta = (outcome - low) / width
