@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from omegaconf import OmegaConf
 
 from benchmarks.common import METHODS
 from benchmarks.verdict import equal_compute_rollouts
-from rredcot_verl.core.settings import settings_from_config
+from rredcot_verl.core.settings import DataOffer, settings_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -302,26 +303,25 @@ def bash_block(marker: str) -> str:
     return found[0]
 
 
-def choice_commands() -> dict[str, list[str]]:
-    """Row label -> argv of the README's launch command for that row (its shell variables expanded)."""
-    variables, commands = {}, {}
-    for line in bash_block("run=").replace("\\\n", " ").splitlines():
-        assignment = re.fullmatch(r'(\w+)=(?:"(.*)"|(\S+))', line.strip())
-        if assignment:
-            variables[assignment.group(1)] = assignment.group(2) or assignment.group(3)
-            continue
-        command, _, label = line.partition("#")
-        if not command.strip():
-            continue
-        for name, value in variables.items():
-            command = command.replace(f"${name}", value)
-        commands[label.strip()] = shlex.split(command)
-    return commands
+def choice_overrides() -> dict[str, list[str]]:
+    """Row label -> the README's plain ``k=v`` overrides for that row (one command line each, ``# A`` at its end)."""
+    block = bash_block("ibpo.repair_operator=rewrite")
+    assert "$" not in block, "a row's overrides hold a shell variable: not pasteable as they stand"
+    rows: dict[str, list[str]] = {}
+    for line in block.replace("\\\n", " ").splitlines():
+        words, _, label = line.partition("#")
+        assert re.fullmatch(r" [A-F]", label) and label.strip() not in rows, line
+        rows[label.strip()] = shlex.split(words)
+        assert all(re.fullmatch(r"[\w.]+=\S+", word) for word in rows[label.strip()]), line
+    return rows
+
+
+PRIMARY = ROOT / "rredcot_verl" / "conf"
 
 
 def parse_launch(argv: list[str]) -> tuple[Path, str | None, list[str]]:
     assert argv[:3] == ["python", "-m", "rredcot_verl.main"], argv
-    rest, config_dir, name = argv[3:], ROOT / "rredcot_verl" / "conf", None
+    rest, config_dir, name = argv[3:], PRIMARY, None
     if "--config-dir" in rest:
         config_dir = ROOT / rest[rest.index("--config-dir") + 1]
         name = rest[rest.index("--config-name") + 1]
@@ -330,17 +330,19 @@ def parse_launch(argv: list[str]) -> tuple[Path, str | None, list[str]]:
 
 
 @pytest.mark.parametrize("label", list("ABCDE"))
-def test_choice_commands_run_what_the_study_measured(label, recipe_env):
-    """A row's command (recipe + the row's keys) composes with verl's config and the strict reader, and the
-    estimator it sets up is the configuration the row's numbers come from."""
-    config_dir, name, overrides = parse_launch(choice_commands()[label])
-    assert (config_dir / f"{name}.yaml").is_file()
-    launched, measured = method_keys(_compose(config_dir, name, overrides)), measured_keys(row_runs()[label])
+def test_choice_overrides_run_what_the_study_measured(label):
+    """A row's overrides, on the package's primary config (what a plain ``k=v`` launch composes), set up the
+    configuration the row's numbers come from, whatever the data: none of its keys is left to ``auto``."""
+    launched, measured = readme_row_keys(label), measured_keys(row_runs()[label])
     differ = {key: (launched.get(key), measured.get(key)) for key in {*launched, *measured}
               if launched.get(key) != measured.get(key)}
-    assert not differ, (f"README row {label}'s command runs other settings than the study's {row_runs()[label]} "
-                        f"(key: (command, study)): {differ}; add the study's keys to the command, or say the row "
-                        "is not what was measured")
+    assert not differ, (f"README row {label}'s overrides run other settings than the study's {row_runs()[label]} "
+                        f"(key: (overrides, study)): {differ}; add the study's keys, or say the row is not what was "
+                        "measured")
+    config = _compose(PRIMARY, "rredcot_trainer", choice_overrides()[label])
+    with_solutions, without = (settings_from_config(config.algorithm, DataOffer(worked_solutions=offer))
+                               for offer in (True, False))
+    assert with_solutions == without, f"row {label} leaves a key to auto: it would depend on the data"
 
 
 def test_plain_overrides_launch_composes_without_a_config_name(monkeypatch):
@@ -385,29 +387,48 @@ def reads_solutions(config) -> bool:
 
 @functools.cache
 def readme_row_keys(label: str) -> dict:
-    """The estimator keys of the README's launch command for row ``label``."""
-    config_dir, name, overrides = parse_launch(choice_commands()[label])
-    return method_keys(_compose(config_dir, name, overrides))
+    """The estimator keys of the README's overrides for row ``label`` on the package's primary config."""
+    return method_keys(_compose(PRIMARY, "rredcot_trainer", choice_overrides()[label]))
+
+
+# Stands in for ``python`` in compare.sh: a training launch prints the metrics path it was given and its arguments
+# and writes a short metrics.jsonl there (validation at steps 0 and 2, its accuracy fixed by the run's name); any other
+# command runs the real interpreter (compare.sh's closing comparison).
+FAKE_LAUNCH = """#!/bin/sh
+if [ "$2" = "rredcot_verl.main" ]; then
+  echo "run $VERL_FILE_LOGGER_PATH"
+  for a in "$@"; do echo "arg $a"; done
+  acc=$(printf %s "$VERL_FILE_LOGGER_PATH" | wc -c)
+  for step in 0 1 2; do
+    echo "{\\"step\\": $step, \\"data\\": {\\"val-core/openai/gsm8k/reward/mean@1\\": 0.$acc$step, \\"critic/score/mean\\": 0.$step, \\"timing_s/step\\": 1.5}}" >> "$VERL_FILE_LOGGER_PATH"
+  done
+  exit 0
+fi
+exec REAL_PYTHON "$@"
+"""
+
+
+def run_compare(tmp_path: Path):
+    """compare.sh with the launches stood in by ``FAKE_LAUNCH``; returns the finished process."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text(FAKE_LAUNCH.replace("REAL_PYTHON", sys.executable))
+    (fake / "python").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "DATA_DIR": "/data", "OUT": str(tmp_path / "out")}
+    result = subprocess.run(["bash", str(COMPARE)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result
 
 
 def compare_runs(tmp_path: Path) -> dict[str, list[str]]:
-    """Run name -> overrides of each launch ``compare.sh`` makes (``python`` stood in by a script that prints the
-    metrics path it was given and its arguments)."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    script = '#!/bin/sh\necho "run $VERL_FILE_LOGGER_PATH"\nfor a in "$@"; do echo "arg $a"; done\n'
-    (fake / "python").write_text(script)
-    (fake / "python").chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "DATA_DIR": "/data", "OUT": str(tmp_path / "out")}
-    result = subprocess.run(["bash", str(COMPARE)], env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
+    """Run name -> overrides of each launch ``compare.sh`` makes."""
     runs: dict[str, list[str]] = {}
-    for line in result.stdout.splitlines():
+    for line in run_compare(tmp_path).stdout.splitlines():
         kind, _, value = line.partition(" ")
         if kind == "run":
             name = Path(value).parent.name
             runs[name] = []
-        else:
+        elif kind == "arg":
             runs[name].append(value)
     for name, argv in runs.items():
         assert argv[:4] == ["-m", "rredcot_verl.main", "--config-dir", str(GPU_SINGLE)], argv
@@ -434,7 +455,7 @@ def test_compare_runs_are_the_readme_rows_named_for_their_solutions(tmp_path, re
     that row's keys; its header lists each run with its row; a run's name says whether it reads the dataset's
     solutions; a run at a setting the study did not measure is named on a NOT MEASURED HERE line."""
     runs, text = compare_runs(tmp_path), header(COMPARE)
-    rows = {label for label, argv in choice_commands().items() if parse_launch(argv)[0] == GPU_SINGLE}
+    rows = {label for label, cells in choice_rows().items() if re.search(r"\((solutions|answers)\)$", cells[1])}
     listed = dict(re.findall(r"^#\s+([a-z_]+)\s+(?:README row ([A-F])\b|the baseline)", text, re.M))
     assert set(listed) == set(runs), f"compare.sh's header lists {sorted(listed)}, it runs {sorted(runs)}"
     assert sorted(label for label in listed.values() if label) == sorted(rows), "not every one-GPU row is run once"
@@ -450,6 +471,23 @@ def test_compare_runs_are_the_readme_rows_named_for_their_solutions(tmp_path, re
         suffix = "_with_solutions" if reads_solutions(config) else "_without_solutions"
         assert name == keys["adv_estimator"] + suffix, f"{name}: expected {keys['adv_estimator'] + suffix}"
         assert keys in measured or re.search(rf"NOT MEASURED HERE.*\b{name}\b", text), name
+
+
+def test_compare_ends_with_the_demos_table_and_curves_of_its_runs(tmp_path):
+    """After its launches, compare.sh prints the demo's comparison table of every run (in launch order, each run's
+    final validation accuracy read from its metrics) and writes curves.png and comparison.json beside them."""
+    result = run_compare(tmp_path)
+    out = tmp_path / "out"
+    names = [Path(line.split(" ", 1)[1]).parent.name for line in result.stdout.splitlines() if line.startswith("run ")]
+    table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0][2:] for line in table[1:]] == ["run", *names][1:] and len(names) == 5
+    summaries = json.loads((out / "comparison.json").read_text())
+    assert list(summaries) == names
+    for name in names:
+        accuracy = float(f"0.{len(str(out / name / 'metrics.jsonl'))}2")
+        assert summaries[name]["val_final"] == pytest.approx(accuracy) and summaries[name]["steps"] == 2
+        assert f"| {name} | 2 |" in result.stdout
+    assert (out / "curves.png").stat().st_size > 10_000
 
 
 def test_paper_recipes_say_how_to_switch_to_the_measured_value_source(recipe_env):
@@ -497,6 +535,28 @@ def test_submit_takes_a_recipe_from_anywhere(tmp_path):
     missing = subprocess.run(["bash", str(ROOT / "recipes" / "paper" / "submit.sh"), "nothere"], env=env,
                              capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert missing.returncode == 2 and "no recipe nothere" in missing.stderr
+
+
+def test_submit_forwards_tracking_and_hub_variables_through_the_jobs_runtime_env(tmp_path):
+    """The job's ``--runtime-env-json`` carries the tracker and hub variables set in the submitting shell (and the
+    names in SUBMIT_ENV), not others; the job's driver joins the cluster it runs on."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ray").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    (fake / "ray").chmod(0o755)
+    shell = {"WANDB_API_KEY": "key-1", "WANDB_PROJECT": "proj", "WANDB_ENTITY": "team", "HF_TOKEN": "hf-2",
+             "HF_HOME": "/shared/hf", "DATA_DIR": "/shared/data", "RREDCOT_SEED": "3", "MY_SETTING": "x",
+             "UNRELATED_SECRET": "must-stay"}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HF_", "RREDCOT_"))}, **shell,
+           "PATH": f"{fake}:{os.environ['PATH']}", "RAY_ADDRESS": "http://head:8265", "SUBMIT_ENV": "MY_SETTING"}
+    result = subprocess.run(["bash", str(ROOT / "recipes" / "paper" / "submit.sh"), "qwen3_4b_numina_rredcot"],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    argv = result.stdout.splitlines()
+    forwarded = json.loads(argv[argv.index("--runtime-env-json") + 1])["env_vars"]
+    assert forwarded == {**{k: v for k, v in shell.items() if k != "UNRELATED_SECRET"}, "RAY_ADDRESS": "auto",
+                         "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
+    assert argv[argv.index("--address") + 1] == "http://head:8265"
 
 
 # ------------------------------------------------------------------------------------------------ packaging, links
