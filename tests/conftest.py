@@ -47,8 +47,13 @@ def make_trainer():
     from rredcot_verl.integration.trainer import TRAINER_NAME, SegmentCreditTrainer
 
     def make(*overrides: str, store: dict | None = None):
+        # The value source's keys as the tiny recipe pins them: the launcher, not run here, would resolve their
+        # `auto` default from the training rows.
         base = (f"trainer.v1.trainer_mode={TRAINER_NAME}", f"actor_rollout_ref.model.path={WARM_START}",
-                "algorithm.rredcot.task=arithmetic", "algorithm.rredcot.probe.profile=embedded")  # fmt: skip
+                "algorithm.rredcot.task=arithmetic", "algorithm.rredcot.probe.profile=embedded",
+                "algorithm.rredcot.probe.value_source=exit_probe", "algorithm.rredcot.candidates.source=both",
+                "algorithm.rredcot.redistribution.value_mapping=affine",
+                "algorithm.rredcot.redistribution.degenerate_groups=grpo")  # fmt: skip
         trainer = SegmentCreditTrainer(copy.deepcopy(_trainer_config((*base, *overrides))))
         trainer._init_tokenizer()
         trainer.global_steps, trainer.timing_raw = 1, {}
