@@ -356,9 +356,10 @@ def sample_traces(model, tokenizer, problems, samples_per_prompt: int, seed: int
     return traces
 
 
-def monte_carlo_values(model, tokenizer, traces: list[Trace], segment_ends: list[list[int]], *, num_samples: int,
-                       max_response_tokens: int = MAX_RESPONSE_TOKENS, temperature: float = 1.0, seed: int = 0,
-                       batch_size: int = 512) -> tuple[list[np.ndarray], int]:
+def continuation_success_rates(model, tokenizer, traces: list[Trace], segment_ends: list[list[int]], *,
+                               num_samples: int, max_response_tokens: int = MAX_RESPONSE_TOKENS,
+                               temperature: float = 1.0, seed: int = 0,
+                               batch_size: int = 512) -> tuple[list[np.ndarray], int]:
     """Values of the states S_0..S_{K-1} of each trace (S_k: the response up to segment k's start): the mean task
     reward of ``num_samples`` continuations sampled by ``generate``, planned and tallied by ``core.montecarlo`` as
     ``segment_mc`` does. A continuation may take the response to ``max_response_tokens`` (training's response
@@ -382,7 +383,7 @@ def monte_carlo_values(model, tokenizer, traces: list[Trace], segment_ends: list
     def judge(i: int, response_ids: list[int]) -> float:
         return compute_score(None, tokenizer.decode(response_ids, skip_special_tokens=True), traces[i].ground_truth)
 
-    _, raw, metrics = montecarlo.monte_carlo_values(
+    _, raw, metrics = montecarlo.values_from_continuations(
         [t.response_ids.tolist() for t in traces], segment_ends, [t.outcome for t in traces], requests,
         continuations, judge, max_segments=max([len(ends) for ends in segment_ends], default=0))
     values = [raw[i, : len(ends)].double().numpy() for i, ends in enumerate(segment_ends)]

@@ -107,7 +107,7 @@ def measure_values(model, tokenizer, traces, mc_samples: int, repeats: int) -> d
     recipe_seconds = statistics.median(
         timed(lambda: compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC))[0] for _ in range(repeats))
     ends = [[*boundaries[1:], t.response_ids.numel()] for t, (boundaries, _, _) in zip(traces, batch)]
-    mc_seconds, (_, mc_generated) = timed(lambda: common.monte_carlo_values(model, tokenizer, traces, ends,
+    mc_seconds, (_, mc_generated) = timed(lambda: common.continuation_success_rates(model, tokenizer, traces, ends,
                                                                             num_samples=mc_samples))
     flat = [(t, b) for t, (boundaries, _, _) in zip(traces, batch) for b in boundaries]
 

@@ -9,7 +9,7 @@ import torch
 from scipy import stats
 
 from benchmarks import common, cost, length_scaling, sample_efficiency, value_gate, value_quality, verdict
-from benchmarks.common import build_task, monte_carlo_values, spearman
+from benchmarks.common import build_task, continuation_success_rates, spearman
 from rredcot_verl.core.concordance import ConcordanceCounts
 from rredcot_verl.tasks import compute_score, load_model_dir, parse_prompt, reference_response
 from rredcot_verl.tasks.arithmetic import response_step_lines
@@ -87,12 +87,12 @@ def test_monte_carlo_matches_the_exact_probability_of_a_forced_answer(model_and_
     exact = exact_success_probability_two_tokens(model, tokenizer, prompt, prefix, str(problem.answer), temperature)
     assert 0.1 < exact < 0.9
     trace = _trace(prompt, response, str(problem.answer))
-    (values,), _ = monte_carlo_values(model, tokenizer, [trace], [[len(prefix), len(response)]],
+    (values,), _ = continuation_success_rates(model, tokenizer, [trace], [[len(prefix), len(response)]],
                                       num_samples=samples, max_response_tokens=len(prefix) + 2,
                                       temperature=temperature, seed=3)
     assert abs(values[1] - exact) <= 4 * math.sqrt(exact * (1 - exact) / samples)  # 4 binomial sigmas
     # One token of budget cannot hold "}" and EOS: every continuation is truncated and counts as a failure.
-    (values,), _ = monte_carlo_values(model, tokenizer, [trace], [[len(prefix), len(response)]], num_samples=16,
+    (values,), _ = continuation_success_rates(model, tokenizer, [trace], [[len(prefix), len(response)]], num_samples=16,
                                       max_response_tokens=len(prefix) + 1)
     assert values[1] == 0.0
 
@@ -102,7 +102,7 @@ def test_monte_carlo_gives_a_state_without_room_no_value(model_and_tokenizer):
     valued from ``num_samples`` continuations each (success counts over num_samples)."""
     model, tokenizer = model_and_tokenizer
     trace = _trace([1, 2], [3, 4, 5, 6], "1")
-    (values,), generated = monte_carlo_values(model, tokenizer, [trace], [[2, 3, 4]], num_samples=4,
+    (values,), generated = continuation_success_rates(model, tokenizer, [trace], [[2, 3, 4]], num_samples=4,
                                               max_response_tokens=3)
     assert math.isnan(values[2]) and not any(math.isnan(v) for v in values[:2])
     assert all((v * 4).is_integer() for v in values[:2])

@@ -144,24 +144,6 @@ def test_prompts_all_longer_than_the_budget_are_refused(build):
         prepare(_config(["data.max_prompt_length=4", "data.filter_overlong_prompts=true"]))
 
 
-def test_an_empty_dataset_after_verls_filter_names_the_key(monkeypatch):
-    """The trainer's own message where the launcher could not tokenize (a hub model not cached at launch)."""
-    from omegaconf import OmegaConf
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
-
-    from rredcot_verl.integration.trainer import SegmentCreditTrainer
-
-    def verl_init_dataloader(self):
-        self.train_dataset = []
-        raise ValueError("num_samples should be a positive integer value, but got num_samples=0")
-
-    monkeypatch.setattr(PPOTrainer, "_init_dataloader", verl_init_dataloader)
-    trainer = object.__new__(SegmentCreditTrainer)
-    trainer.config = OmegaConf.create({"data": {"max_prompt_length": 1024}})
-    with pytest.raises(ValueError, match="train dataset is empty .* data.max_prompt_length=1024"):
-        trainer._init_dataloader()
-
-
 @pytest.mark.parametrize(
     "estimator", [["algorithm.adv_estimator=ibpo"], ["algorithm.adv_estimator=rredcot_ibpo"],
                   ["algorithm.adv_estimator=rredcot", "algorithm.rredcot.candidates.source=group_and_repairs"]],

@@ -1,16 +1,13 @@
-"""Outcomes on any declared scale (``algorithm.rredcot.reward_range``): −1/+1 and partial credit, through verl."""
+"""Outcomes on any declared scale (``algorithm.rredcot.reward_range``): −1/+1 and partial credit, through the
+estimators' advantage functions (the ones the trainer calls), against verl's GRPO."""
 
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
-from verl import DataProto
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-from verl.trainer.ppo.ray_trainer import compute_advantage
 
-import rredcot_verl.integration.plugin  # noqa: F401  (registers the estimators)
-from rredcot_verl.integration.estimators import estimator_inputs
-from rredcot_verl.integration.estimators.rredcot import SegmentInputs
+from rredcot_verl.core.settings import settings_from_config
+from rredcot_verl.integration.estimators import ESTIMATORS, AdvantageBatch
 
 torch.set_num_threads(1)
 NAN = float("nan")
@@ -24,39 +21,32 @@ PROBES = [
 ]  # fmt: skip
 
 
-def _data(outcomes):
+def _rewards_and_mask(outcomes):
     mask = torch.zeros(len(LENGTHS), 8)
     rewards = torch.zeros(len(LENGTHS), 8)
     for i, (length, outcome) in enumerate(zip(LENGTHS, outcomes)):
         mask[i, :length] = 1
         rewards[i, length - 1] = outcome
-    tensors = {"token_level_rewards": rewards, "response_mask": mask}
-    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": UID})
+    return rewards, mask
 
 
-def _segments():
+def _segments() -> dict:
     ends = torch.full((len(LENGTHS), 3), -1, dtype=torch.long)
     values = torch.full((len(LENGTHS), 4), NAN)
     for i, length in enumerate(LENGTHS):
         ends[i] = torch.tensor([length // 3, 2 * length // 3, length])
         values[i, :3] = torch.tensor(PROBES[i])
-    return SegmentInputs(ends, values).to_batch()
+    return {"segment_ends": ends, "raw_values": values}
 
 
 def _run(estimator, outcomes, reward_range, **redistribution):
-    config = OmegaConf.create(
-        {
-            "adv_estimator": estimator,
-            "norm_adv_by_std_in_grpo": True,
-            "rredcot": {"reward_range": list(reward_range), "redistribution": redistribution},
-        }
-    )
-    data = _data(outcomes)
-    with estimator_inputs(UID, _segments()) as record:
-        out = compute_advantage(data, adv_estimator=estimator, config=config)
-    fresh = _data(outcomes)
-    grpo, _ = compute_grpo_outcome_advantage(fresh.batch["token_level_rewards"], fresh.batch["response_mask"], UID)
-    return out.batch["advantages"], grpo, record
+    settings = settings_from_config({"norm_adv_by_std_in_grpo": True,
+                                     "rredcot": {"reward_range": list(reward_range), "redistribution": redistribution}})
+    rewards, mask = _rewards_and_mask(outcomes)
+    batch = AdvantageBatch(scores=rewards.sum(-1), response_mask=mask, index=UID.copy(), **_segments())
+    result = ESTIMATORS[estimator].advantage(batch, settings)
+    grpo, _ = compute_grpo_outcome_advantage(*_rewards_and_mask(outcomes), UID)
+    return result.advantages, grpo, result
 
 
 def _group_means(outcomes):
@@ -72,14 +62,13 @@ PARTIAL = [1.0, 0.0, 0.5, 0.0, 0.5, 0.0, 1.0, 1.0, 1.0]
 @pytest.mark.parametrize(
     "outcomes, reward_range", [(PLUS_MINUS, (-1.0, 1.0)), (PARTIAL, (0.0, 1.0))], ids=["plus_minus_one", "partial"]
 )
-def test_reward_scale_through_compute_advantage_telescopes_and_stays_finite(estimator, outcomes, reward_range):
-    advantages, grpo, record = _run(estimator, outcomes, reward_range)
+def test_reward_scale_telescopes_and_stays_finite(estimator, outcomes, reward_range):
+    advantages, grpo, result = _run(estimator, outcomes, reward_range)
     assert torch.isfinite(advantages).all()
-    assert record.metrics[f"{estimator}/fallback/outside_reward_range"] == 0.0
-    details = record.details
-    live = ~details["fallback"]
+    assert result.metrics[f"{estimator}/fallback/outside_reward_range"] == 0.0
+    live = ~result.fallback
     assert live[:7].sum() >= 5  # the mixed groups are redistributed (traces at their group mean fall back)
-    values, rewards = details["values"].double(), details["segment_rewards"].double()
+    values, rewards = result.values.double(), result.segment_rewards.double()
     # Anchored: V_0 = group mean, V_K = ζ, and Σ_k R_k = ζ − V_0 on the declared scale.
     outcome = torch.tensor(outcomes, dtype=torch.float64)
     assert torch.allclose(values[live, 0], _group_means(outcomes)[live])
@@ -102,18 +91,18 @@ def test_reward_scale_at_mix_zero_is_verls_grpo(outcomes, reward_range):
 def test_reward_scale_plus_minus_one_redistributes_as_zero_one():
     """Probe values are probabilities; on [−1, 1] they stand for 2v̂ − 1. The coefficients do not depend on the
     scale, so the advantages match those of the same outcomes on [0, 1] (up to verl's ε in the std)."""
-    plus_minus, _, record_pm = _run("rredcot", PLUS_MINUS, (-1.0, 1.0))
-    zero_one, _, record_01 = _run("rredcot", [(o + 1) / 2 for o in PLUS_MINUS], (0.0, 1.0))
+    plus_minus, _, result_pm = _run("rredcot", PLUS_MINUS, (-1.0, 1.0))
+    zero_one, _, result_01 = _run("rredcot", [(o + 1) / 2 for o in PLUS_MINUS], (0.0, 1.0))
     assert torch.allclose(plus_minus, zero_one, atol=1e-5)
-    values_pm, values_01 = record_pm.details["values"].double(), record_01.details["values"].double()
+    values_pm, values_01 = result_pm.values.double(), result_01.values.double()
     assert torch.allclose(values_pm, 2 * values_01 - 1, atol=1e-6, equal_nan=True)
 
 
 def test_reward_scale_outcome_outside_the_range_keeps_grpo_and_is_counted():
     outcomes = list(PLUS_MINUS)
     outcomes[0] = 1.5  # a reward function that breaks its declared [−1, 1] mid-run
-    advantages, grpo, record = _run("rredcot", outcomes, (-1.0, 1.0))
-    assert record.metrics["rredcot/fallback/outside_reward_range"] == 1.0
+    advantages, grpo, result = _run("rredcot", outcomes, (-1.0, 1.0))
+    assert result.metrics["rredcot/fallback/outside_reward_range"] == 1.0
     assert torch.equal(advantages[0], grpo[0])
     assert torch.isfinite(advantages).all()
     assert not torch.equal(advantages[1], grpo[1])  # its group mates are still redistributed around the true mean
@@ -122,9 +111,9 @@ def test_reward_scale_outcome_outside_the_range_keeps_grpo_and_is_counted():
 
 def test_reward_scale_value_differences_in_degenerate_groups_are_on_the_scale():
     # Group c is all correct (+1): its traces get unanchored value differences, R in units of the declared scale.
-    advantages, _, record = _run("rredcot", PLUS_MINUS, (-1.0, 1.0), degenerate_groups="value_differences")
-    assert record.metrics["rredcot/degenerate_groups_with_signal"] == 1.0
-    values = record.details["values"][7].double()
+    advantages, _, result = _run("rredcot", PLUS_MINUS, (-1.0, 1.0), degenerate_groups="value_differences")
+    assert result.metrics["rredcot/degenerate_groups_with_signal"] == 1.0
+    values = result.values[7].double()
     assert torch.allclose(values, torch.tensor([0.0, 0.2, 0.4, 1.0], dtype=torch.float64), atol=1e-6)  # 2v̂ − 1
     # A_t = R_k · (L / n_k) / s, s = (high − low) / 2 = 1: L = 5, segments of 1, 2, 2 tokens.
     expected = torch.tensor([0.2 * 5, 0.2 * 5 / 2, 0.2 * 5 / 2, 0.6 * 5 / 2, 0.6 * 5 / 2])

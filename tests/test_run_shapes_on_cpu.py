@@ -236,17 +236,13 @@ def test_a_reward_manager_that_rescores_is_refused_for_extra_generations(cpu_bui
     check(_config("grpo", overrides))
 
 
-def test_the_engine_context_of_a_hub_model_is_read_once_per_run(monkeypatch):
+def test_the_engine_context_of_a_hub_model_is_read_once_per_run(make_trainer, monkeypatch):
     """Without rollout.max_model_len the context comes from the model's config: a hub lookup, not one per step."""
-    from omegaconf import OmegaConf
-
     from rredcot_verl.integration import rollouts
-    from rredcot_verl.integration.trainer import SegmentCreditTrainer
 
     reads = []
     monkeypatch.setattr(rollouts, "engine_max_model_length", lambda config: reads.append(config) or 40960)
-    trainer = object.__new__(SegmentCreditTrainer)
-    trainer.config = OmegaConf.create({"actor_rollout_ref": {"model": {"path": "Qwen/Qwen3-4B"}}})
+    trainer = make_trainer()
     assert [trainer.engine_max_model_length for _ in range(3)] == [40960] * 3 and len(reads) == 1
 
 

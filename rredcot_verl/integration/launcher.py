@@ -299,11 +299,10 @@ def check_rule_reward(config: DictConfig, settings) -> None:
     """Refuse an estimator that judges extra generations (repairs, continuations) without a rule reward to judge them
     with, or with a reward manager that scores rollouts otherwise than that function (it would fail at the first
     step, or judge repairs and rollouts differently)."""
-    from rredcot_verl.integration.estimators import EngineUse
+    from rredcot_verl.integration.estimators import generates
     from rredcot_verl.integration.rollouts import reward_manager_refusal
 
-    generates = any(stage.engine_use is not EngineUse.NONE for stage in _stages(config, settings))
-    if not generates:
+    if not generates(_stages(config, settings)):
         return
     custom = config.reward.get("custom_reward_function", None) or {}
     if not custom.get("path"):

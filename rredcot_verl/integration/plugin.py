@@ -4,11 +4,11 @@ verl imports it in each of its processes (entry point in ``setup.py``; the launc
 ``VERL_USE_EXTERNAL_MODULES`` for workers on clusters where the package is installed without entry points). It applies
 the CPU accommodations when ``RREDCOT_CPU=1``, keeps the first error of verl's agent loop for the trainer
 (``failures.install_error_recorder``), and under verl's async entry points refuses these estimators before Ray starts
-(``async_entry_points.guard_async_entry_points``). The estimators ``rredcot``, ``ibpo`` and ``segment_mc``
-(``register_adv_est``) and the trainer (``register_trainer``) register when verl loads the module holding their
-registry, and the CPU-offload patch when verl loads its FSDP engine: those modules take about 14 CPU-seconds to import,
-which most of a run's processes (vLLM servers, storage units, load balancers) never need. Importing it twice is
-harmless.
+(``async_entry_points.guard_async_entry_points``). The estimators' names (``register_adv_est``; the trainer calls
+their advantage functions itself) and the trainer (``register_trainer``) register when verl loads the module holding
+their registry, and the CPU-offload patch when verl loads its FSDP engine: those modules take about 14 CPU-seconds
+to import, which most of a run's processes (vLLM servers, storage units, load balancers) never need. Importing it
+twice is harmless.
 """
 
 from wrapt import register_post_import_hook

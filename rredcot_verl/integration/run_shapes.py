@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from rredcot_verl.core.settings import settings_from_config
-from rredcot_verl.integration.estimators import EngineUse
+from rredcot_verl.integration.estimators import generates
 from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE
 
 # verl's agent loop for plain single-turn generation; any other loop (tool_agent, a custom one) returns multi-turn
@@ -96,7 +96,7 @@ def multi_turn(config: DictConfig, spec, hf_config) -> str | None:
         return None
     settings = settings_from_config(_get(config, "algorithm"))
     stages = spec.stages(settings)
-    if any(stage.engine_use is not EngineUse.NONE for stage in stages):
+    if generates(stages):
         generated = "IBPO's repairs" if REPAIR_STAGE in stages else "Monte-Carlo continuations"
         source = settings.candidates.source
         estimator = (f"{spec.name} and algorithm.rredcot.candidates.source={source}" if spec.name == "rredcot"
