@@ -9,12 +9,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
-from transformers import Gemma2Config, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import CohereConfig, Gemma2Config, MistralConfig, Qwen2Config, Qwen3Config, Qwen3NextConfig
 
 from composing import compose_recipe
 from rredcot_verl.integration.estimators import ESTIMATORS
 from rredcot_verl.integration.launcher import LaunchError, check, prepare
-from rredcot_verl.integration.run_shapes import attention_kind
+from rredcot_verl.integration.run_shapes import value_pass_model
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = sorted(ESTIMATORS)
@@ -124,22 +124,38 @@ def test_megatron_is_refused_for_the_value_pass_only(cpu_build):
 @pytest.mark.parametrize(
     "hf_config, refused",
     [
-        (Gemma2Config(), "sliding_attention attention layers"),
-        (MistralConfig(sliding_window=4096), "sliding_window=4096 attention layers"),
-        (Gemma2Config(layer_types=["full_attention"] * 26), "attn_logit_softcapping and final_logit_softcapping"),
+        (Gemma2Config(), "layer_types with sliding_attention layers (sliding_window=4096)"),
+        (MistralConfig(sliding_window=4096), "sliding_window=4096 (windowed attention)"),
+        (Gemma2Config(layer_types=["full_attention"] * 26), "attn_logit_softcapping=50.0"),
+        (Qwen3NextConfig(), "layer_types with linear_attention layers"),
+        (Gemma2Config(layer_types=["full_attention"] * 26, attn_logit_softcapping=None), None),  # logits capped alike
+        (CohereConfig(), None),  # logit_scale, applied by the value pass
         (Qwen2Config(), None),  # sliding_window is set but use_sliding_window is false
         (Qwen3Config(), None),
         (MistralConfig(sliding_window=None), None),
     ],
-    ids=["gemma2", "mistral-v0.1", "softcapped", "qwen2", "qwen3", "mistral-v0.3"],
+    ids=["gemma2", "mistral-v0.1", "softcapped-attention", "qwen3-next", "softcapped-logits", "cohere", "qwen2",
+         "qwen3", "mistral-v0.3"],
 )
-def test_hybrid_attention_and_softcapping_are_refused_for_the_value_pass(hf_config, refused):
+def test_what_the_value_pass_cannot_score_is_refused_at_launch(hf_config, refused):
     for name in OURS:
-        message = attention_kind(_config_stub(), ESTIMATORS[name], hf_config)
+        message = value_pass_model(_config_stub(), ESTIMATORS[name], hf_config)
         if refused is None or not ESTIMATORS[name].uses_value_pass:
             assert message is None
         else:
-            assert refused in message and "actor_rollout_ref.model.path" in message
+            assert message.startswith(f"actor_rollout_ref.model.path is a {hf_config.model_type} model with {refused}")
+            assert f"algorithm.adv_estimator={name} cannot score it exactly" in message and "\n" not in message
+
+
+def test_the_launch_reads_the_model_config_as_verls_override_config_leaves_it():
+    """verl applies actor_rollout_ref.model.override_config to the actor's config; the launch check reads the same."""
+    from omegaconf import OmegaConf
+
+    overridden = OmegaConf.create({"actor_rollout_ref": {"model": {"override_config": {"attn_logit_softcapping": None}}}})
+    softcapped = Gemma2Config(layer_types=["full_attention"] * 26)
+    assert value_pass_model(overridden, ESTIMATORS["rredcot"], softcapped) is None
+    assert "attn_logit_softcapping" in value_pass_model(_config_stub(), ESTIMATORS["rredcot"], softcapped)
+    assert softcapped.attn_logit_softcapping == 50.0  # the model folder's config is left as it was
 
 
 def _config_stub():

@@ -8,11 +8,13 @@ matrix (``benchmarks/support_matrix.py``, docs/usage.md) records each shape's ou
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from rredcot_verl.core.model_support import value_pass_refusal
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration.estimators import EngineUse
 from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE
@@ -43,32 +45,24 @@ def megatron(config: DictConfig, spec, hf_config) -> str | None:
     return None
 
 
-def attention_kind(config: DictConfig, spec, hf_config) -> str | None:
-    """The value pass scores probes with its own packed attention mask: full causal attention without logit
-    softcapping, which sliding-window / hybrid-attention layers and softcapped logits are not."""
+def value_pass_model(config: DictConfig, spec, hf_config) -> str | None:
+    """A model the value pass cannot score exactly (``core.model_support.value_pass_refusal``, the predicate the value
+    pass itself checks before scoring), read from the model's config with verl's ``override_config`` applied."""
     if not spec.uses_value_pass or hf_config is None:
         return None
-    model_type = getattr(hf_config, "model_type", "?")
-    layer_types = getattr(hf_config, "layer_types", None)
-    other = sorted({str(kind) for kind in layer_types or () if str(kind) != "full_attention"})
-    # Where a config lists its layer types, those say which layers use sliding_window; older configs say it globally.
-    windowed = (
-        layer_types is None
-        and getattr(hf_config, "sliding_window", None) is not None
-        and getattr(hf_config, "use_sliding_window", True)
-    )
-    if other or windowed:
-        kinds = ", ".join(other) if other else f"sliding_window={hf_config.sliding_window}"
+    from verl.utils.model import update_model_config
+
+    overrides = _get(config, "actor_rollout_ref.model.override_config", {})
+    overrides = OmegaConf.to_container(overrides, resolve=True) if isinstance(overrides, DictConfig) else dict(overrides)
+    hf_config = copy.deepcopy(hf_config)
+    # As verl's HFModelConfig applies them to the actor's config (workers/config/model.py).
+    update_model_config(hf_config, overrides.get("model_config", overrides))
+    refusal = value_pass_refusal(hf_config)
+    if refusal:
         return (
-            f"actor_rollout_ref.model.path is a {model_type} model with {kinds} attention layers, which the segment "
-            f"value pass of algorithm.adv_estimator={spec.name} does not support (full causal attention only); use "
-            "adv_estimator=ibpo or a full-attention model"
-        )
-    capped = [name for name in ("attn_logit_softcapping", "final_logit_softcapping") if getattr(hf_config, name, None)]
-    if capped:
-        return (
-            f"actor_rollout_ref.model.path is a {model_type} model with {' and '.join(capped)}, which the segment "
-            f"value pass of algorithm.adv_estimator={spec.name} does not apply; use adv_estimator=ibpo or another model"
+            f"actor_rollout_ref.model.path is a {getattr(hf_config, 'model_type', '?')} model with {refusal}: the "
+            f"segment value pass of algorithm.adv_estimator={spec.name} cannot score it exactly; use "
+            "adv_estimator=ibpo or another model"
         )
     return None
 
@@ -176,7 +170,7 @@ def reward_model(config: DictConfig, spec, hf_config) -> str | None:
 
 # In the order a user meets them (trainer, rollout, reward, model); the launcher raises the first refusal.
 SHAPE_CHECKS: tuple[Callable[[DictConfig, Any, Any], str | None], ...] = (
-    legacy_trainer, bypass_mode, critic, group_size, multi_turn, kl_in_reward, reward_model, megatron, attention_kind,
+    legacy_trainer, bypass_mode, critic, group_size, multi_turn, kl_in_reward, reward_model, megatron, value_pass_model,
 )  # fmt: skip
 
 
