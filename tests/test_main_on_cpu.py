@@ -102,6 +102,24 @@ def test_cli_exits_with_code_2_and_one_line(build):
     assert "rredcot_verl: model folder" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_key_typo_is_one_line_naming_the_key_and_exit_2(tmp_path):
+    """Without "+", a key the config lacks fails hydra's composition: hydra alone prints it over several lines and
+    exits 1; the launcher answers it as every other refusal, before any check (no model folder needed)."""
+    env = {**os.environ, "RREDCOT_CPU": "1", "RREDCOT_BUILD": str(tmp_path / "absent")}
+    env.pop("HYDRA_FULL_ERROR", None)
+    for flags in ((), ("--check-only",)):
+        result = subprocess.run(
+            [sys.executable, "-m", "rredcot_verl.main", *flags, "--config-dir", str(ROOT / "recipes/tiny_cpu"),
+             "--config-name", "rredcot", "algorithm.rredcot.redistribution.mixx=0.5"],
+            capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.strip().splitlines() == [
+            "rredcot_verl: Could not override 'algorithm.rredcot.redistribution.mixx'. To append to your config use "
+            "+algorithm.rredcot.redistribution.mixx=0.5 (Key 'mixx' is not in struct)"
+        ]
+
+
 def _paper_data(folder: Path, monkeypatch) -> None:
     """$DATA_DIR as the paper recipes read it: a few rows in prepare_math_data.py's format."""
     from rredcot_verl.tasks.math_data import convert

@@ -200,19 +200,23 @@ def test_a_cluster_address_in_the_recipe_is_kept_on_cpu(cpu_build):
     assert config.ray_kwargs.ray_init.address == "auto" and config.ray_kwargs.ray_init.get("num_gpus") is None
 
 
-def _check_only(*overrides, config_name="rredcot"):
+def _check_only(*overrides, config_name="rredcot", cwd=None):
     env = {**os.environ, "RREDCOT_CPU": "1"}
     env.pop("RAY_ADDRESS", None)
     return subprocess.run(
         [sys.executable, "-m", "rredcot_verl.main", "--check-only", "--config-dir", str(ROOT / "recipes/tiny_cpu"),
          "--config-name", config_name, *overrides],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True, text=True, env=env, timeout=300, cwd=cwd,
     )  # fmt: skip
 
 
-def test_check_only_says_ok_refuses_and_names_what_it_skipped(cpu_build):
-    """One process for three answers would hide which one exits how: three runs, none starting Ray."""
-    ok = _check_only()
+def test_check_only_says_ok_refuses_and_names_what_it_skipped(cpu_build, tmp_path):
+    """One process for three answers would hide which one exits how: three runs, none starting Ray, none writing
+    into the working directory (hydra's output folder and log)."""
+    work = tmp_path / "cwd"  # tmp_path holds the build
+    work.mkdir()
+    ok = _check_only(cwd=work)
+    assert list(work.iterdir()) == []
     assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1] == "rredcot_verl: ok", ok.stderr[-2000:]
     refused = _check_only("algorithm.use_kl_in_reward=true")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr

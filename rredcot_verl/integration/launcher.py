@@ -464,8 +464,18 @@ def check_only(config: DictConfig) -> None:
     print("rredcot_verl: ok" + (f"; skipped (not on this machine): {'; '.join(skipped)}" if skipped else ""))
 
 
+# --check-only writes nothing: hydra's defaults would put an output folder (its config, a log file) in the working
+# directory.
+CHECK_ONLY_HYDRA = ("hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=stdout")
+# Set while hydra composes the config: hydra then raises its composition errors (a key typo without "+") instead of
+# printing them over several lines and exiting 1, and main() answers them as every refusal.
+HYDRA_FULL_ERROR = "HYDRA_FULL_ERROR"
+
+
 @hydra.main(config_path="../conf", config_name="rredcot_trainer", version_base=None)
 def _main(config: DictConfig) -> None:
+    if _RAISE_COMPOSITION_ERRORS:
+        os.environ.pop(HYDRA_FULL_ERROR)  # composed: errors of the run itself are reported as hydra reports them
     try:
         check_only(config) if _CHECK_ONLY else run(config)
     except LaunchError as error:
@@ -474,14 +484,32 @@ def _main(config: DictConfig) -> None:
 
 
 _CHECK_ONLY = False
+_RAISE_COMPOSITION_ERRORS = False
+
+
+def composition_refusal(error: Exception) -> str:
+    """hydra's composition error (and the omegaconf error under it) in one line: ``Could not override 'a.b'. To append
+    to your config use +a.b=1 (Key 'b' is not in struct)``."""
+    cause = error.__cause__
+    detail = f" ({str(cause).splitlines()[0]})" if cause is not None and str(cause).strip() else ""
+    return " ".join(str(error).split()) + detail
 
 
 def main() -> None:
     """The command line: hydra's, plus ``--check-only`` (taken out before hydra parses the rest)."""
-    global _CHECK_ONLY
+    from hydra.errors import CompactHydraException
+
+    global _CHECK_ONLY, _RAISE_COMPOSITION_ERRORS
     _CHECK_ONLY = CHECK_ONLY_FLAG in sys.argv[1:]
-    sys.argv = [arg for arg in sys.argv if arg != CHECK_ONLY_FLAG]
-    _main()
+    sys.argv = [arg for arg in sys.argv if arg != CHECK_ONLY_FLAG] + (list(CHECK_ONLY_HYDRA) if _CHECK_ONLY else [])
+    _RAISE_COMPOSITION_ERRORS = HYDRA_FULL_ERROR not in os.environ
+    if _RAISE_COMPOSITION_ERRORS:
+        os.environ[HYDRA_FULL_ERROR] = "1"
+    try:
+        _main()
+    except CompactHydraException as error:  # overrides that do not parse or compose: before any check ran
+        print(f"rredcot_verl: {composition_refusal(error)}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
