@@ -34,6 +34,10 @@ def _config(estimator: str, overrides=()):
 
 # verl asks for it whenever a reference policy runs (KL loss or KL in reward).
 REF_MICRO_BATCH = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16"
+# DAPO's overlong penalty as verl's DAPO recipe sets it (reward_kwargs are not in verl's config: added with +).
+DAPO_OVERLONG = ["+reward.reward_kwargs.overlong_buffer_cfg.enable=true", "+reward.reward_kwargs.overlong_buffer_cfg.len=16",
+                 "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+                 "+reward.reward_kwargs.overlong_buffer_cfg.log=false", "+reward.reward_kwargs.max_resp_len=96"]
 # shape -> (overrides, the key the refusal must name)
 REFUSED_SHAPES = {
     "legacy_trainer": (["trainer.use_v1=false"], "trainer.use_v1=false"),
@@ -43,6 +47,11 @@ REFUSED_SHAPES = {
     "n_1": (["actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"], "actor_rollout_ref.rollout.n=1"),
     "kl_in_reward": (["algorithm.use_kl_in_reward=true", REF_MICRO_BATCH], "algorithm.use_kl_in_reward=true"),
+    "dapo_overlong_penalty": (["reward.reward_manager.name=dapo", *DAPO_OVERLONG],
+                              "reward.reward_kwargs.overlong_buffer_cfg.enable=true"),
+    "dapo_overlong_penalty_legacy_keys": (["reward_model.reward_manager=dapo",
+                                           *[o.replace("reward.", "reward_model.") for o in DAPO_OVERLONG]],
+                                          "reward_model.reward_kwargs.overlong_buffer_cfg.enable=true"),
     "reward_model": (["reward.reward_model.enable=true"], "reward.reward_model.enable=true"),
     "async_trainer_mode": (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode=colocate_async"),
 }  # fmt: skip

@@ -9,7 +9,9 @@ local model folder (hub ids are verl's to download), local dataset files that do
 estimators also: unknown ``algorithm.rredcot`` keys, datasets without ``reward_model.ground_truth`` or whose prompts
 all exceed ``data.max_prompt_length``, extra generations without a rule reward to judge them, an engine context too
 short for IBPO's revisions, Ulysses sequence parallelism, and the run shapes of ``run_shapes.py`` (legacy trainer,
-bypass mode, a critic, groups of one, multi-turn rollouts, KL in reward, a reward model, Megatron, hybrid attention).
+bypass mode, a critic, groups of one, multi-turn rollouts, KL in reward, DAPO's overlong penalty, a reward model,
+Megatron, a model the value pass cannot score exactly). Where verl scores the rows with its own scorer, the scale of that
+scorer becomes ``algorithm.rredcot.reward_range`` unless the recipe set one (``adopt_scorer_reward_range``).
 
 ``python -m rredcot_verl.main --check-only ...`` runs every check, prints ``ok`` (naming the checks it had to skip: a
 hub model or tokenizer not in the local cache, remote dataset files) or the refusal, and exits 0 / 2 without starting
@@ -303,6 +305,34 @@ def check_ibpo_context(config: DictConfig, settings, hf_config, prompt_lengths: 
     )
 
 
+def adopt_scorer_reward_range(config: DictConfig) -> str | None:
+    """Set ``algorithm.rredcot.reward_range`` to the scale of verl's own scorer for the training rows
+    (``reward_scale.scorer_reward_range``: ``math_dapo`` scores -1 / +1) where the recipe left the default; returns
+    the launch line saying so, or None. A range set otherwise that disagrees with the scorer is refused, as are rows
+    whose scorers disagree with each other."""
+    from rredcot_verl.core.settings import RRedCoTSettings
+    from rredcot_verl.integration.reward_scale import scorer_reward_range
+
+    try:
+        found = scorer_reward_range(config)
+    except ValueError as error:
+        raise LaunchError(str(error)) from error
+    if found is None:
+        return None
+    scale, scorer = found
+    configured = settings_from_config(config.algorithm).reward_range
+    if configured == scale:
+        return None
+    shown = f"[{scale[0]:g}, {scale[1]:g}]"
+    if configured != RRedCoTSettings().reward_range:
+        raise LaunchError(
+            f"algorithm.rredcot.reward_range=[{configured[0]:g}, {configured[1]:g}] is not the scale of {scorer}, "
+            f"{shown}: set algorithm.rredcot.reward_range={shown}, or leave it out"
+        )
+    _set(config, "algorithm.rredcot.reward_range", list(scale))
+    return f"algorithm.rredcot.reward_range={shown}: the scale of {scorer}"
+
+
 def check_estimator(name: str) -> None:
     import rredcot_verl.integration.plugin  # noqa: F401  (registers ours)
     from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
@@ -390,6 +420,9 @@ def check(config: DictConfig) -> list[str]:
         raise LaunchError(refusal)
     if spec is not None:
         check_task_answers(config, settings, skipped)
+        adopted = adopt_scorer_reward_range(config)
+        if adopted:
+            print(f"rredcot_verl: {adopted}")
     check_rule_reward(config, settings)
     check_ibpo_context(config, settings, hf_config, prompt_lengths)
     check_with_verl(config, skipped, model_is_local=hf_config is not None)

@@ -147,6 +147,27 @@ def kl_in_reward(config: DictConfig, spec, hf_config) -> str | None:
     return None
 
 
+def overlong_penalty(config: DictConfig, spec, hf_config) -> str | None:
+    """DAPO's reward manager subtracts a penalty from responses that run into its overlong buffer: a right answer then
+    scores below the top of ``reward_range`` (not correct) and a wrong one below its bottom (a fallback), exactly as
+    KL in the reward moves outcomes off the scale. verl reads it from ``reward.reward_kwargs`` (or the legacy
+    ``reward_model.reward_kwargs``, which it moves there) with the ``dapo`` reward manager."""
+    manager = _get(config, "reward.reward_manager.name", "naive")
+    legacy_manager = _get(config, "reward_model.reward_manager", None)
+    kwargs_key = "reward.reward_kwargs"
+    if _get(config, "reward_model.reward_kwargs", None) is not None:  # verl moves the legacy kwargs over the new ones
+        kwargs_key = "reward_model.reward_kwargs"
+    if str(legacy_manager or manager) != "dapo" or not bool(_get(config, f"{kwargs_key}.overlong_buffer_cfg.enable",
+                                                                  False)):  # fmt: skip
+        return None
+    return (
+        f"{kwargs_key}.overlong_buffer_cfg.enable=true (DAPO's overlong penalty) is not supported with "
+        f"algorithm.adv_estimator={spec.name}: it moves the outcomes it redistributes off "
+        "algorithm.rredcot.reward_range, as KL in the reward would; set it to false (data.max_response_length still "
+        "bounds the responses)"
+    )
+
+
 def critic(config: DictConfig, spec, hf_config) -> str | None:
     """The estimators write advantages directly; a critic's values and GAE would be trained and then unused."""
     if bool(_get(config, "critic.enable", False)):
@@ -170,7 +191,8 @@ def reward_model(config: DictConfig, spec, hf_config) -> str | None:
 
 # In the order a user meets them (trainer, rollout, reward, model); the launcher raises the first refusal.
 SHAPE_CHECKS: tuple[Callable[[DictConfig, Any, Any], str | None], ...] = (
-    legacy_trainer, bypass_mode, critic, group_size, multi_turn, kl_in_reward, reward_model, megatron, value_pass_model,
+    legacy_trainer, bypass_mode, critic, group_size, multi_turn, kl_in_reward, overlong_penalty, reward_model, megatron,
+    value_pass_model,
 )  # fmt: skip
 
 
