@@ -1,13 +1,15 @@
 """Tiny models of the model families the support matrix launches and the value-pass tests score.
 
     python -m benchmarks.model_families --family cohere --out DIR
+    python -m benchmarks.model_families --embedded-task --data-source math_dapo --out DIR
     python -m benchmarks.model_families --survey
 
 The first writes ``DIR/model`` (the family's config at a tiny size, random weights, the embedded task's tokenizer and chat
 template) and ``DIR/data`` (a few rows of the embedded task), the folder ``recipes/tiny_cpu`` reads from
 ``$RREDCOT_BUILD``. The weights are random: a launch shows whether verl, vLLM and the value pass run the family, not
 what it learns. Each family keeps the quirk it is here for (Cohere's ``logit_scale``, Granite's multipliers and
-``logits_scaling``, Gemma2's softcapping and sliding layers, Qwen3-Next's linear-attention layers).
+``logits_scaling``, Gemma2's softcapping and sliding layers, Qwen3-Next's linear-attention layers). The second writes
+the embedded task's own build (its trained warm start) with the rows' ``data_source`` changed, for verl's scorers.
 
 The second prints the survey docs/usage.md shows ("Model families"): every model type transformers maps to a causal
 LM, at its default config, sorted by what ``core.model_support`` makes of it (scored as is, with the logit scaling or
@@ -80,17 +82,27 @@ def tiny_model(name: str, vocab_size: int, seed: int = 0):
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def build(name: str, out: Path, n_train: int = 8, n_val: int = 4) -> Path:
-    """``out/model`` and ``out/data`` for family ``name`` (see the module docstring); returns ``out``."""
+def build(name: str | None, out: Path, data_source: str | None = None, n_train: int = 8, n_val: int = 4) -> Path:
+    """``out/model`` and ``out/data`` for family ``name`` (see the module docstring; None: the embedded task's own
+    warm start), the rows' ``data_source`` set to ``data_source`` where given (e.g. ``math_dapo``, which verl's
+    default scorer judges -1 / +1); returns ``out``."""
+    import pandas as pd
+
     from rredcot_verl.tasks.arithmetic import write_parquet
 
-    vocab_size = json.loads((WARM_START / "config.json").read_text())["vocab_size"]
     model_dir = out / "model"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    tiny_model(name, vocab_size).save_pretrained(model_dir)
-    for file in TOKENIZER_FILES:
-        shutil.copy(WARM_START / file, model_dir / file)
-    write_parquet(str(out / "data"), n_train=n_train, n_val=n_val, seed=0)
+    if name is None:
+        shutil.copytree(WARM_START, model_dir, dirs_exist_ok=True)
+    else:
+        model_dir.mkdir(parents=True, exist_ok=True)
+        tiny_model(name, json.loads((WARM_START / "config.json").read_text())["vocab_size"]).save_pretrained(model_dir)
+        for file in TOKENIZER_FILES:
+            shutil.copy(WARM_START / file, model_dir / file)
+    for path in write_parquet(str(out / "data"), n_train=n_train, n_val=n_val, seed=0):
+        if data_source is not None:
+            frame = pd.read_parquet(path)
+            frame["data_source"] = data_source
+            frame.to_parquet(path, index=False)
     return out
 
 
@@ -129,18 +141,26 @@ def survey() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", choices=sorted(FAMILIES))
+    parser.add_argument("--embedded-task", action="store_true", help="the embedded task's own warm start instead")
+    parser.add_argument("--data-source", default=None, help="the rows' data_source (default: the task's own)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--survey", action="store_true", help="print docs/usage.md's model-family survey and exit")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: its arguments, default ``sys.argv``'s)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.survey:
         print(survey())
         return
-    if args.family is None or args.out is None:
-        parser.error("--family and --out are required (or --survey)")
-    build(args.family, args.out)
+    if (args.family is None) == (not args.embedded_task) or args.out is None:
+        parser.error("--out and one of --family / --embedded-task are required (or --survey)")
+    build(args.family, args.out, args.data_source)
 
 
 if __name__ == "__main__":

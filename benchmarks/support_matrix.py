@@ -44,14 +44,16 @@ RUN_TIMEOUT_S = 900
 # the declared scale, traces without segment data, non-finite values.
 SHAPE_FALLBACKS = ("singleton_group", "outside_reward_range", "missing_segments", "nonfinite")
 
-DICT_REWARD = '''
-from rredcot_verl.tasks.reward import compute_score as exact
-
-
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    score = exact(data_source, solution_str, ground_truth, extra_info)
-    return {"score": score, "acc": score == 1.0}
-'''
+# verl's DAPO reward as its DAPO recipe has it: rows of data_source math_dapo, scored by verl's default scorer (through
+# math_dapo.compute_score: a dict, -1 / +1) under the dapo reward manager; the scorer named as the custom reward
+# function, so that repairs and continuations are judged by it too.
+DAPO_REWARD = ("reward.custom_reward_function.path=pkg://verl.utils.reward_score",
+               "reward.custom_reward_function.name=default_compute_score", "reward.reward_manager.name=dapo")
+DAPO_OVERLONG = ("+reward.reward_kwargs.overlong_buffer_cfg.enable=true", "+reward.reward_kwargs.overlong_buffer_cfg.len=16",
+                 "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+                 "+reward.reward_kwargs.overlong_buffer_cfg.log=false", "+reward.reward_kwargs.max_resp_len=96")
+# A shape's recipe that is the cell's estimator's own (recipes/tiny_cpu/<estimator>.yaml) on the shape's build.
+OWN_RECIPE = "{estimator}"
 ASYNC_REWARD = '''
 from rredcot_verl.tasks.reward import compute_score as exact
 
@@ -59,6 +61,18 @@ from rredcot_verl.tasks.reward import compute_score as exact
 async def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return exact(data_source, solution_str, ground_truth, extra_info)
 '''
+
+
+# family of benchmarks.model_families -> (the row's label, why this machine cannot launch it: empty where it can)
+MODEL_FAMILY_ROWS = (
+    ("qwen3", "Qwen3 (q/k norms)", ""),
+    ("llama", "Llama", ""),
+    ("cohere", "Cohere (logit_scale)", ""),
+    ("granite", "Granite (multipliers, logits_scaling)", ""),
+    ("phi3", "Phi-3", ""),
+    ("gemma2", "Gemma2 (softcapped attention and logits, sliding layers)", ""),
+    ("qwen3_next", "hybrid attention: Qwen3-Next (linear-attention and full-attention layers)", ""),
+)
 
 
 @dataclass(frozen=True)
@@ -73,8 +87,9 @@ class Shape:
             can).
         entry_point: a verl entry point other than this package's launcher (checked by starting it).
         recipe / build: a shape with its own model and data (which the embedded task cannot stand in for): the
-            recipe under ``recipes/tiny_cpu`` it launches (with ``algorithm.adv_estimator`` set to the cell's) and
-            the ``python -m`` command, without ``--out``, that builds what the recipe reads from ``$RREDCOT_BUILD``.
+            recipe under ``recipes/tiny_cpu`` it launches (with ``algorithm.adv_estimator`` set to the cell's;
+            ``OWN_RECIPE``: the estimator's own) and the ``python -m`` command, without ``--out``, that builds what
+            the recipe reads from ``$RREDCOT_BUILD``.
         launched_in_ci: estimator -> the end-to-end test that trains it in miniature on this shape's own model and
             data and reads its metrics, in every CI run.
     """
@@ -92,7 +107,7 @@ class Shape:
     def composition(self, estimator: str) -> tuple[str, list[str]]:
         """(recipe name under recipes/tiny_cpu, overrides) of this shape for ``estimator``."""
         if self.recipe:
-            return self.recipe, [f"algorithm.adv_estimator={estimator}", *self.overrides]
+            return self.recipe.format(estimator=estimator), [f"algorithm.adv_estimator={estimator}", *self.overrides]
         return estimator, list(self.overrides)
 
 
@@ -103,7 +118,11 @@ SHAPES = (
                                                                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16")),
     Shape("ppo_epochs_2", "two PPO epochs per batch", ("actor_rollout_ref.actor.ppo_epochs=2",)),
     Shape("val_only", "validation only", ("trainer.val_only=true", "trainer.val_before_train=true")),
-    Shape("dict_reward", "reward function returning a dict (verl's DAPO convention)", reward=DICT_REWARD),
+    Shape("dict_reward", "verl's DAPO reward: math_dapo's dict (-1 / +1) by verl's scorer and dapo reward manager, "
+                         "reward_range read from it", DAPO_REWARD, recipe=OWN_RECIPE,
+          build=("benchmarks.model_families", "--embedded-task", "--data-source", "math_dapo")),
+    Shape("dapo_overlong", "DAPO's overlong penalty (reward_kwargs.overlong_buffer_cfg)",
+          ("reward.reward_manager.name=dapo", *DAPO_OVERLONG)),
     Shape("async_reward", "async reward function", reward=ASYNC_REWARD),
     Shape("non_thinking", "non-thinking model (Qwen2.5 chat template), verl's GSM8K rows and reward, profile auto",
           recipe="gsm8k_plain", build=("rredcot_verl.tasks.miniature", "--family", "qwen2_5", "--problems", "24"),
@@ -141,6 +160,9 @@ SHAPES = (
           not_here="the CPU accommodations turn remove-padding off (flash-attn varlen kernels)"),
     Shape("sglang", "SGLang rollout", ("actor_rollout_ref.rollout.name=sglang",),
           not_here="sglang is not installed on CPU; extra generations use verl's engine-agnostic server client"),
+    *(Shape(f"model_{family}", f"{label}, a tiny model of the family (random weights)", recipe=OWN_RECIPE,
+            build=("benchmarks.model_families", "--family", family), not_here=not_here)
+      for family, label, not_here in MODEL_FAMILY_ROWS),
     Shape("fully_async_entry", "verl's fully-async entry point", entry_point="verl.experimental.fully_async_policy.fully_async_main",
           not_here="verl's separate rollouter/trainer pools are not run on CPU here"),
     Shape("one_step_off_entry", "verl's one-step-off entry point", entry_point="verl.experimental.one_step_off_policy.main_ppo",

@@ -170,3 +170,19 @@ def test_check_only_refuses_a_hybrid_model_folder_in_one_line_and_writes_nothing
     )
     assert list(work.iterdir()) == []
 
+
+
+def test_the_usage_doc_shows_the_survey_of_this_transformers():
+    """docs/usage.md's "Model families" table is the survey's output; on another transformers (verl's pinned one) the
+    survey differs and the doc names the version it was made on."""
+    import re
+
+    import transformers
+
+    from benchmarks.model_families import survey
+
+    doc = (ROOT / "docs" / "usage.md").read_text()
+    surveyed = re.search(r"Surveyed on transformers (\S+) ", doc).group(1)
+    if surveyed != transformers.__version__:
+        pytest.skip(f"the doc's survey was made on transformers {surveyed}, this is {transformers.__version__}")
+    assert survey() in doc
