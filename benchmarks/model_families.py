@@ -4,8 +4,8 @@
     python -m benchmarks.model_families --embedded-task --data-source math_dapo --out DIR
     python -m benchmarks.model_families --survey
 
-The first writes ``DIR/model`` (the family's config at a tiny size, random weights, the embedded task's tokenizer and chat
-template) and ``DIR/data`` (a few rows of the embedded task), the folder ``recipes/tiny_cpu`` reads from
+The first writes ``DIR/model`` (the family's config at a tiny size, random weights, the embedded task's tokenizer and
+chat template) and ``DIR/data`` (a few rows of the embedded task), the folder ``recipes/tiny_cpu`` reads from
 ``$RREDCOT_BUILD``. The weights are random: a launch shows whether verl, vLLM and the value pass run the family, not
 what it learns. Each family keeps the quirk it is here for (Cohere's ``logit_scale``, Granite's multipliers and
 ``logits_scaling``, Gemma2's softcapping and sliding layers, Qwen3-Next's linear-attention layers). The second writes

@@ -49,7 +49,8 @@ SHAPE_FALLBACKS = ("singleton_group", "outside_reward_range", "missing_segments"
 # function, so that repairs and continuations are judged by it too.
 DAPO_REWARD = ("reward.custom_reward_function.path=pkg://verl.utils.reward_score",
                "reward.custom_reward_function.name=default_compute_score", "reward.reward_manager.name=dapo")
-DAPO_OVERLONG = ("+reward.reward_kwargs.overlong_buffer_cfg.enable=true", "+reward.reward_kwargs.overlong_buffer_cfg.len=16",
+DAPO_OVERLONG = ("+reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+                 "+reward.reward_kwargs.overlong_buffer_cfg.len=16",
                  "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
                  "+reward.reward_kwargs.overlong_buffer_cfg.log=false", "+reward.reward_kwargs.max_resp_len=96")
 # A shape's recipe that is the cell's estimator's own (recipes/tiny_cpu/<estimator>.yaml) on the shape's build.

@@ -35,7 +35,8 @@ def _config(estimator: str, overrides=()):
 # verl asks for it whenever a reference policy runs (KL loss or KL in reward).
 REF_MICRO_BATCH = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16"
 # DAPO's overlong penalty as verl's DAPO recipe sets it (reward_kwargs are not in verl's config: added with +).
-DAPO_OVERLONG = ["+reward.reward_kwargs.overlong_buffer_cfg.enable=true", "+reward.reward_kwargs.overlong_buffer_cfg.len=16",
+DAPO_OVERLONG = ["+reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+                 "+reward.reward_kwargs.overlong_buffer_cfg.len=16",
                  "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
                  "+reward.reward_kwargs.overlong_buffer_cfg.log=false", "+reward.reward_kwargs.max_resp_len=96"]
 # shape -> (overrides, the key the refusal must name)

@@ -20,7 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LOGIT_SCALES", "REFUSAL_KINDS", "LogitTransform", "ModelRefusal", "logit_transform", "model_class_for", "value_pass_refusal"]
+__all__ = [
+    "LOGIT_SCALES",
+    "REFUSAL_KINDS",
+    "LogitTransform",
+    "ModelRefusal",
+    "logit_transform",
+    "model_class_for",
+    "value_pass_refusal",
+]
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,8 @@ def _window(config) -> tuple[str, int] | None:
     reach = getattr(config, "max_position_embeddings", None)
     for key in _WINDOWS:
         window = getattr(config, key, None)
-        if isinstance(window, int) and not isinstance(window, bool) and window > 0 and (reach is None or window < reach):
+        is_length = isinstance(window, int) and not isinstance(window, bool) and window > 0
+        if is_length and (reach is None or window < reach):
             return key, window
     return None
 

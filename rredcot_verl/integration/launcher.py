@@ -10,8 +10,8 @@ estimators also: unknown ``algorithm.rredcot`` keys, datasets without ``reward_m
 all exceed ``data.max_prompt_length``, extra generations without a rule reward to judge them, an engine context too
 short for IBPO's revisions, Ulysses sequence parallelism, and the run shapes of ``run_shapes.py`` (legacy trainer,
 bypass mode, a critic, groups of one, multi-turn rollouts, KL in reward, DAPO's overlong penalty, a reward model,
-Megatron, a model the value pass cannot score exactly). Where verl scores the rows with its own scorer, the scale of that
-scorer becomes ``algorithm.rredcot.reward_range`` unless the recipe set one (``adopt_scorer_reward_range``).
+Megatron, a model the value pass cannot score exactly). Where verl scores the rows with its own scorer, the scale of
+that scorer becomes ``algorithm.rredcot.reward_range`` unless the recipe set one (``adopt_scorer_reward_range``).
 
 ``python -m rredcot_verl.main --check-only ...`` runs every check, prints ``ok`` (naming the checks it had to skip: a
 hub model or tokenizer not in the local cache, remote dataset files) or the refusal, and exits 0 / 2 without starting

@@ -53,7 +53,8 @@ def value_pass_model(config: DictConfig, spec, hf_config) -> str | None:
     from verl.utils.model import update_model_config
 
     overrides = _get(config, "actor_rollout_ref.model.override_config", {})
-    overrides = OmegaConf.to_container(overrides, resolve=True) if isinstance(overrides, DictConfig) else dict(overrides)
+    if isinstance(overrides, DictConfig):
+        overrides = OmegaConf.to_container(overrides, resolve=True)
     hf_config = copy.deepcopy(hf_config)
     # As verl's HFModelConfig applies them to the actor's config (workers/config/model.py).
     update_model_config(hf_config, overrides.get("model_config", overrides))
