@@ -542,7 +542,7 @@ def score_batch_packed_with_stats(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     refusal = value_pass_refusal(model.config, model)
-    if refusal:
+    if refusal is not None:
         # The launch refuses the same models from their config (integration/run_shapes.py); this is the last guard.
         raise ValueError(f"the value pass cannot score this model exactly: {refusal}")
     transform = logit_transform(model.config)

@@ -59,7 +59,7 @@ def value_pass_model(config: DictConfig, spec, hf_config) -> str | None:
     # As verl's HFModelConfig applies them to the actor's config (workers/config/model.py).
     update_model_config(hf_config, overrides.get("model_config", overrides))
     refusal = value_pass_refusal(hf_config)
-    if refusal:
+    if refusal is not None:
         return (
             f"actor_rollout_ref.model.path is a {getattr(hf_config, 'model_type', '?')} model with {refusal}: the "
             f"segment value pass of algorithm.adv_estimator={spec.name} cannot score it exactly; use "
