@@ -32,8 +32,9 @@ WARM_START = ROOT / "rredcot_verl" / "tasks" / "assets" / "warmstart"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 # The embedded tokenizer's special ids (warm start's config.json): bos = eos = <|endoftext|>, pad = <|pad|>.
 SPECIAL_IDS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 512}  # fmt: skip
+# Heads of 32: vLLM's CPU attention takes head sizes of 32 and more (a launch with 16 died at its first request).
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 512}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Family:
 
 FAMILIES = {
     "qwen2": Family("Qwen2Config"),
-    "qwen3": Family("Qwen3Config", {"head_dim": 16}),
+    "qwen3": Family("Qwen3Config", {"head_dim": 32}),
     "llama": Family("LlamaConfig"),
     "mistral": Family("MistralConfig", {"sliding_window": None}),
     "cohere": Family("CohereConfig", {"logit_scale": 0.25}),
@@ -62,14 +63,14 @@ FAMILIES = {
     "phi": Family("PhiConfig"),
     # Gemma2 as published: sliding and full layers alternate, attention scores and logits are softcapped. A window
     # shorter than the traces, so that it acts.
-    "gemma2": Family("Gemma2Config", {"head_dim": 16, "sliding_window": 16}),
+    "gemma2": Family("Gemma2Config", {"head_dim": 32, "sliding_window": 16}),
     # Gemma2 with full attention only and no attention softcap: its logits softcap alone.
-    "gemma2_full_attention": Family("Gemma2Config", {"head_dim": 16, "layer_types": ["full_attention"] * 2,
+    "gemma2_full_attention": Family("Gemma2Config", {"head_dim": 32, "layer_types": ["full_attention"] * 2,
                                                      "attn_logit_softcapping": None, "final_logit_softcapping": 5.0}),
     # Hybrid attention: Gated-DeltaNet linear-attention layers and full-attention layers, as Qwen3.5 has them.
-    "qwen3_next": Family("Qwen3NextConfig", {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+    "qwen3_next": Family("Qwen3NextConfig", {"head_dim": 32, "layer_types": ["linear_attention", "full_attention"],
                                              "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                                             "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                                             "linear_key_head_dim": 32, "linear_value_head_dim": 32,
                                              "num_experts": 4, "num_experts_per_tok": 2,
                                              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
 }  # fmt: skip
