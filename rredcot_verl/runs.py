@@ -1,12 +1,20 @@
 """Reading training runs back: verl's FileLogger ``metrics.jsonl``, per-run summaries and comparison curves.
 
-Used by the demo (``recipes/tiny_cpu/demo.py``) and the sample-efficiency benchmark. No verl/ray imports.
+Used by the demo (``recipes/tiny_cpu/demo.py``), the sample-efficiency benchmark and, as a command, by
+``recipes/gpu_single/compare.sh``:
+
+    python -m rredcot_verl.runs --out DIR RUN [RUN ...]   # reads DIR/RUN/metrics.jsonl; writes DIR/curves.png,
+                                                          # DIR/comparison.json and prints the table
+
+No verl/ray imports.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 VAL_PREFIX = "val-core/"
@@ -91,3 +99,33 @@ def format_table(summaries: dict[str, dict]) -> str:
             cells.append("—" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value)))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def write_comparison(runs: dict[str, list[dict]], out: str | Path) -> str:
+    """``out/curves.png`` and ``out/comparison.json`` (each run's ``summarize``) for ``runs``; returns the table."""
+    out = Path(out)
+    plot_curves(runs, out / "curves.png")
+    summaries = {name: summarize(rows) for name, rows in runs.items()}
+    (out / "comparison.json").write_text(json.dumps(summaries, indent=2))
+    return format_table(summaries)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Compare finished runs: curves.png, comparison.json and a table.")
+    parser.add_argument("--out", required=True, help="folder holding RUN/metrics.jsonl for each run")
+    parser.add_argument("runs", nargs="+", help="run folders under --out, in the table's order")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    runs = {name: load_metrics(out / name / "metrics.jsonl") for name in args.runs}
+    empty = [name for name, rows in runs.items() if not rows]
+    if empty:
+        print(f"rredcot_verl.runs: no metrics in {', '.join(str(out / name / 'metrics.jsonl') for name in empty)}",
+              file=sys.stderr)
+        return 2
+    print(write_comparison(runs, out))
+    print(f"\ncurves: {out / 'curves.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

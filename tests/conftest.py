@@ -37,6 +37,92 @@ def pytest_configure(config):
     config.claimed_groups = []
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Which tests touch a library, from what they import: ``transformers`` marks every test of a module whose imports
+# reach ``transformers`` (the statements anywhere in the module, followed through the repository's own modules);
+# ``vllm`` marks a test that reaches ``vllm`` through its module's top-level imports or its own body. Computed at
+# collection, so the list follows the code. scripts/test_pinned.sh runs ``-m "transformers and not vllm and not e2e"``
+# on verl 0.9.1's pinned transformers, where vLLM is not installed.
+REPOSITORY_PACKAGES = ("rredcot_verl", "benchmarks")
+LIBRARY_MARKERS = ("transformers", "vllm")
+
+
+def _repository_file(module: str) -> Path | None:
+    """The file of a repository module (package, module, or a helper module beside the tests), else None."""
+    parts = module.split(".")
+    if parts[0] in REPOSITORY_PACKAGES:
+        base = ROOT.joinpath(*parts)
+        for candidate in (base / "__init__.py", base.with_suffix(".py")):
+            if candidate.is_file():
+                return candidate
+        return None
+    helper = ROOT / "tests" / f"{module}.py"
+    return helper if len(parts) == 1 and helper.is_file() else None
+
+
+def _imported(nodes) -> set[str]:
+    """Module names the import statements among ``nodes`` (and below them) name, ``from a import b`` giving a and
+    a.b (b may be a module)."""
+    import ast
+
+    names: set[str] = set()
+    for node in (n for top in nodes for n in ast.walk(top)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return names
+
+
+_FILE_IMPORTS: dict[Path, set[str]] = {}
+
+
+def _libraries(names: set[str]) -> set[str]:
+    """Top-level packages outside the repository that importing ``names`` reaches, through repository modules."""
+    import ast
+
+    libraries, seen, todo = set(), set(), list(names)
+    while todo:
+        name = todo.pop()
+        path = _repository_file(name)
+        if path is None:
+            if name.split(".")[0] not in REPOSITORY_PACKAGES:
+                libraries.add(name.split(".")[0])
+            continue
+        if path in seen:
+            continue
+        seen.add(path)
+        if path not in _FILE_IMPORTS:
+            _FILE_IMPORTS[path] = _imported([ast.parse(path.read_text())])
+        todo += _FILE_IMPORTS[path]
+    return libraries
+
+
+def _test_libraries(item) -> tuple[set[str], set[str]]:
+    """(what the item's whole module reaches, what its module's top level and its own function reach)."""
+    import ast
+
+    module = ast.parse(Path(item.fspath).read_text())
+    top = [node for node in module.body if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    name = getattr(getattr(item, "function", None), "__name__", None)
+    own = [node for node in ast.walk(module) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+           and node.name == name]
+    return _libraries(_imported([module])), _libraries(_imported(top + own))
+
+
+def pytest_collection_modifyitems(config, items):
+    reached: dict[str, tuple[set[str], set[str]]] = {}
+    for item in items:
+        key = f"{item.fspath}::{getattr(item, 'originalname', item.name)}"
+        if key not in reached:
+            reached[key] = _test_libraries(item)
+        whole, own = reached[key]
+        if "transformers" in whole:
+            item.add_marker("transformers")
+        if "vllm" in own:
+            item.add_marker("vllm")
+
+
 def _groups(items) -> dict[str, list]:
     groups: dict[str, list] = {}
     for item in items:

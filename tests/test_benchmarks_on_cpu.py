@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from benchmarks import common, cost, length_scaling, sample_efficiency, value_gate, value_quality
+from benchmarks import common, cost, length_scaling, sample_efficiency, value_gate, value_quality, verdict
 from benchmarks.common import build_task, monte_carlo_values, spearman
 from rredcot_verl.core.concordance import ConcordanceCounts
 from rredcot_verl.tasks import compute_score, load_model_dir, parse_prompt, reference_response
@@ -189,6 +189,20 @@ def test_committed_sample_efficiency_jsons_recompute_from_the_ledger(tmp_path, s
     name = "sample_efficiency.json" if setting == "default" else f"sample_efficiency_{setting}.json"
     sample_efficiency.main(["--setting", setting, "--from-runs", *argv, "--out", str(tmp_path / name)])
     assert_same_result(json.loads((tmp_path / name).read_text()), json.loads((RESULTS / name).read_text()))
+
+
+@pytest.mark.parametrize("registration", sorted((RESULTS.parent / "registrations").glob("*.yaml")),
+                         ids=lambda path: path.stem)
+def test_committed_verdict_jsons_recompute_from_the_ledger(tmp_path, registration):
+    """Every registration's JSON (results/<name>.json) is what ``benchmarks.verdict`` gives from the committed ledger;
+    a registration none of whose runs is in the ledger yet has no JSON to check."""
+    loaded = verdict.load_registration(registration)
+    committed = RESULTS / f"{loaded.name}.json"
+    runs = verdict.registered_runs(loaded, verdict.LEDGER_DIR)
+    if not committed.exists() and not any(arm["runs"] or arm["not_as_registered"] for arm in runs.values()):
+        pytest.skip(f"{registration.name}: no run in the ledger yet")
+    verdict.main([str(registration), "--out", str(tmp_path / committed.name)])
+    assert_same_result(json.loads((tmp_path / committed.name).read_text()), json.loads(committed.read_text()))
 
 
 def test_t_interval_is_scipys_and_a_constant_sample_has_zero_width():

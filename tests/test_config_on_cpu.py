@@ -1,12 +1,22 @@
 """algorithm.rredcot: strict reading, yaml defaults equal to the dataclass defaults, recipes compose."""
 
+from itertools import product
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from rredcot_verl.core.settings import RRedCoTSettings, defaults_yaml, settings_from_config
+from rredcot_verl.core.settings import (
+    AUTO,
+    AUTO_KEYS,
+    DataOffer,
+    RRedCoTSettings,
+    choose_auto,
+    default_section,
+    defaults_yaml,
+    settings_from_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "rredcot_verl" / "conf"
@@ -117,3 +127,39 @@ def test_math_reward_uses_math_verify_on_the_last_boxed(response, truth, expecte
     from rredcot_verl.tasks.math_reward import compute_score
 
     assert compute_score("numina", response, truth) == expected
+
+
+# ------------------------------------------------------------------------------------- auto: chosen from the data
+OFFERS = [DataOffer(worked_solutions=w, multi_turn=m) for w, m in product((True, False, None), (False, True))]
+
+
+@pytest.mark.parametrize("estimator", ["rredcot", "rredcot_ibpo", "segment_mc", "ibpo", "grpo"])
+@pytest.mark.parametrize("offer", OFFERS)
+def test_every_auto_choice_is_a_configuration_the_settings_accept(estimator, offer):
+    """Whatever the estimator and the data, ``auto`` resolves every key, to values the strict reader accepts; a line
+    says why wherever the estimator reads them."""
+    section = default_section()
+    choice = choose_auto(section, estimator, offer)
+    assert set(choice.values) == set(AUTO_KEYS) and AUTO not in choice.values.values()
+    settings = settings_from_config({"adv_estimator": estimator, "rredcot": section}, offer)
+    assert (settings.probe.value_source, settings.candidates.source) == (
+        choice.values["probe.value_source"], choice.values["candidates.source"])
+    assert (choice.reason is None) == (estimator in ("ibpo", "grpo"))
+
+
+def test_auto_that_needs_the_data_is_refused_without_it_naming_the_key():
+    with pytest.raises(ValueError, match=r"algorithm.rredcot.candidates.source=auto is chosen from the training data"):
+        settings_from_config({"adv_estimator": "rredcot", "rredcot": default_section()})
+    # An explicit bank leaves nothing to the data.
+    section = default_section()
+    section["candidates"]["source"] = "group_and_repairs"
+    settings = settings_from_config({"adv_estimator": "rredcot", "rredcot": section})
+    assert (settings.probe.value_source, settings.redistribution.degenerate_groups) == (
+        "reference_continuation", "value_differences")
+
+
+def test_rredcot_on_code_with_auto_names_what_applies():
+    section = default_section()
+    section["task"] = "code"
+    with pytest.raises(ValueError, match="use adv_estimator=segment_mc or ibpo, or set probe.value_source=own_continuation"):
+        choose_auto(section, "rredcot", DataOffer(worked_solutions=False))

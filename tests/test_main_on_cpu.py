@@ -35,6 +35,17 @@ def test_valid_config_is_prepared_for_cpu(build, monkeypatch):
     assert config.ray_kwargs.ray_init.include_dashboard is False
 
 
+def test_cpu_mode_says_in_one_line_that_it_runs_fsdp2_for_verls_default_fsdp1(build, monkeypatch, capsys):
+    monkeypatch.setenv("RREDCOT_CPU", "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert _config().actor_rollout_ref.actor.strategy == "fsdp"  # verl's default, which the tiny recipes keep
+    assert prepare(_config()).actor_rollout_ref.actor.strategy == "fsdp2"
+    said = [line for line in capsys.readouterr().out.splitlines() if "strategy=fsdp2 instead of fsdp" in line]
+    assert len(said) == 1 and said[0].startswith("rredcot_verl: CPU mode")
+    prepare(_config(["actor_rollout_ref.actor.strategy=fsdp2"]))
+    assert "instead of fsdp" not in capsys.readouterr().out
+
+
 def test_local_cluster_declares_one_fake_gpu_per_actor_rank(build, monkeypatch):
     monkeypatch.setenv("RREDCOT_CPU", "1")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -127,7 +138,7 @@ def _paper_data(folder: Path, monkeypatch) -> None:
     rows = [{"problem": f"What is {i} + {i}?", "solution": f"Add them.\n\nSo $\\boxed{{{2 * i}}}$."} for i in range(4)]
     for name in ("numina", "open_rs"):
         (folder / name).mkdir()
-        for split in ("train", "val"):
+        for split in ("train", "test"):
             convert(rows, "test", split).to_parquet(folder / name / f"{split}.parquet")
     monkeypatch.setenv("DATA_DIR", str(folder))
 

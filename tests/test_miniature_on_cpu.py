@@ -52,7 +52,7 @@ def test_data_is_what_prepare_math_data_writes(built):
     assert script.convert is math_data.convert  # the recipe script and the package share one converter
     reference = pa.Table.from_pandas(math_data.convert(load_problems(1), DATA_SOURCE, "train")).schema
     problems = {p["problem"] for p in load_problems()}
-    for split, size in (("train", record["n_train"]), ("val", record["n_val"])):
+    for split, size in (("train", record["n_train"]), ("test", record["n_test"])):
         path = out / "data" / f"{split}.parquet"
         assert pq.read_schema(path).remove_metadata() == reference.remove_metadata()
         frame = pd.read_parquet(path)
@@ -64,7 +64,7 @@ def test_data_is_what_prepare_math_data_writes(built):
             assert reward["style"] == "rule" and reward["ground_truth"].strip()
             assert extract_boxed_answer(info["reference_solution"]) == reward["ground_truth"]
             assert info["split"] == split
-    assert (record["n_train"], record["n_val"]) == (64, 16)
+    assert (record["n_train"], record["n_test"]) == (64, 16)
 
 
 def test_chat_template_and_thinking_tokens(built):

@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,13 +21,18 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from benchmarks.common import METHODS
-from rredcot_verl.core.settings import settings_from_config
+from benchmarks.verdict import equal_compute_rollouts
+from rredcot_verl.core.settings import DataOffer, settings_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 RESULTS = ROOT / "benchmarks" / "results"
 HARD = json.loads((RESULTS / "sample_efficiency_hard.json").read_text())
 DEFAULT = json.loads((RESULTS / "sample_efficiency.json").read_text())
+RESTATED = json.loads((RESULTS / "restated_hard.json").read_text())  # benchmarks.verdict on the hard study
+AGAINST_GRPO = RESTATED["comparisons"]["grpo"]
+RESTATED_LONG = json.loads((RESULTS / "restated_long.json").read_text())
+GRADIENT_LONG = json.loads((RESULTS / "gradient_quality_long.json").read_text())
 TIMING_REFERENCE = json.loads((RESULTS / "sample_efficiency_timing_reference" / "grpo_hard_seed1.json").read_text())
 VALUE_GATE = json.loads((RESULTS / "value_gate.json").read_text())
 ROW_LABELS = "ABCDEF"
@@ -57,6 +63,18 @@ def span(values, decimals: int) -> str:
     return f"{min(values):.{decimals}f}-{max(values):.{decimals}f}"
 
 
+def paired_interval(comparison: dict) -> str:
+    return interval(comparison["paired"]["difference"], comparison["paired"]["ci95"])
+
+
+def time_shift(comparison: dict) -> str:
+    """The paired time shift as the README shows it: factor [95% interval], one decimal, an upper end past 100 as
+    ">100"."""
+    shift = comparison["time_shift"]["paired"]
+    low, high = shift["ci95"]
+    return f"{shift['estimate']:.1f}x [{low:.1f}, {'>100' if high > 100 else f'{high:.1f}'}]"
+
+
 # ------------------------------------------------------------------------------------------------ the choice table
 
 
@@ -64,15 +82,15 @@ def choice_rows() -> dict[str, list[str]]:
     rows = {}
     for line in README.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and len(cells[0]) == 1 and cells[0] in ROW_LABELS and len(cells) == 6:
+        if line.startswith("| ") and len(cells[0]) == 1 and cells[0] in ROW_LABELS and len(cells) == 7:
             rows[cells[0]] = [plain(cell) for cell in cells]
     assert sorted(rows) == list(ROW_LABELS), f"the choice table's rows A-F not found: {sorted(rows)}"
     return rows
 
 
 def row_runs() -> dict[str, str]:
-    """Row label -> the run of sample_efficiency_hard.json the README names for it (in row order)."""
-    sentence = re.search(r"Rows are the runs (.+?) of `benchmarks/results/sample_efficiency_hard\.json`", README, re.S)
+    """Row label -> the arm of restated_hard.json (a run of sample_efficiency_hard.json) the README names for it."""
+    sentence = re.search(r"Rows\s+are\s+the\s+arms\s(.+?)\sof\s+`benchmarks/results/restated_hard\.json`", README, re.S)
     assert sentence, "the README no longer names the runs behind its choice table"
     runs = re.findall(r"`([a-z_]+)`", sentence.group(1).replace("methods.", ""))
     assert len(runs) == len(ROW_LABELS)
@@ -86,7 +104,7 @@ def cost_base(footnote: str) -> float:
 
 def row_cost(label: str) -> tuple[float, int]:
     """(ratio, decimals shown) of a row's step cost, recomputed from its JSON and sitting."""
-    cost = choice_rows()[label][5]
+    cost = choice_rows()[label][6]
     value, footnote = re.fullmatch(r"([0-9.]+)x ([¹²])", cost).groups()
     return HARD["methods"][row_runs()[label]]["median_step_s"] / cost_base(footnote), decimals_of(value)
 
@@ -94,13 +112,21 @@ def row_cost(label: str) -> tuple[float, int]:
 @pytest.mark.parametrize("label", list(ROW_LABELS))
 def test_choice_table_gains_steps_and_costs_are_the_json(label):
     cells, run = choice_rows()[label], row_runs()[label]
-    method = HARD["methods"][run]
-    paired = method["paired_with_grpo"]
-    assert cells[3] == interval(paired["auc_difference"], paired["auc_difference_ci95"]), (label, run)
-    steps = method["steps_to_grpo_final_over_grpo"]
-    assert cells[4] == ("-" if steps is None else f"{steps:.2f}x"), (label, run)
+    comparison = AGAINST_GRPO[run]
+    assert cells[2] == paired_interval(comparison), (label, run)
+    assert cells[3] == f"{comparison['paired']['p_holm']:.2f}", (label, run)
+    assert cells[4] == time_shift(comparison), (label, run)
     ratio, decimals = row_cost(label)
-    assert cells[5].split("x")[0] == f"{ratio:.{decimals}f}", (label, run)
+    assert cells[6].split("x")[0] == f"{ratio:.{decimals}f}", (label, run)
+    # Equal step time: GRPO's rollouts at the row's step cost, and the row minus that GRPO run if one was made.
+    rollouts = round(equal_compute_rollouts(ratio, 1.0, 4))
+    control = RESTATED["comparisons"].get(f"grpo_n{rollouts}")
+    if control and run in control:
+        assert cells[5] == f"{signed(control[run]['paired']['difference'])}, n = {rollouts}", (label, run)
+        low, high = control[run]["paired"]["ci95"]
+        assert low < 0 < high  # the footnote: "every interval of a row minus `grpo_n6` includes 0"
+    else:
+        assert cells[5] == f"- (n = {rollouts})", (label, run)
 
 
 def test_choice_table_footnotes_are_the_json():
@@ -110,13 +136,21 @@ def test_choice_table_footnotes_are_the_json():
     assert f"A-E at GRPO's learning rate, F at a {1 / rate['F']:.0f}x smaller one" in text
     assert f"GRPO {HARD['methods']['grpo']['median_step_s']:.2f} s a step" in text
     assert f"({TIMING_REFERENCE['summary']['median_step_s']:.2f} s a step" in text
-    assert f"over GRPO's {HARD['methods']['grpo']['steps_to_grpo_final']}" in text
-    resolved = [label for label in ROW_LABELS if HARD["methods"][row_runs()[label]]["paired_with_grpo"]
-                ["auc_difference_ci95"][0] > 0]
-    assert f"Only {' and '.join(resolved)} have intervals above 0" in text
+    assert f"adjusted over the {len(AGAINST_GRPO)} arms compared with GRPO" in text
+    resolved = [label for label in ROW_LABELS if AGAINST_GRPO[row_runs()[label]]["paired"]["ci95"][0] > 0]
+    assert f"before the correction only {' and '.join(resolved)} have intervals above 0, after it none does" in text
+    holm = {arm: c["paired"]["p_holm"] for arm, c in AGAINST_GRPO.items()}
+    assert min(holm, key=holm.get) == "grpo_n10" and min(holm.values()) >= 0.05
+    assert f"GRPO's own with 10 rollouts, {holm['grpo_n10']:.2f})" in text
+    steps = {arm: RESTATED["arms"][arm]["median_step_s"]["1"] for arm in ("grpo_n6", "grpo_n10")}
+    assert f"`grpo_n6` {steps['grpo_n6']:.2f} s and `grpo_n10` {steps['grpo_n10']:.2f} s a step" in text
+    assert sorted(arm for arm in RESTATED["arms"] if arm.startswith("grpo_n")) == ["grpo_n10", "grpo_n6"]
+    assert "only `grpo_n6` and `grpo_n10` were run (-: no run), and every interval of a row minus `grpo_n6` includes 0" \
+        in text
     gate = HARD["methods"][row_runs()["E"]]["diagnostics"]
     first, last = gate["first"]["rredcot/value_gate_open"], gate["last"]["rredcot/value_gate_open"]
     assert f"`value_gate_open` {first:.2f} over the first 10 steps, {last:.0f} over the last 10" in text
+    assert "the default `resume` matches them in gradient quality (§4) and was trained on the long setting only" in text
 
 
 def test_status_lines_are_the_json():
@@ -125,8 +159,20 @@ def test_status_lines_are_the_json():
                key=lambda m: DEFAULT["methods"][m]["paired_with_grpo"]["auc_difference"])
     paired = DEFAULT["methods"][best]["paired_with_grpo"]
     assert f"the best, `{best}`, is at AUC {interval(paired['auc_difference'], paired['auc_difference_ci95'])}" in text
-    exit_probe = HARD["methods"]["rredcot_exit_probe"]["paired_with_grpo"]
-    assert f"(AUC {interval(exit_probe['auc_difference'], exit_probe['auc_difference_ci95'])})" in text
+    exit_probe = AGAINST_GRPO["rredcot_exit_probe"]
+    assert f"(AUC {paired_interval(exit_probe)}, Holm p {exit_probe['paired']['p_holm']:.2f})" in text
+    leaders = [AGAINST_GRPO[row_runs()[label]]["paired"] for label in "ABC"]
+    bare = text.replace("**", "").replace("≥", ">=")
+    assert (f"lead GRPO by {signed(min(t['difference'] for t in leaders))} to "
+            f"{signed(max(t['difference'] for t in leaders))} AUC; none is resolved after a Holm correction over the "
+            f"{len(AGAINST_GRPO)} arms (p >= {min(t['p_holm'] for t in leaders):.2f})") in bare
+    # At equal compute: B-D's step cost buys GRPO 6 rollouts a prompt, and they lead that run by this much.
+    assert {round(equal_compute_rollouts(row_cost(label)[0], 1.0, 4)) for label in "BCD"} == {6}
+    equal = [RESTATED["comparisons"]["grpo_n6"][row_runs()[label]]["paired"]["difference"] for label in "BCD"]
+    assert f"(GRPO with 6 rollouts a prompt, not 4: {signed(min(equal))} to {signed(max(equal))})" in bare
+    n10 = AGAINST_GRPO["grpo_n10"]
+    assert f"GRPO with 2.5x its rollouts gains most: {paired_interval(n10)}" in text
+    assert all(n10["paired"]["difference"] > AGAINST_GRPO[run]["paired"]["difference"] for run in row_runs().values())
     costs = [row_cost(label)[0] for label in "ABCDE"]
     assert f"{span(costs, 2)}x measured, `segment_mc` {row_cost('F')[0]:.2f}x" in text
     lengths = {name: (data["methods"]["grpo"]["diagnostics"]["first"]["response_length/mean"]
@@ -156,6 +202,23 @@ def test_what_else_to_change_is_the_json():
     paper = {name: OmegaConf.load(ROOT / "recipes" / "paper" / f"qwen3_4b_numina_{name}.yaml").actor_rollout_ref.actor
              .optim.lr for name in ("grpo", "rredcot")}
     assert paper["rredcot"] == paper["grpo"] / 2 and "the paper recipe halves it" in text
+
+
+def test_length_line_brackets_the_gradient_gain_by_grpos_measured_points():
+    """The long setting's gradient gain as GRPO's measured cosines bracket it (more than 128 rollouts, fewer than
+    256), not as its fitted curve extrapolates it; IBPO's training gain with its correction."""
+    fit = GRADIENT_LONG["grpo_fit"]
+    measured = dict(zip(fit["sizes_rollouts"], fit["measured_cosines"]))
+    fitted = dict(zip(fit["sizes_rollouts"], fit["fitted_cosines"]))
+    methods = GRADIENT_LONG["methods"]
+    cosines = [methods[m]["batches"]["128"]["cosine_mean"] for m in ("ibpo_resume", "rredcot")]
+    assert all(measured[128] < cosine < measured[256] for cosine in cosines)
+    assert (f"worth 1-2x GRPO's rollouts as measured (cosine {cosines[0]:.3f} / {cosines[1]:.3f}; GRPO's "
+            f"{measured[128]:.3f} at 128 rollouts, {measured[256]:.3f} at 256; the "
+            f"{methods['ibpo_resume']['ess_over_grpo_at_32']:.1f}x / {methods['rredcot']['ess_over_grpo_at_32']:.1f}x "
+            f"once quoted extrapolated a fit putting GRPO's 256 point at {fitted[256]:.3f})") in FLAT
+    ibpo = RESTATED_LONG["comparisons"]["grpo"]["ibpo_resume"]
+    assert f"IBPO gains {paired_interval(ibpo)}, Holm p {ibpo['paired']['p_holm']:.2f}" in FLAT
 
 
 def test_watch_list_ranges_are_the_json():
@@ -240,26 +303,25 @@ def bash_block(marker: str) -> str:
     return found[0]
 
 
-def choice_commands() -> dict[str, list[str]]:
-    """Row label -> argv of the README's launch command for that row (its shell variables expanded)."""
-    variables, commands = {}, {}
-    for line in bash_block("run=").replace("\\\n", " ").splitlines():
-        assignment = re.fullmatch(r'(\w+)=(?:"(.*)"|(\S+))', line.strip())
-        if assignment:
-            variables[assignment.group(1)] = assignment.group(2) or assignment.group(3)
-            continue
-        command, _, label = line.partition("#")
-        if not command.strip():
-            continue
-        for name, value in variables.items():
-            command = command.replace(f"${name}", value)
-        commands[label.strip()] = shlex.split(command)
-    return commands
+def choice_overrides() -> dict[str, list[str]]:
+    """Row label -> the README's plain ``k=v`` overrides for that row (one command line each, ``# A`` at its end)."""
+    block = bash_block("ibpo.repair_operator=rewrite")
+    assert "$" not in block, "a row's overrides hold a shell variable: not pasteable as they stand"
+    rows: dict[str, list[str]] = {}
+    for line in block.replace("\\\n", " ").splitlines():
+        words, _, label = line.partition("#")
+        assert re.fullmatch(r" [A-F]", label) and label.strip() not in rows, line
+        rows[label.strip()] = shlex.split(words)
+        assert all(re.fullmatch(r"[\w.]+=\S+", word) for word in rows[label.strip()]), line
+    return rows
+
+
+PRIMARY = ROOT / "rredcot_verl" / "conf"
 
 
 def parse_launch(argv: list[str]) -> tuple[Path, str | None, list[str]]:
     assert argv[:3] == ["python", "-m", "rredcot_verl.main"], argv
-    rest, config_dir, name = argv[3:], ROOT / "rredcot_verl" / "conf", None
+    rest, config_dir, name = argv[3:], PRIMARY, None
     if "--config-dir" in rest:
         config_dir = ROOT / rest[rest.index("--config-dir") + 1]
         name = rest[rest.index("--config-name") + 1]
@@ -268,17 +330,19 @@ def parse_launch(argv: list[str]) -> tuple[Path, str | None, list[str]]:
 
 
 @pytest.mark.parametrize("label", list("ABCDE"))
-def test_choice_commands_run_what_the_study_measured(label, recipe_env):
-    """A row's command (recipe + the row's keys) composes with verl's config and the strict reader, and the
-    estimator it sets up is the configuration the row's numbers come from."""
-    config_dir, name, overrides = parse_launch(choice_commands()[label])
-    assert (config_dir / f"{name}.yaml").is_file()
-    launched, measured = method_keys(_compose(config_dir, name, overrides)), measured_keys(row_runs()[label])
+def test_choice_overrides_run_what_the_study_measured(label):
+    """A row's overrides, on the package's primary config (what a plain ``k=v`` launch composes), set up the
+    configuration the row's numbers come from, whatever the data: none of its keys is left to ``auto``."""
+    launched, measured = readme_row_keys(label), measured_keys(row_runs()[label])
     differ = {key: (launched.get(key), measured.get(key)) for key in {*launched, *measured}
               if launched.get(key) != measured.get(key)}
-    assert not differ, (f"README row {label}'s command runs other settings than the study's {row_runs()[label]} "
-                        f"(key: (command, study)): {differ}; add the study's keys to the command, or say the row "
-                        "is not what was measured")
+    assert not differ, (f"README row {label}'s overrides run other settings than the study's {row_runs()[label]} "
+                        f"(key: (overrides, study)): {differ}; add the study's keys, or say the row is not what was "
+                        "measured")
+    config = _compose(PRIMARY, "rredcot_trainer", choice_overrides()[label])
+    with_solutions, without = (settings_from_config(config.algorithm, DataOffer(worked_solutions=offer))
+                               for offer in (True, False))
+    assert with_solutions == without, f"row {label} leaves a key to auto: it would depend on the data"
 
 
 def test_plain_overrides_launch_composes_without_a_config_name(monkeypatch):
@@ -323,29 +387,48 @@ def reads_solutions(config) -> bool:
 
 @functools.cache
 def readme_row_keys(label: str) -> dict:
-    """The estimator keys of the README's launch command for row ``label``."""
-    config_dir, name, overrides = parse_launch(choice_commands()[label])
-    return method_keys(_compose(config_dir, name, overrides))
+    """The estimator keys of the README's overrides for row ``label`` on the package's primary config."""
+    return method_keys(_compose(PRIMARY, "rredcot_trainer", choice_overrides()[label]))
+
+
+# Stands in for ``python`` in compare.sh: a training launch prints the metrics path it was given and its arguments
+# and writes a short metrics.jsonl there (validation at steps 0 and 2, its accuracy fixed by the run's name); any other
+# command runs the real interpreter (compare.sh's closing comparison).
+FAKE_LAUNCH = """#!/bin/sh
+if [ "$2" = "rredcot_verl.main" ]; then
+  echo "run $VERL_FILE_LOGGER_PATH"
+  for a in "$@"; do echo "arg $a"; done
+  acc=$(printf %s "$VERL_FILE_LOGGER_PATH" | wc -c)
+  for step in 0 1 2; do
+    echo "{\\"step\\": $step, \\"data\\": {\\"val-core/openai/gsm8k/reward/mean@1\\": 0.$acc$step, \\"critic/score/mean\\": 0.$step, \\"timing_s/step\\": 1.5}}" >> "$VERL_FILE_LOGGER_PATH"
+  done
+  exit 0
+fi
+exec REAL_PYTHON "$@"
+"""
+
+
+def run_compare(tmp_path: Path):
+    """compare.sh with the launches stood in by ``FAKE_LAUNCH``; returns the finished process."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text(FAKE_LAUNCH.replace("REAL_PYTHON", sys.executable))
+    (fake / "python").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "DATA_DIR": "/data", "OUT": str(tmp_path / "out")}
+    result = subprocess.run(["bash", str(COMPARE)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result
 
 
 def compare_runs(tmp_path: Path) -> dict[str, list[str]]:
-    """Run name -> overrides of each launch ``compare.sh`` makes (``python`` stood in by a script that prints the
-    metrics path it was given and its arguments)."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    script = '#!/bin/sh\necho "run $VERL_FILE_LOGGER_PATH"\nfor a in "$@"; do echo "arg $a"; done\n'
-    (fake / "python").write_text(script)
-    (fake / "python").chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "DATA_DIR": "/data", "OUT": str(tmp_path / "out")}
-    result = subprocess.run(["bash", str(COMPARE)], env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
+    """Run name -> overrides of each launch ``compare.sh`` makes."""
     runs: dict[str, list[str]] = {}
-    for line in result.stdout.splitlines():
+    for line in run_compare(tmp_path).stdout.splitlines():
         kind, _, value = line.partition(" ")
         if kind == "run":
             name = Path(value).parent.name
             runs[name] = []
-        else:
+        elif kind == "arg":
             runs[name].append(value)
     for name, argv in runs.items():
         assert argv[:4] == ["-m", "rredcot_verl.main", "--config-dir", str(GPU_SINGLE)], argv
@@ -372,7 +455,7 @@ def test_compare_runs_are_the_readme_rows_named_for_their_solutions(tmp_path, re
     that row's keys; its header lists each run with its row; a run's name says whether it reads the dataset's
     solutions; a run at a setting the study did not measure is named on a NOT MEASURED HERE line."""
     runs, text = compare_runs(tmp_path), header(COMPARE)
-    rows = {label for label, argv in choice_commands().items() if parse_launch(argv)[0] == GPU_SINGLE}
+    rows = {label for label, cells in choice_rows().items() if re.search(r"\((solutions|answers)\)$", cells[1])}
     listed = dict(re.findall(r"^#\s+([a-z_]+)\s+(?:README row ([A-F])\b|the baseline)", text, re.M))
     assert set(listed) == set(runs), f"compare.sh's header lists {sorted(listed)}, it runs {sorted(runs)}"
     assert sorted(label for label in listed.values() if label) == sorted(rows), "not every one-GPU row is run once"
@@ -388,6 +471,23 @@ def test_compare_runs_are_the_readme_rows_named_for_their_solutions(tmp_path, re
         suffix = "_with_solutions" if reads_solutions(config) else "_without_solutions"
         assert name == keys["adv_estimator"] + suffix, f"{name}: expected {keys['adv_estimator'] + suffix}"
         assert keys in measured or re.search(rf"NOT MEASURED HERE.*\b{name}\b", text), name
+
+
+def test_compare_ends_with_the_demos_table_and_curves_of_its_runs(tmp_path):
+    """After its launches, compare.sh prints the demo's comparison table of every run (in launch order, each run's
+    final validation accuracy read from its metrics) and writes curves.png and comparison.json beside them."""
+    result = run_compare(tmp_path)
+    out = tmp_path / "out"
+    names = [Path(line.split(" ", 1)[1]).parent.name for line in result.stdout.splitlines() if line.startswith("run ")]
+    table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0][2:] for line in table[1:]] == ["run", *names][1:] and len(names) == 5
+    summaries = json.loads((out / "comparison.json").read_text())
+    assert list(summaries) == names
+    for name in names:
+        accuracy = float(f"0.{len(str(out / name / 'metrics.jsonl'))}2")
+        assert summaries[name]["val_final"] == pytest.approx(accuracy) and summaries[name]["steps"] == 2
+        assert f"| {name} | 2 |" in result.stdout
+    assert (out / "curves.png").stat().st_size > 10_000
 
 
 def test_paper_recipes_say_how_to_switch_to_the_measured_value_source(recipe_env):
@@ -435,6 +535,28 @@ def test_submit_takes_a_recipe_from_anywhere(tmp_path):
     missing = subprocess.run(["bash", str(ROOT / "recipes" / "paper" / "submit.sh"), "nothere"], env=env,
                              capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert missing.returncode == 2 and "no recipe nothere" in missing.stderr
+
+
+def test_submit_forwards_tracking_and_hub_variables_through_the_jobs_runtime_env(tmp_path):
+    """The job's ``--runtime-env-json`` carries the tracker and hub variables set in the submitting shell (and the
+    names in SUBMIT_ENV), not others; the job's driver joins the cluster it runs on."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ray").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    (fake / "ray").chmod(0o755)
+    shell = {"WANDB_API_KEY": "key-1", "WANDB_PROJECT": "proj", "WANDB_ENTITY": "team", "HF_TOKEN": "hf-2",
+             "HF_HOME": "/shared/hf", "DATA_DIR": "/shared/data", "RREDCOT_SEED": "3", "MY_SETTING": "x",
+             "UNRELATED_SECRET": "must-stay"}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HF_", "RREDCOT_"))}, **shell,
+           "PATH": f"{fake}:{os.environ['PATH']}", "RAY_ADDRESS": "http://head:8265", "SUBMIT_ENV": "MY_SETTING"}
+    result = subprocess.run(["bash", str(ROOT / "recipes" / "paper" / "submit.sh"), "qwen3_4b_numina_rredcot"],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    argv = result.stdout.splitlines()
+    forwarded = json.loads(argv[argv.index("--runtime-env-json") + 1])["env_vars"]
+    assert forwarded == {**{k: v for k, v in shell.items() if k != "UNRELATED_SECRET"}, "RAY_ADDRESS": "auto",
+                         "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
+    assert argv[argv.index("--address") + 1] == "http://head:8265"
 
 
 # ------------------------------------------------------------------------------------------------ packaging, links

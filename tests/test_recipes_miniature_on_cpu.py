@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_dir
 
 from miniature_launch import launch_and_read, shared_build_folder
 from rredcot_verl.tasks.math_reward import compute_score
+from verl.utils.reward_score import default_compute_score
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,10 +36,11 @@ RECIPES = {
     "r1_distill_1p5b_openrs_rredcot": ("paper", "r1_distill", "open_rs", {}),
     # compare.sh trains grpo and the README's rows A-D on the one-GPU recipe; the paper recipes cover grpo and rredcot,
     # this run row D without the dataset's solutions (IBPO's repairs and the value pass, on a chat template).
-    "qwen3_0p6b_gsm8k": ("gpu_single", "qwen3", "gsm8k",
+    # verl's own GSM8K rows (#### answers, verl's reward) for a Qwen3 thinking model.
+    "qwen3_0p6b_gsm8k": ("gpu_single", "qwen3_gsm8k", "gsm8k",
                          {"algorithm.adv_estimator": "rredcot_ibpo",
                           "algorithm.rredcot.candidates.source": "group_and_repairs",
-                          "algorithm.rredcot.snapshot_dir": "<out>/snapshots"}),
+                          "algorithm.rredcot.snapshot_dir": "<out>/snapshots", "algorithm.rredcot.snapshot_freq": "1"}),
 }
 
 # What a miniature run may change, and why: the model (a tiny one of the family, built here), lengths and batch
@@ -69,6 +71,7 @@ PERMITTED_OVERRIDES = frozenset(
         "algorithm.adv_estimator",
         "algorithm.rredcot.candidates.source",
         "algorithm.rredcot.snapshot_dir",
+        "algorithm.rredcot.snapshot_freq",
         "algorithm.rredcot.redistribution.min_value_concordance",
     }
 )
@@ -229,16 +232,21 @@ def test_recipe_trains_in_miniature(recipe, miniatures, tmp_path):
             assert all(math.isfinite(a) for trace in traces for a in trace["token_advantages"])
         assert any(row["rredcot_ibpo/credit_from_values_frac"] > 0 for row in rows)
 
-    # The reward workers ran the recipe's reward (math-verify, off the main thread) on parsed answers: their scores
-    # equal the function's, recomputed here, and some responses had a boxed answer to parse.
+    # The reward workers ran the recipe's reward (math-verify off the main thread, or verl's GSM8K rule) on parsed
+    # answers: their scores equal the recipe's function, recomputed here, and some responses had an answer to parse.
     dumped = [json.loads(line) for path in sorted((out / "rollouts").glob("*.jsonl")) for line in path.read_text().splitlines()]
     with initialize_config_dir(config_dir=str(_recipe_dir(recipe)), version_base=None):
         config = compose(config_name=recipe)
     samples_per_prompt = int(config.actor_rollout_ref.rollout.n)
     assert len(dumped) == STEPS * miniature_overrides(recipe, build, out)["data.train_batch_size"] * samples_per_prompt
-    boxed = [row for row in dumped if "\\boxed{" in row["output"]]
-    assert len(boxed) >= len(dumped) // 4, f"only {len(boxed)} of {len(dumped)} responses wrote a boxed answer"
+    reward = config.reward.custom_reward_function
+    score, data_source, marker = {
+        ("pkg://rredcot_verl.tasks.math_reward", "compute_score"): (compute_score, "miniature/math", "\\boxed{"),
+        ("pkg://verl.utils.reward_score", "default_compute_score"): (default_compute_score, "openai/gsm8k", "#### "),
+    }[(reward.path, reward.name)]
+    answered = [row for row in dumped if marker in row["output"]]
+    assert len(answered) >= len(dumped) // 4, f"only {len(answered)} of {len(dumped)} responses wrote {marker!r}"
     for row in dumped:
-        assert row["score"] == compute_score("miniature/math", row["output"], row["gts"]), row["output"]
+        assert row["score"] == score(data_source, row["output"], row["gts"]), row["output"]
     if int(config.trainer.save_freq) > 0:  # the recipe saves (at the last step too): with the gate's window
         assert (out / "checkpoints" / f"global_step_{STEPS}" / "value_gate.json").is_file()

@@ -10,6 +10,14 @@ from rredcot_verl.integration.launcher import LaunchError, prepare
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def recipe_environment(monkeypatch):
+    """The variables the tiny recipe reads (the launcher names a missing one before any other check), pointing
+    nowhere: these refusals come before any file is read."""
+    monkeypatch.setenv("RREDCOT_BUILD", "/nonexistent-build")
+    monkeypatch.setenv("RREDCOT_REWARD_FILE", "/nonexistent-reward.py")
+
+
 def _config(overrides):
     with initialize_config_dir(config_dir=str(ROOT / "recipes" / "tiny_cpu"), version_base=None):
         return compose(config_name="rredcot", overrides=list(overrides))

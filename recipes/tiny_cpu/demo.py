@@ -10,7 +10,6 @@ Each run goes through ``recipes/tiny_cpu/run.sh`` (real verl trainer, vLLM in Ra
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rredcot_verl.runs import format_table, load_metrics, plot_curves, summarize, validation_key  # noqa: E402
+from rredcot_verl.runs import load_metrics, validation_key, write_comparison  # noqa: E402
 
 
 def train(method: str, out: Path, steps: int, timeout_s: int) -> list[dict]:
@@ -96,12 +95,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     runs = {method: train(method, out, args.steps, args.timeout_s) for method in args.methods}
-    plot_curves(runs, out / "curves.png")
-    summaries = {method: summarize(rows) for method, rows in runs.items()}
+    table = write_comparison(runs, out)
     for method in args.methods:
         credit_report(out / method, out, "" if method == "rredcot" else f"_{method}")
-    (out / "comparison.json").write_text(json.dumps(summaries, indent=2))
-    print("\n" + format_table(summaries))
+    print("\n" + table)
     print(f"\ncurves: {out / 'curves.png'}\ncredit report: {out / 'credit_report.html'}")
     print(f"training wall time: {time.perf_counter() - started:.0f} s")
     return 0

@@ -42,9 +42,10 @@ class ProbeSettings:
     """How segment-boundary values are estimated, and the probe text of the model family.
 
     Attributes:
-        value_source: one of ``VALUE_SOURCES``. Default ``"exit_probe"`` (the paper's answer-forcing probe). On small
-            models and tasks with steps, ``"reference_continuation"`` was measured to be far more informative
-            (docs/choices.md, "Value source"); the task's recipe picks it.
+        value_source: one of ``VALUE_SOURCES``, or ``"auto"``, a config's default: chosen at launch from the
+            training data (``core.settings.AUTO_RULES``). The dataclass's own default, for code that builds settings
+            itself, is ``"exit_probe"`` (the paper's answer-forcing probe). On small models and tasks with steps,
+            ``"reference_continuation"`` was measured to be far more informative (docs/choices.md, "Value source").
         normalization: ``"self_normalized"`` (default; probability of the correct answers divided by the mass of all
             answers the group produced, a calibrated value in [0, 1]) or ``"raw"`` (the plain sum, a lower bound).
         profile: the model family's probe text: ``"auto"`` (default: read from the tokenizer's vocabulary and chat

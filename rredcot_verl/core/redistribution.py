@@ -70,7 +70,9 @@ class RedistributionSettings:
             GRPO advantage tensor unchanged. Default 1.0.
         anchored: pin V_0 to the group mean outcome and V_K to the trace's outcome (default True). False uses the
             probe values as they are (as expectations on the outcome scale), with V_K = ζ (RUDDER's literal reading).
-        value_mapping: how anchored runs treat intermediate probe values. ``"affine"`` (default) maps v̂ by the
+        value_mapping: how anchored runs treat intermediate probe values (a config's default is ``"auto"``, chosen
+            at launch: ``log_affine`` for continuation values, ``affine`` for exit probes). ``"affine"`` (the
+            dataclass default) maps v̂ by the
             affine map sending v̂_0 to V_0 and ζ to ζ (on the probability scale), then clamps into the reward range;
             if |ζ − v̂_0| < epsilon that map is undefined, and if its gain is out of bounds (``max_affine_gain``) it
             would amplify probe noise: in both cases the values are interpolated in token position from V_0 to ζ,
@@ -92,7 +94,9 @@ class RedistributionSettings:
             the values. Outside [0, max_affine_gain] the values are interpolated in token position (GRPO for that
             trace), counted in ``affine_gain_traces``. Default 10.0: the probes must move at least a tenth of the
             outcome gap. Used only by anchored ``affine`` runs; must be > 0.
-        degenerate_groups: all-correct and all-wrong groups (every outcome equal, Â = 0). ``"grpo"`` (default):
+        degenerate_groups: all-correct and all-wrong groups (every outcome equal, Â = 0); a config's default is
+            ``"auto"``, chosen at launch (``value_differences`` for ``rredcot`` on the ``group_and_repairs`` bank, as
+            README row C, else ``grpo``). ``"grpo"`` (the dataclass default):
             they keep GRPO's zero advantage. ``"value_differences"``: their traces get unanchored value differences
             R_k = v̂_k − v̂_{k−1} (v̂_K = ζ, on the outcome scale), spread as for mixed groups:
             A_t = λ · R_k · (L / n_k) / s, bounded by B·(high − low)/2 / s as above. s = (high − low)/2 with

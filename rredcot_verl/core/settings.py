@@ -6,6 +6,7 @@ Every section maps onto the frozen dataclass of the module that uses it, so defa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import json
@@ -32,7 +33,8 @@ class CandidateSettings:
     """Where exit-probe answers and reference continuations come from (how they are written: ``probe.profile``).
 
     Attributes:
-        source: ``"both"`` (default), ``"group"`` (distinct answers / traces of the group's correct rollouts),
+        source: ``"both"`` (the dataclass default; a config's is ``"auto"``, chosen at launch from the training
+            data: ``AUTO_RULES``), ``"group"`` (distinct answers / traces of the group's correct rollouts),
             ``"ground_truth"`` (the dataset's ``reward_model.ground_truth`` and ``extra_info.reference_steps``) or
             ``"group_and_repairs"`` (the group's correct rollouts; a group without one takes the verified IBPO
             repairs of its traces, generated through the rollout engine before the log-prob pass: no reference
@@ -184,25 +186,182 @@ _VERL_OWNED = ("norm_adv_by_std",)
 DEFAULTS_FILE = Path(__file__).resolve().parents[1] / "conf" / "rredcot_defaults.yaml"
 
 
-def settings_from_config(algorithm_config: Any) -> RRedCoTSettings:
-    """Read ``algorithm.rredcot`` (omegaconf node, dict or None) strictly."""
+# ------------------------------------------------------------------------------------------ auto: chosen at launch
+
+AUTO = "auto"
+# The keys whose configuration default is ``auto``: the value source and what goes with it, chosen at launch from
+# what the training data offers and the estimator, by the best measured configuration (README, "Which to choose").
+# The dataclasses keep a fixed default for code that builds settings itself.
+AUTO_KEYS = ("probe.value_source", "candidates.source", "redistribution.value_mapping",
+             "redistribution.degenerate_groups")
+AUTO_RULES = (
+    "`auto` (the default in a config): chosen by `python -m rredcot_verl.main` before Ray starts, from the training "
+    "rows and the estimator, by the best measured configuration (README, \"Which to choose\"), and named in one "
+    "launch line; any value set explicitly wins. `rredcot`: training rows with worked solutions "
+    "(`extra_info.reference_steps`, or the task's `dataset_steps`) give row A (`reference_continuation`, "
+    "`ground_truth`, `log_affine`, `grpo`); rows without them, or files the launcher cannot read, give row C "
+    "(`reference_continuation`, `group_and_repairs`, `log_affine`, `value_differences`); multi-turn rollouts "
+    "give the exit probe (`exit_probe`, `both`, `affine`, `grpo`). `rredcot_ibpo`: row D (`reference_continuation`, "
+    "`group_and_repairs`, `log_affine`, `grpo`). `segment_mc`: `affine`, `grpo`. An explicit `probe.value_source` "
+    "sets the others as its measured row did: `exit_probe` with `both` and `affine`, a continuation with "
+    "`log_affine`. Estimators that do not read a key get the dataclass default"
+)
+
+
+@dataclass(frozen=True)
+class DataOffer:
+    """What the launcher read of a run before choosing the ``auto`` keys.
+
+    Attributes:
+        worked_solutions: whether the sampled training rows carry worked solutions (``extra_info.reference_steps``
+            or the task's ``dataset_steps``); None when the files could not be read (remote URIs).
+        multi_turn: rollouts are multi-turn (verl's tool agent loop), where only exit probes value a trajectory.
+    """
+
+    worked_solutions: bool | None
+    multi_turn: bool = False
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """``choose_auto``'s answer: ``values`` maps each key that was ``auto`` (dotted under ``algorithm.rredcot``) to
+    its value; ``reason`` is the launch line's why, None where the estimator reads none of the keys."""
+
+    values: dict[str, str]
+    reason: str | None
+
+
+def _section_value(section: dict, dotted: str) -> Any:
+    node: Any = section
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def _dataclass_default(dotted: str) -> str:
+    sub, name = dotted.split(".")
+    return getattr(_SECTIONS[sub](), name)
+
+
+# README "Which to choose": estimator -> {(value_source, candidates.source, value_mapping, degenerate_groups): row}
+MEASURED_ROWS = {
+    "rredcot": {("reference_continuation", "ground_truth", "log_affine", "grpo"): "A",
+                ("reference_continuation", "group_and_repairs", "log_affine", "value_differences"): "C",
+                ("exit_probe", "both", "affine", "grpo"): "E"},
+    "rredcot_ibpo": {("reference_continuation", "group_and_repairs", "log_affine", "grpo"): "D"},
+}
+
+
+def choose_auto(section: dict | None, estimator: str | None, offer: DataOffer | None) -> AutoChoice:
+    """The values of the ``AUTO_KEYS`` left at ``auto`` in ``section`` (plain ``algorithm.rredcot`` data), by
+    ``AUTO_RULES``. Explicit values are kept and steer the rest (an explicit ``exit_probe`` takes ``both`` and
+    ``affine``). Raises ``ValueError`` naming the key where the choice needs the training data and ``offer`` is
+    None, and for ``rredcot`` on ``task: code``, where no measured value source applies."""
+    section = section or {}
+    chosen = {key: _section_value(section, key) for key in AUTO_KEYS}
+    pending = [key for key in AUTO_KEYS if chosen[key] == AUTO]
+    if not pending:
+        return AutoChoice({}, None)
+    if estimator not in ("rredcot", "rredcot_ibpo", "segment_mc"):  # ibpo and verl's estimators read none of them
+        return AutoChoice({key: _dataclass_default(key) for key in pending}, None)
+    facts = []
+    if estimator == "segment_mc":  # reads only the redistribution's keys: its values are Monte-Carlo success rates
+        fixed = {"probe.value_source": _dataclass_default("probe.value_source"),
+                 "candidates.source": _dataclass_default("candidates.source"),
+                 "redistribution.value_mapping": "affine", "redistribution.degenerate_groups": "grpo"}
+        values = {key: fixed[key] for key in pending}
+        chosen.update(values)
+        row = "F" if (chosen["redistribution.value_mapping"], chosen["redistribution.degenerate_groups"]) == (
+            "affine", "grpo") else None
+        return AutoChoice(values, _reason(["Monte-Carlo values are success rates"], row))
+    if chosen["probe.value_source"] == AUTO:
+        if estimator == "rredcot" and str(section.get("task", "boxed_math")) == "code":
+            raise ValueError(
+                "algorithm.rredcot.probe.value_source=auto: no measured value source applies to "
+                "algorithm.rredcot.task=code with algorithm.adv_estimator=rredcot (programs are judged by tests); use "
+                "adv_estimator=segment_mc or ibpo, or set probe.value_source=own_continuation"
+            )
+        if offer is not None and offer.multi_turn:
+            chosen["probe.value_source"] = "exit_probe"
+            facts.append("multi-turn rollouts are valued by exit probes only")
+        else:
+            chosen["probe.value_source"] = "reference_continuation"
+    source = chosen["probe.value_source"]
+    if chosen["candidates.source"] == AUTO:
+        if source != "reference_continuation":
+            chosen["candidates.source"] = "both"
+        elif estimator == "rredcot_ibpo":
+            chosen["candidates.source"] = "group_and_repairs"
+            facts.append("its repairs fill the bank")
+        elif offer is None:
+            raise ValueError(
+                "algorithm.rredcot.candidates.source=auto is chosen from the training data by the launcher "
+                "(python -m rredcot_verl.main); set it (ground_truth with worked solutions, group_and_repairs "
+                "without) to read this config elsewhere"
+            )
+        elif offer.worked_solutions:
+            chosen["candidates.source"] = "ground_truth"
+            facts.append("the training rows carry worked solutions")
+        else:
+            chosen["candidates.source"] = "group_and_repairs"
+            facts.append("the training rows carry no worked solutions" if offer.worked_solutions is False
+                         else "the training files were not read here (remote), and this needs no worked solutions")
+    if chosen["redistribution.value_mapping"] == AUTO:
+        chosen["redistribution.value_mapping"] = "affine" if source == "exit_probe" else "log_affine"
+    if chosen["redistribution.degenerate_groups"] == AUTO:
+        repairs_bank = estimator == "rredcot" and chosen["candidates.source"] == "group_and_repairs"
+        chosen["redistribution.degenerate_groups"] = "value_differences" if repairs_bank else "grpo"
+    explicit = [f"{key}={chosen[key]} as set" for key in AUTO_KEYS if key not in pending]
+    row = MEASURED_ROWS[estimator].get(tuple(str(chosen[key]) for key in AUTO_KEYS))
+    return AutoChoice({key: str(chosen[key]) for key in pending}, _reason([*explicit, *facts], row))
+
+
+def _reason(facts: list[str], row: str | None) -> str:
+    measured = f'README "Which to choose" row {row}' if row else "a configuration the README's table did not measure"
+    return "; ".join([*facts, measured])
+
+
+def resolve_auto(section: dict | None, estimator: str | None, offer: DataOffer | None) -> tuple[dict, AutoChoice]:
+    """``section`` with its ``auto`` keys replaced by ``choose_auto``'s values (a copy), and the choice."""
+    choice = choose_auto(section, estimator, offer)
+    if not choice.values:
+        return section, choice
+    resolved = copy.deepcopy(section)
+    for dotted, value in choice.values.items():
+        sub, name = dotted.split(".")
+        resolved[sub][name] = value
+    return resolved, choice
+
+
+def settings_from_config(algorithm_config: Any, offer: DataOffer | None = None) -> RRedCoTSettings:
+    """Read ``algorithm.rredcot`` (omegaconf node, dict or None) strictly. Keys left at ``auto`` are chosen by
+    ``choose_auto`` from ``algorithm.adv_estimator`` and ``offer`` (the launcher writes its choice into the config, so
+    the trainer's processes read concrete values)."""
     section = algorithm_config.get("rredcot", None) if algorithm_config is not None else None
     if section is not None and not isinstance(section, dict):
         from omegaconf import OmegaConf
 
         section = OmegaConf.to_container(section, resolve=True)
+    if isinstance(section, dict):
+        estimator = algorithm_config.get("adv_estimator", None)
+        section, _ = resolve_auto(section, None if estimator is None else str(estimator), offer)
     return _build(RRedCoTSettings, section, "algorithm.rredcot")
 
 
 def default_section() -> dict:
-    """The ``algorithm.rredcot`` defaults as plain data (tuples as lists), without the keys verl owns."""
+    """The ``algorithm.rredcot`` defaults of a config as plain data (tuples as lists), without the keys verl owns:
+    the dataclass defaults, and ``auto`` for ``AUTO_KEYS``."""
 
     def plain(value):
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items() if k not in _VERL_OWNED}
         return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
-    return plain(dataclasses.asdict(RRedCoTSettings()))
+    section = plain(dataclasses.asdict(RRedCoTSettings()))
+    for dotted in AUTO_KEYS:
+        sub, name = dotted.split(".")
+        section[sub][name] = AUTO
+    return section
 
 
 def defaults_yaml() -> str:
@@ -274,6 +433,8 @@ def configuration_reference() -> str:
     lines += ["", "## Top level", *table(RRedCoTSettings, "", defaults)]
     for name, cls in _SECTIONS.items():
         lines += ["", f"## `{name}` ({cls.__name__})", *table(cls, f"{name}.", defaults[name])]
+    keys = ", ".join(f"`{key}`" for key in AUTO_KEYS)
+    lines += ["", "## `auto`", "", f"{keys}: {AUTO_RULES}."]
     return "\n".join(lines) + "\n"
 
 

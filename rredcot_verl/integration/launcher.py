@@ -4,14 +4,17 @@ Config: verl's ``ppo_trainer`` composed with ``conf/rredcot_trainer.yaml`` (hydr
 ``algorithm.adv_estimator`` may be ``grpo`` or any verl estimator, or ``rredcot`` / ``ibpo`` / ``rredcot_ibpo`` /
 ``segment_mc``, whose settings live under ``algorithm.rredcot``. Every estimator trains with the rredcot trainer, verl's
 sync trainer plus the estimators' hooks. Before Ray starts, the launcher checks what would otherwise fail late or
-degrade silently. For every estimator: one of verl's async trainer modes, an unknown estimator, a missing or broken
-local model folder (hub ids are verl's to download), local dataset files that do not exist. For this package's
-estimators also: unknown ``algorithm.rredcot`` keys, datasets without ``reward_model.ground_truth`` or whose prompts
-all exceed ``data.max_prompt_length``, extra generations without a rule reward to judge them, an engine context too
-short for IBPO's revisions, Ulysses sequence parallelism, and the run shapes of ``run_shapes.py`` (legacy trainer,
-bypass mode, a critic, groups of one, multi-turn rollouts, KL in reward, DAPO's overlong penalty, a reward model,
-Megatron, a model the value pass cannot score exactly). Where verl scores the rows with its own scorer, the scale of
-that scorer becomes ``algorithm.rredcot.reward_range`` unless the recipe set one (``adopt_scorer_reward_range``).
+degrade silently. For every estimator: an environment variable the config reads that is not set, one of verl's async
+trainer modes, an unknown estimator, a missing or broken local model folder (hub ids are verl's to download), local
+dataset files that do not exist. For this package's estimators also: unknown ``algorithm.rredcot`` keys, datasets
+without ``reward_model.ground_truth`` or whose prompts all exceed ``data.max_prompt_length``, reference continuations of
+worked solutions the training rows do not have, extra generations without a rule reward to judge them, an engine
+context too short for IBPO's revisions, Ulysses sequence parallelism, and the run shapes of ``run_shapes.py`` (legacy
+trainer, bypass mode, a critic, groups of one, multi-turn rollouts, KL in reward, DAPO's overlong penalty, a reward
+model, Megatron, a model the value pass cannot score exactly). The ``algorithm.rredcot`` keys left at ``auto`` are
+chosen there from the training rows (``choose_auto_settings``) and written into the config, in one line saying which
+and why. Where verl scores the rows with its own scorer, the scale of that scorer becomes
+``algorithm.rredcot.reward_range`` unless the recipe set one (``adopt_scorer_reward_range``).
 
 ``python -m rredcot_verl.main --check-only ...`` runs every check, prints ``ok`` (naming the checks it had to skip: a
 hub model or tokenizer not in the local cache, remote dataset files) or the refusal, and exits 0 / 2 without starting
@@ -32,7 +35,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rredcot_verl.compat.cpu import CPU_ENV, CPU_PROCESS_ENV, accelerator_present, enable_cpu_mode
-from rredcot_verl.core.settings import settings_from_config
+from rredcot_verl.core.settings import AUTO, AUTO_KEYS, DataOffer, resolve_auto, settings_from_config
 
 # Config for a CPU-only run of verl 0.9.1 (docs/cpu.md): fake Ray GPU for verl's resource pools, enough
 # logical CPUs for TransferQueue's actors (under-declaring hangs silently), FSDP2 over gloo, sdpa attention, no vLLM
@@ -169,6 +172,88 @@ def check_task_answers(config: DictConfig, settings, skipped: list[str], sample:
     problem = check_dataset_rows(settings.task, [{**row, "prompt": row.get(prompt_key)} for row in rows])
     if problem:
         raise LaunchError(problem)
+
+
+def training_sample(config: DictConfig, columns: tuple[str, ...], sample: int = 64) -> list[dict] | None:
+    """The first ``sample`` rows of the first training file (the ``columns`` it has), as dicts; None when the file is
+    remote (verl copies it at start)."""
+    import pyarrow.parquet as pq
+
+    files = config.data.train_files
+    first = files if isinstance(files, str) else list(files)[0]
+    if is_remote_uri(first):
+        return None
+    present = [c for c in columns if c in pq.read_schema(first).names]
+    batch = next(pq.ParquetFile(first).iter_batches(batch_size=sample, columns=present), None)
+    return [] if batch is None else batch.to_pylist()
+
+
+def worked_solutions(config: DictConfig, task: str) -> tuple[int, int] | None:
+    """How many of the sampled training rows carry a worked solution the reference continuation reads
+    (``tasks.base.worked_solution``), and how many were sampled; None when the training file is remote."""
+    from rredcot_verl.tasks.base import worked_solution
+
+    rows = training_sample(config, ("extra_info",))
+    if rows is None:
+        return None
+    try:
+        return sum(worked_solution(task, row.get("extra_info")) is not None for row in rows), len(rows)
+    except ValueError as error:  # a module:attr task that cannot be loaded
+        raise LaunchError(str(error)) from error
+
+
+def choose_auto_settings(config: DictConfig, spec, skipped: list[str]) -> None:
+    """Choose the ``algorithm.rredcot`` keys left at ``auto`` (``core.settings.AUTO_RULES``) from the training rows
+    and the run shape, write them into the config (the trainer's processes read them from it) and name them, and
+    why, in one line."""
+    from rredcot_verl.integration.run_shapes import multi_turn_key
+
+    section = config.algorithm.get("rredcot", None)
+    if section is None:
+        return
+    plain = OmegaConf.to_container(section, resolve=True)
+    if not any((plain.get(key.split(".")[0]) or {}).get(key.split(".")[1]) == AUTO for key in AUTO_KEYS):
+        return
+    estimator = str(config.algorithm.adv_estimator)
+    offer = None
+    if spec is not None:
+        counted = worked_solutions(config, str(plain.get("task", "boxed_math")))
+        if counted is None:
+            skipped.append("worked solutions in data.train_files (remote): algorithm.rredcot auto keys chosen as "
+                           "for data without them")
+        offer = DataOffer(worked_solutions=None if counted is None else counted[0] > 0,
+                          multi_turn=multi_turn_key(config) is not None)
+    try:
+        _, choice = resolve_auto(plain, estimator, offer)
+    except ValueError as error:
+        raise LaunchError(str(error)) from error
+    for key, value in choice.values.items():
+        _set(config, f"algorithm.rredcot.{key}", value)
+    if choice.reason:
+        chosen = " ".join(f"algorithm.rredcot.{key}={value}" for key, value in choice.values.items())
+        print(f"rredcot_verl: algorithm.adv_estimator={estimator}: {chosen} (auto): {choice.reason}; set a key to "
+              "choose otherwise")
+
+
+def check_worked_solutions(config: DictConfig, settings, spec) -> None:
+    """Refuse reference-continuation values whose bank reads the dataset's worked solutions (``candidates.source``
+    ``ground_truth`` or ``both``) when none of the sampled training rows has one: the bank would hold the ground-truth
+    answer alone (``ground_truth``: no value at all) or only the group's traces (``both``), without a word."""
+    if spec is None or not spec.uses_value_pass:
+        return
+    if settings.probe.value_source != "reference_continuation" or not settings.candidates.uses_dataset:
+        return
+    counted = worked_solutions(config, settings.task)
+    if counted is None or counted[0] > 0:
+        return
+    source = settings.candidates.source
+    instead = "group_and_repairs (README row C)" if source == "ground_truth" else "group or group_and_repairs"
+    raise LaunchError(
+        f"algorithm.rredcot.candidates.source={source} continues the dataset's worked solutions, and none of the "
+        f"{counted[1]} sampled rows of data.train_files has one (extra_info.reference_steps, or what "
+        f"algorithm.rredcot.task={settings.task} reads as one): set algorithm.rredcot.candidates.source={instead}, or "
+        "write the solutions (recipes/paper/prepare_math_data.py)"
+    )
 
 
 def _local_pretrained(loader, path: str):
@@ -382,6 +467,36 @@ def select_trainer_mode(config: DictConfig, spec) -> None:
         )
 
 
+# ${oc.env:NAME} without a default: omegaconf raises at the first read of the key, inside hydra's traceback.
+_REQUIRED_ENV = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def check_environment(config: DictConfig) -> None:
+    """Refuse, naming it, an environment variable the config reads without a default (a recipe's ``DATA_DIR``) that
+    is not set; then any other key whose value cannot be resolved, in one line."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    def leaves(node, prefix=""):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                yield from leaves(value, f"{prefix}{key}.")
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                yield from leaves(value, f"{prefix}{index}.")
+        else:
+            yield prefix[:-1], node
+
+    for key, value in leaves(OmegaConf.to_container(config, resolve=False)):
+        for name in _REQUIRED_ENV.findall(str(value)):
+            if name not in os.environ:
+                raise LaunchError(f"environment variable {name} is not set: {key} reads it ({value}); set it, e.g. "
+                                  f"{name}=... python -m rredcot_verl.main ...")
+    try:
+        OmegaConf.to_container(config, resolve=True)
+    except OmegaConfBaseException as error:
+        raise LaunchError(f"the config does not resolve: {' '.join(str(error).split())}") from error
+
+
 def check(config: DictConfig) -> list[str]:
     """Every launch check, in the order a user meets them; raises ``LaunchError`` with the first refusal. Returns
     the checks skipped because what they read is not on this machine (a hub model not in the local cache, remote
@@ -391,19 +506,22 @@ def check(config: DictConfig) -> list[str]:
     from rredcot_verl.tasks.code import code_task_refusal
 
     skipped: list[str] = []
+    check_environment(config)
     estimator = str(config.algorithm.adv_estimator)
     check_estimator(estimator)
     spec = ESTIMATORS.get(estimator)
     select_trainer_mode(config, spec)
     check_value_pass_parallelism(config, estimator)
-    try:
-        settings = settings_from_config(config.algorithm)
+    try:  # the section's keys and values, before the data is read (the auto keys as for data without solutions)
+        settings_from_config(config.algorithm, DataOffer(worked_solutions=None))
     except ValueError as error:
         raise LaunchError(str(error)) from error
     model_path = str(config.actor_rollout_ref.model.path)
     check_model_dir(model_path)
     check_dataset(config.data.train_files, "data.train_files", spec is not None, skipped)
     check_dataset(config.data.val_files, "data.val_files", spec is not None, skipped)
+    choose_auto_settings(config, spec, skipped)
+    settings = settings_from_config(config.algorithm)
     from transformers import AutoConfig, AutoTokenizer
 
     hf_config = _local_pretrained(AutoConfig, model_path)
@@ -420,6 +538,7 @@ def check(config: DictConfig) -> list[str]:
         raise LaunchError(refusal)
     if spec is not None:
         check_task_answers(config, settings, skipped)
+        check_worked_solutions(config, settings, spec)
         adopted = adopt_scorer_reward_range(config)
         if adopted:
             print(f"rredcot_verl: {adopted}")
@@ -459,6 +578,14 @@ def profile_for_template_kwargs(config: DictConfig) -> None:
               "auto resolves to plain (responses without a thinking block)")
 
 
+def say_cpu_strategy(config: DictConfig) -> None:
+    """CPU mode replaces verl's FSDP1 (``strategy: fsdp``, verl's default) by FSDP2: FSDP1 wraps the model with
+    ``FSDP(device_id=...)``, which needs an accelerator. On a GPU the strategy is left as set."""
+    if config.actor_rollout_ref.actor.get("strategy", None) == "fsdp":
+        print("rredcot_verl: CPU mode runs actor_rollout_ref.actor.strategy=fsdp2 instead of fsdp (verl's FSDP1 needs "
+              "an accelerator)")
+
+
 def prepare(config: DictConfig) -> DictConfig:
     """Check the config (``check``) and adapt it (trainer, CPU accommodations, Ray, plugin loading). Returns it."""
     cpu = use_cpu_mode()
@@ -486,6 +613,7 @@ def prepare(config: DictConfig) -> DictConfig:
             _set(config, key, value)
     # Otherwise Ray is verl's: ray.init() joins a cluster brought up with `ray start` on this node, else starts one.
     if cpu:
+        say_cpu_strategy(config)
         env.update(CPU_PROCESS_ENV)
         for key, value in CPU_CONFIG.items():
             _set(config, key, value)

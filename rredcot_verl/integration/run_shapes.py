@@ -68,20 +68,26 @@ def value_pass_model(config: DictConfig, spec, hf_config) -> str | None:
     return None
 
 
+def multi_turn_key(config: DictConfig) -> str | None:
+    """The setting that makes rollouts multi-turn (verl's tool agent loop), as ``key=value``; None for single-turn."""
+    agent_loop = str(_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", SINGLE_TURN_AGENT_LOOP))
+    if bool(_get(config, "actor_rollout_ref.rollout.multi_turn.enable", False)):
+        return "actor_rollout_ref.rollout.multi_turn.enable=true"
+    if agent_loop != SINGLE_TURN_AGENT_LOOP:
+        return f"actor_rollout_ref.rollout.agent.default_agent_loop={agent_loop}"
+    if _get(config, "actor_rollout_ref.rollout.agent.agent_loop_config_path"):
+        return "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+    return None
+
+
 def multi_turn(config: DictConfig, spec, hf_config) -> str | None:
     """Multi-turn tool trajectories: the value pass and the redistribution read them with their holes (tool output
     and template tokens are context, never credited), but IBPO's repairs and ``segment_mc``'s continuations are
     single-turn generations without tools, which cannot continue an agent's trajectory; and a reference or own
     continuation scores a trajectory's text without its tool answers (a bank entry glues its assistant turns), so
     the value pass takes exit probes only."""
-    agent_loop = str(_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", SINGLE_TURN_AGENT_LOOP))
-    if bool(_get(config, "actor_rollout_ref.rollout.multi_turn.enable", False)):
-        key = "actor_rollout_ref.rollout.multi_turn.enable=true"
-    elif agent_loop != SINGLE_TURN_AGENT_LOOP:
-        key = f"actor_rollout_ref.rollout.agent.default_agent_loop={agent_loop}"
-    elif _get(config, "actor_rollout_ref.rollout.agent.agent_loop_config_path"):
-        key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
-    else:
+    key = multi_turn_key(config)
+    if key is None:
         return None
     settings = settings_from_config(_get(config, "algorithm"))
     stages = spec.stages(settings)

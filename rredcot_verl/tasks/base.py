@@ -357,6 +357,18 @@ def _get(mapping: Any, name: str) -> Any:
         return None
 
 
+def worked_solution(task: Task | str, extra_info: Any) -> list[str] | None:
+    """The worked solution the reference continuation reads for a dataset row, as steps: ``extra_info.reference_steps``,
+    else the task's ``dataset_steps`` (verl's GSM8K rationale in ``extra_info.answer``); None (or empty: None) when
+    the row has none."""
+    task = resolve_task(task) if isinstance(task, str) else task
+    steps = _get(extra_info, "reference_steps")
+    if steps is None and getattr(task, "dataset_steps", None) is not None:
+        steps = _safe(task.dataset_steps, extra_info)
+    steps = [str(step) for step in steps if str(step).strip()] if steps is not None else []
+    return steps or None
+
+
 def check_dataset_rows(task: Task | str, rows: Iterable[Mapping], key: str = "algorithm.rredcot.task") -> str | None:
     """``check_task_reads_answers`` on verl dataset rows (dicts with ``prompt``, ``reward_model.ground_truth`` and
     ``extra_info.answer`` or ``extra_info.reference_solution``, as a parquet row reads back)."""

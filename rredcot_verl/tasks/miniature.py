@@ -1,13 +1,13 @@
 """Miniature stand-ins for the paper recipes (Qwen3-4B thinking, DeepSeek-R1-Distill-Qwen) and for verl's quickstart
 (a Qwen2.5-Instruct model on GSM8K, no thinking), built from code on CPU.
 
-    python -m rredcot_verl.tasks.miniature --family {qwen3,r1_distill,qwen2_5} --out DIR [--problems N] [--threads T]
+    python -m rredcot_verl.tasks.miniature --family {qwen3,r1_distill,qwen2_5,qwen3_gsm8k} --out DIR [--problems N]
 
 writes what a paper recipe reads, at toy scale, so it can be launched in CI without the hub:
 
-- ``DIR/data/{train,val}.parquet``: the word problems shipped in ``assets/math_problems.jsonl`` (solutions are
-  blank-line paragraphs ending in ``\\boxed{}``), shuffled, split 4:1 and converted by ``tasks/math_data.convert``,
-  the converter of ``recipes/paper/prepare_math_data.py``.
+- ``DIR/data/{train,test}.parquet`` (the names verl's preprocessing writes): the word problems shipped in
+  ``assets/math_problems.jsonl`` (solutions are blank-line paragraphs ending in ``\\boxed{}``), shuffled, split
+  4:1 and converted by ``tasks/math_data.convert``, the converter of ``recipes/paper/prepare_math_data.py``.
 - ``DIR/model/``: a byte-level BPE tokenizer with the family's special tokens and chat template
   (``assets/chat_templates/``), and a two-layer model of the family's class, warm-started by SFT on the training
   problems written as the family responds: ``<think>\\n{solution}\\n</think>\\n\\n**Final Answer**\\n\\boxed{a}``
@@ -19,6 +19,8 @@ writes what a paper recipe reads, at toy scale, so it can be launched in CI with
   ``extra_info.reference_steps``, its lines, for the reference continuation), from the shipped problems whose answer
   is a number (LaTeX written out as plain text); the model answers without a thinking block: the rationale lines,
   then ``#### 27``, then eos; the Qwen2.5 chat template (default system prompt, no ``<think>`` token).
+  ``qwen3_gsm8k``: the same rows for a Qwen3 thinking model (the one-GPU recipe on verl's GSM8K): the rationale lines
+  inside ``<think>...</think>``, then ``#### 27``, then eos.
 - ``DIR/miniature.json``: the build record (fingerprint, boxed rate and accuracy on training prompts, token lengths
   for ``max_prompt_length`` / ``max_response_length``). A run whose fingerprint matches returns it without building.
 """
@@ -32,7 +34,7 @@ import os
 import random
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 from rredcot_verl.tasks import base, math_data
@@ -119,6 +121,7 @@ GSM8K_FAMILIES: dict[str, Family] = {
         tie_word_embeddings=True, answer_style="gsm8k",
         system_prompt="\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
     ),
+    "qwen3_gsm8k": replace(FAMILIES["qwen3"], answer_style="gsm8k"),
 }
 ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **GSM8K_FAMILIES}
 GSM8K_DATA_SOURCE = "openai/gsm8k"  # verl's default reward dispatches its GSM8K rule on this name
@@ -215,16 +218,16 @@ def gsm8k_rows(problems: list[dict], split: str) -> pd.DataFrame:
 
 def write_data(problems: list[dict], data_dir: str, seed: int,
                answer_style: str = "boxed") -> tuple[list[MathRow], list[MathRow]]:
-    """Shuffle, split 4:1 and write ``train.parquet`` / ``val.parquet`` (the converter's rows, or verl's GSM8K rows
-    for the ``gsm8k`` answer style); returns the (train, val) rows."""
+    """Shuffle, split 4:1 and write ``train.parquet`` / ``test.parquet`` (the converter's rows, or verl's GSM8K rows
+    for the ``gsm8k`` answer style); returns the (train, test) rows."""
     if len(problems) < 2:
         raise ValueError(f"need at least 2 problems (one is held out for validation), got {len(problems)}")
     order = list(problems)
     random.Random(seed).shuffle(order)
-    n_val = max(1, len(order) // 5)
+    n_test = max(1, len(order) // 5)
     os.makedirs(data_dir, exist_ok=True)
     splits = []
-    for split, rows in (("train", order[n_val:]), ("val", order[:n_val])):
+    for split, rows in (("train", order[n_test:]), ("test", order[:n_test])):
         if answer_style == "gsm8k":
             frame = gsm8k_rows(rows, split)
             frame.to_parquet(os.path.join(data_dir, f"{split}.parquet"))
@@ -240,9 +243,13 @@ def write_data(problems: list[dict], data_dir: str, seed: int,
 
 def response_text(family: Family, row: MathRow) -> str:
     """The SFT target: thinking (the solution's paragraphs), then the final answer, as the family writes it; a
-    ``gsm8k`` family writes the GSM8K answer (rationale lines, then ``#### a``) with no thinking block."""
+    ``gsm8k`` family writes the GSM8K answer (rationale lines, then ``#### a``), the rationale inside the thinking
+    block where the family thinks."""
     if family.answer_style == "gsm8k":
-        return row.solution
+        if THINK_OPEN not in family.added_tokens:
+            return row.solution
+        rationale = row.solution.rpartition("####")[0].strip()
+        return f"{THINK_OPEN}\n{rationale}\n{THINK_CLOSE}\n\n#### {row.answer}"
     thinking = f"{row.solution}\n{THINK_CLOSE}\n\n**Final Answer**\n\\boxed{{{row.answer}}}"
     return thinking if family.thinks_in_prompt else f"{THINK_OPEN}\n{thinking}"
 
@@ -395,7 +402,7 @@ def build(family_name: str, out_dir: str, n_problems: int | None = None,
     family = ALL_FAMILIES[family_name]
     out_dir = os.path.abspath(out_dir)
     record_path, model_dir, data_dir = (os.path.join(out_dir, name) for name in (RECORD, "model", "data"))
-    parquets = [os.path.join(data_dir, f"{split}.parquet") for split in ("train", "val")]
+    parquets = [os.path.join(data_dir, f"{split}.parquet") for split in ("train", "test")]
     expected = fingerprint(family_name, n_problems, config)
     previous = cached_record(record_path, expected, model_dir, parquets)
     if previous is not None:
@@ -412,8 +419,8 @@ def build(family_name: str, out_dir: str, n_problems: int | None = None,
     evaluation = evaluate(model, tokenizer, train[: config.n_eval], max(reference_tokens) + 32, config.seed,
                           family.answer_style)
     record = {
-        "fingerprint": expected, "family": family_name, "n_train": len(train), "n_val": len(val),
-        "model_dir": model_dir, "train_parquet": parquets[0], "val_parquet": parquets[1],
+        "fingerprint": expected, "family": family_name, "n_train": len(train), "n_test": len(val),
+        "model_dir": model_dir, "train_parquet": parquets[0], "test_parquet": parquets[1],
         "max_prompt_tokens": max(prompt_tokens), "max_reference_response_tokens": max(reference_tokens),
         "vocab_size": len(tokenizer), "sft": sft, "eval": evaluation,
         "seconds": round(time.monotonic() - start, 1), "torch_threads": torch.get_num_threads(),
