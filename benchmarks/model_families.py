@@ -2,6 +2,7 @@
 
     python -m benchmarks.model_families --family cohere --out DIR
     python -m benchmarks.model_families --embedded-task --data-source math_dapo --out DIR
+    python -m benchmarks.model_families --embedded-task --agent-name tool_agent --out DIR
     python -m benchmarks.model_families --survey
 
 The first writes ``DIR/model`` (the family's config at a tiny size, random weights, the embedded task's tokenizer and
@@ -9,9 +10,10 @@ chat template) and ``DIR/data`` (a few rows of the embedded task), the folder ``
 ``$RREDCOT_BUILD``. The weights are random: a launch shows whether verl, vLLM and the value pass run the family, not
 what it learns. Each family keeps the quirk it is here for (Cohere's ``logit_scale``, Granite's multipliers and
 ``logits_scaling``, Gemma2's softcapping and sliding layers, Qwen3-Next's linear-attention layers). The second writes
-the embedded task's own build (its trained warm start) with the rows' ``data_source`` changed, for verl's scorers.
+the embedded task's own build (its trained warm start) with the rows' ``data_source`` changed, for verl's scorers, or
+with an ``agent_name`` column, which makes verl run that agent loop for each row.
 
-The second prints the survey docs/usage.md shows ("Model families"): every model type transformers maps to a causal
+The last prints the survey docs/usage.md shows ("Model families"): every model type transformers maps to a causal
 LM, at its default config, sorted by what ``core.model_support`` makes of it (scored as is, with the logit scaling or
 softcapping reproduced, or refused, by kind).
 """
@@ -83,10 +85,12 @@ def tiny_model(name: str, vocab_size: int, seed: int = 0):
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def build(name: str | None, out: Path, data_source: str | None = None, n_train: int = 8, n_val: int = 4) -> Path:
+def build(name: str | None, out: Path, data_source: str | None = None, n_train: int = 8, n_val: int = 4,
+          agent_name: str | None = None) -> Path:
     """``out/model`` and ``out/data`` for family ``name`` (see the module docstring; None: the embedded task's own
     warm start), the rows' ``data_source`` set to ``data_source`` where given (e.g. ``math_dapo``, which verl's
-    default scorer judges -1 / +1); returns ``out``."""
+    default scorer judges -1 / +1) and an ``agent_name`` column (the agent loop verl runs for each row) where given;
+    returns ``out``."""
     import pandas as pd
 
     from rredcot_verl.tasks.arithmetic import write_parquet
@@ -100,9 +104,12 @@ def build(name: str | None, out: Path, data_source: str | None = None, n_train: 
         for file in TOKENIZER_FILES:
             shutil.copy(WARM_START / file, model_dir / file)
     for path in write_parquet(str(out / "data"), n_train=n_train, n_val=n_val, seed=0):
-        if data_source is not None:
+        columns = {"data_source": data_source, "agent_name": agent_name}
+        if any(value is not None for value in columns.values()):
             frame = pd.read_parquet(path)
-            frame["data_source"] = data_source
+            for column, value in columns.items():
+                if value is not None:
+                    frame[column] = value
             frame.to_parquet(path, index=False)
     return out
 
@@ -147,6 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--family", choices=sorted(FAMILIES))
     parser.add_argument("--embedded-task", action="store_true", help="the embedded task's own warm start instead")
     parser.add_argument("--data-source", default=None, help="the rows' data_source (default: the task's own)")
+    parser.add_argument("--agent-name", default=None, help="an agent_name column: the agent loop verl runs per row")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--survey", action="store_true", help="print docs/usage.md's model-family survey and exit")
     return parser
@@ -161,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if (args.family is None) == (not args.embedded_task) or args.out is None:
         parser.error("--out and one of --family / --embedded-task are required (or --survey)")
-    build(args.family, args.out, args.data_source)
+    build(args.family, args.out, args.data_source, agent_name=args.agent_name)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from transformers import CohereConfig, Gemma2Config, MistralConfig, Qwen2Config,
 from composing import compose_recipe
 from rredcot_verl.integration.estimators import ESTIMATORS
 from rredcot_verl.integration.launcher import LaunchError, check, prepare
-from rredcot_verl.integration.run_shapes import value_pass_model
+from rredcot_verl.integration.run_shapes import SINGLE_TURN_AGENT_LOOP, value_pass_model
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = sorted(ESTIMATORS)
@@ -22,9 +22,16 @@ OURS = sorted(ESTIMATORS)
 
 @pytest.fixture()
 def cpu_build(build, monkeypatch):
-    """The shared ``build``, launched in CPU mode on a local Ray."""
+    """The shared ``build``, launched in CPU mode on a local Ray; beside its training rows, the same rows naming the
+    agent loop verl runs for each (``agent_name``): all ``tool_agent``, one in four, or all single-turn."""
     monkeypatch.setenv("RREDCOT_CPU", "1")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    rows = pd.read_parquet(build / "data" / "train.parquet")
+    for name, agent_names in (("tool_rows", ["tool_agent"] * len(rows)),
+                              ("some_tool_rows", [("tool_agent" if i % 4 == 3 else SINGLE_TURN_AGENT_LOOP)
+                                                  for i in range(len(rows))]),
+                              ("single_turn_rows", [SINGLE_TURN_AGENT_LOOP] * len(rows))):  # fmt: skip
+        rows.assign(agent_name=agent_names).to_parquet(build / "data" / f"{name}.parquet", index=False)
     return build
 
 
@@ -69,8 +76,10 @@ def test_shapes_the_estimators_cannot_serve_are_refused_naming_the_key(cpu_build
 
 
 # Multi-turn rollouts (tool output in the response, response_mask with holes): shape -> (overrides, the key named)
+ROWS = "data.train_files=${{oc.env:RREDCOT_BUILD}}/data/{}.parquet"
 MULTI_TURN_SHAPES = {
-    "multi_turn": (["actor_rollout_ref.rollout.multi_turn.enable=true"], "multi_turn.enable=true"),
+    "agent_name_rows": ([ROWS.format("tool_rows")], "data.train_files rows with agent_name=tool_agent"),
+    "some_agent_name_rows": ([ROWS.format("some_tool_rows")], "data.train_files rows with agent_name=tool_agent"),
     "tool_agent_loop": (["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"],
                         "default_agent_loop=tool_agent"),
 }  # fmt: skip
@@ -108,6 +117,67 @@ def test_rredcot_values_multi_turn_traces_by_exit_probes_only(cpu_build, shape):
         message = str(error.value)
         assert key in message and f"algorithm.rredcot.probe.value_source={value_source}" in message
         assert "\n" not in message
+
+
+@pytest.mark.parametrize("estimator", OURS)
+def test_rows_that_choose_the_single_turn_loop_and_the_multi_turn_flag_alone_are_single_turn(cpu_build, estimator):
+    """verl runs a row's own agent_name over agent.default_agent_loop; and rollout.multi_turn.enable, read by verl's
+    legacy trainer only, changes nothing in the V1 trainer: neither is refused."""
+    check(_config(estimator, [ROWS.format("single_turn_rows"),
+                              "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"]))  # fmt: skip
+    check(_config(estimator, ["actor_rollout_ref.rollout.multi_turn.enable=true"]))
+
+
+def test_verls_v1_trainer_never_reads_the_multi_turn_flag():
+    """What makes the flag a no-op here, in verl's installed source: it is read only by the legacy trainer (refused
+    for these estimators) and the fully-async entry point (refused too)."""
+    import verl
+
+    package = Path(verl.__file__).parent
+    readers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                     if "multi_turn.enable" in path.read_text(errors="replace") and "config" not in path.parts)  # fmt: skip
+    assert readers == ["experimental/fully_async_policy/detach_utils.py", "trainer/ppo/ray_trainer.py"]
+
+
+COOLER = "actor_rollout_ref.rollout.temperature=0.7"
+# estimator -> (its overrides, the key of the extra generation's own temperature)
+OWN_TEMPERATURES = {
+    "ibpo": ([], "algorithm.rredcot.ibpo.revision_temperature"),
+    "rredcot_ibpo": ([], "algorithm.rredcot.ibpo.revision_temperature"),
+    "rredcot": (["algorithm.rredcot.candidates.source=group_and_repairs"], "algorithm.rredcot.ibpo.revision_temperature"),
+    "segment_mc": ([], "algorithm.rredcot.segment_mc.temperature"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("estimator", sorted(OWN_TEMPERATURES))
+def test_extra_generations_at_another_temperature_than_the_rollouts_are_refused(cpu_build, estimator):
+    """Repairs and continuations sample at their own temperature key (1.0 by default): under a rollout at 0.7 they
+    would be samples of another policy. The key set to the rollout's (or interpolated from it) is accepted."""
+    extra, key = OWN_TEMPERATURES[estimator]
+    with pytest.raises(LaunchError) as error:
+        check(_config(estimator, [*extra, COOLER]))
+    assert str(error.value).startswith(f"{key}=1 differs from actor_rollout_ref.rollout.temperature=0.7: ")
+    assert f"set {key}=0.7" in str(error.value) and "\n" not in str(error.value)
+    check(_config(estimator, [*extra, COOLER, f"{key}=0.7"]))
+    check(_config(estimator, [*extra, COOLER, f"{key}=${{actor_rollout_ref.rollout.temperature}}"]))
+
+
+def test_the_value_pass_scores_at_the_rollout_temperature_whatever_it_is(cpu_build):
+    """rredcot's probes are scored under logits / the rollout temperature: nothing of its own to mismatch."""
+    check(_config("rredcot", [COOLER]))
+
+
+@pytest.mark.parametrize("estimator", OURS)
+@pytest.mark.parametrize("truncation", ["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=20"])
+def test_a_rollout_that_truncates_its_distribution_is_refused(cpu_build, estimator, truncation):
+    """Probes, repairs and continuations use the whole distribution: top-p / top-k rollouts sample another one."""
+    with pytest.raises(LaunchError) as error:
+        check(_config(estimator, [truncation]))
+    message = str(error.value)
+    assert message.startswith(f"{truncation} is not supported with algorithm.adv_estimator={estimator}: ")
+    assert "top_p=1 and actor_rollout_ref.rollout.top_k=-1" in message and "\n" not in message
+    check(_config("grpo", [truncation]))
+    check(_config(estimator, ["actor_rollout_ref.rollout.top_p=1.0", "actor_rollout_ref.rollout.top_k=0"]))
 
 
 @pytest.mark.parametrize("shape", sorted({**REFUSED_SHAPES, **MULTI_TURN_SHAPES}))
@@ -239,23 +309,39 @@ def test_check_only_says_ok_refuses_and_names_what_it_skipped(cpu_build, tmp_pat
 
 
 @pytest.mark.parametrize(
-    "entry_point",
-    ["verl.experimental.one_step_off_policy.main_ppo", "verl.experimental.fully_async_policy.fully_async_main"],
-)
-def test_verls_async_entry_points_refuse_the_estimators_before_ray_starts(entry_point):
-    """They do not go through this launcher; the plugin (loaded by `import verl`) refuses at their first call."""
+    "entry_point, why",
+    [
+        ("verl.trainer.main_ppo", "its trainer runs none of the estimators' stages (segment data, values, repairs), "
+                                  "nor this package's launch checks"),
+        ("verl.experimental.one_step_off_policy.main_ppo", "its stages run in verl's sync trainer"),
+        ("verl.experimental.fully_async_policy.fully_async_main", "its stages run in verl's sync trainer"),
+    ],
+)  # fmt: skip
+def test_verls_own_entry_points_refuse_the_estimators_before_ray_starts(entry_point, why):
+    """They do not go through this launcher; the plugin (loaded by `import verl`) refuses at their first call, before
+    Ray starts and before any rollout: verl's main_ppo would otherwise run its rollouts and fail at the first
+    advantage."""
     env = {**os.environ, "RREDCOT_CPU": "1"}
     result = subprocess.run(
         [sys.executable, "-m", entry_point, "algorithm.adv_estimator=rredcot",
-         "hydra.searchpath=[pkg://verl.trainer.config]"],  # their configs name verl's by a repo-relative path
+         "hydra.searchpath=[pkg://verl.trainer.config]"],  # the async configs name verl's by a repo-relative path
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1] == (
-        f"rredcot_verl: algorithm.adv_estimator=rredcot is not supported by {entry_point}: its stages run in verl's "
-        "sync trainer; launch with `python -m rredcot_verl.main`"
+        f"rredcot_verl: algorithm.adv_estimator=rredcot is not supported by {entry_point}: {why}; launch with "
+        "`python -m rredcot_verl.main` (the same overrides)"
     )
     assert "Started a local Ray instance" not in result.stdout + result.stderr
+
+
+def test_verls_main_ppo_keeps_verls_own_estimators():
+    """The refusal is for this package's estimators only: under verl's main_ppo, grpo passes the guard."""
+    from rredcot_verl.integration.verl_entry_points import entry_point_refusal
+
+    assert entry_point_refusal("verl.trainer.main_ppo", "grpo") is None
+    assert entry_point_refusal("rredcot_verl.main", "rredcot") is None
+    assert "verl.trainer.main_ppo" in entry_point_refusal("verl.trainer.main_ppo", "segment_mc")
 
 
 def test_a_reward_manager_that_rescores_is_refused_for_extra_generations(cpu_build):

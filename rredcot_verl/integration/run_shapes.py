@@ -9,6 +9,7 @@ matrix (``benchmarks/support_matrix.py``, docs/usage.md) records each shape's ou
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from rredcot_verl.core.model_support import value_pass_refusal
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration.estimators import EngineUse
 from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE
+from rredcot_verl.integration.estimators.segment_mc import CONTINUATION_STAGE
 
 # verl's agent loop for plain single-turn generation; any other loop (tool_agent, a custom one) returns multi-turn
 # trajectories whose response_mask has holes over the tool output and template tokens between turns.
@@ -68,13 +70,35 @@ def value_pass_model(config: DictConfig, spec, hf_config) -> str | None:
     return None
 
 
+def training_agent_loops(config: DictConfig) -> set[str]:
+    """The agent loops verl 0.9.1 runs for the training rows: a file with an ``agent_name`` column runs each row's
+    own loop, one without it ``agent.default_agent_loop`` (verl's agent-loop worker). The whole column of every local
+    training file (one column of a parquet file: cheap); a remote file, which verl copies at start, counts as the
+    default."""
+    import pyarrow.parquet as pq
+
+    default = str(_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", SINGLE_TURN_AGENT_LOOP))
+    files = _get(config, "data.train_files", [])
+    loops: set[str] = set()
+    for file in [files] if isinstance(files, str) else list(files):
+        local = "://" not in str(file) and os.path.isfile(str(file))
+        if not local or "agent_name" not in pq.read_schema(file).names:
+            loops.add(default)
+            continue
+        loops |= {str(name) for name in pq.read_table(file, columns=["agent_name"]).column(0).to_pylist()}
+    return loops or {default}
+
+
 def multi_turn_key(config: DictConfig) -> str | None:
-    """The setting that makes rollouts multi-turn (verl's tool agent loop), as ``key=value``; None for single-turn."""
-    agent_loop = str(_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", SINGLE_TURN_AGENT_LOOP))
-    if bool(_get(config, "actor_rollout_ref.rollout.multi_turn.enable", False)):
-        return "actor_rollout_ref.rollout.multi_turn.enable=true"
-    if agent_loop != SINGLE_TURN_AGENT_LOOP:
-        return f"actor_rollout_ref.rollout.agent.default_agent_loop={agent_loop}"
+    """The setting that makes rollouts multi-turn (an agent loop other than the single-turn one, chosen by the config
+    or by the training rows as verl chooses it), as ``key=value``; None for single-turn. verl's V1 trainer never reads
+    ``rollout.multi_turn.enable`` (only its legacy trainer does, refused here), so that flag alone changes nothing."""
+    default = str(_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", SINGLE_TURN_AGENT_LOOP))
+    loops = training_agent_loops(config) - {SINGLE_TURN_AGENT_LOOP}
+    if default in loops:
+        return f"actor_rollout_ref.rollout.agent.default_agent_loop={default}"
+    if loops:
+        return f"data.train_files rows with agent_name={sorted(loops)[0]}"
     if _get(config, "actor_rollout_ref.rollout.agent.agent_loop_config_path"):
         return "actor_rollout_ref.rollout.agent.agent_loop_config_path"
     return None
@@ -110,6 +134,42 @@ def multi_turn(config: DictConfig, spec, hf_config) -> str | None:
             "GRPO); use probe.value_source=exit_probe"
         )
     return None
+
+
+def sampling(config: DictConfig, spec, hf_config) -> str | None:
+    """Values and extra generations of another policy than the rollouts': the value pass scores probes under
+    softmax(logits / rollout temperature) over the whole vocabulary, and IBPO's repairs and ``segment_mc``'s
+    continuations sample at their own temperature with neither top-p nor top-k. A temperature that differs from the
+    rollout's, or a rollout that truncates its distribution (top_p < 1, top_k > 0), would make every value one of
+    another policy."""
+    rollout = "actor_rollout_ref.rollout"
+    temperature = float(_get(config, f"{rollout}.temperature", 1.0))
+    settings = settings_from_config(_get(config, "algorithm"))
+    stages = spec.stages(settings)
+    own_temperatures = []
+    if REPAIR_STAGE in stages:
+        own_temperatures.append(("ibpo.revision_temperature", settings.ibpo.revision_temperature, "IBPO's repairs"))
+    if CONTINUATION_STAGE in stages:
+        own_temperatures.append(("segment_mc.temperature", settings.segment_mc.temperature, "the continuations"))
+    for key, value, generated in own_temperatures:
+        if float(value) != temperature:
+            return (
+                f"algorithm.rredcot.{key}={value:g} differs from {rollout}.temperature={temperature:g}: {generated} "
+                f"would sample another policy than the rollouts; set algorithm.rredcot.{key}={temperature:g} (or "
+                f"${{{rollout}.temperature}})"
+            )
+    top_p, top_k = float(_get(config, f"{rollout}.top_p", 1.0)), int(_get(config, f"{rollout}.top_k", -1))
+    truncation = f"{rollout}.top_p={top_p:g}" if top_p < 1.0 else (f"{rollout}.top_k={top_k}" if top_k > 0 else None)
+    if truncation is None:
+        return None
+    uses = (("the value pass's probes", spec.uses_value_pass), ("IBPO's repairs", REPAIR_STAGE in stages),
+            ("the Monte-Carlo continuations", CONTINUATION_STAGE in stages))
+    readers = [name for name, used in uses if used]
+    return (
+        f"{truncation} is not supported with algorithm.adv_estimator={spec.name}: {' and '.join(readers)} use the "
+        f"policy's whole distribution at the rollout temperature, not the truncated one the rollouts sample; set "
+        f"{rollout}.top_p=1 and {rollout}.top_k=-1"
+    )
 
 
 def bypass_mode(config: DictConfig, spec, hf_config) -> str | None:
@@ -198,8 +258,8 @@ def reward_model(config: DictConfig, spec, hf_config) -> str | None:
 
 # In the order a user meets them (trainer, rollout, reward, model); the launcher raises the first refusal.
 SHAPE_CHECKS: tuple[Callable[[DictConfig, Any, Any], str | None], ...] = (
-    legacy_trainer, bypass_mode, critic, group_size, multi_turn, kl_in_reward, overlong_penalty, reward_model, megatron,
-    value_pass_model,
+    legacy_trainer, bypass_mode, critic, group_size, multi_turn, sampling, kl_in_reward, overlong_penalty, reward_model,
+    megatron, value_pass_model,
 )  # fmt: skip
 
 
