@@ -45,9 +45,12 @@ class Family:
 
     config_class: str
     settings: dict = field(default_factory=dict)
+    vision: dict | None = None  # a vision-language model: its vision tower's settings (the text ones in text_config)
 
     def config(self, vocab_size: int):
         settings = {**TINY, **SPECIAL_IDS, "vocab_size": vocab_size, **self.settings}
+        if self.vision is not None:
+            return getattr(transformers, self.config_class)(text_config=settings, vision_config=self.vision)
         return getattr(transformers, self.config_class)(**settings)
 
 
@@ -75,14 +78,19 @@ FAMILIES = {
                                              "linear_key_head_dim": 32, "linear_value_head_dim": 32,
                                              "num_experts": 4, "num_experts_per_tok": 2,
                                              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
+    # A vision-language model: Qwen2-VL's language model (multimodal rotary sections over its heads of 32) and a
+    # one-block vision tower.
+    "qwen2_vl": Family("Qwen2VLConfig", {"rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}},
+                       vision={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}),
 }  # fmt: skip
 
 
 def tiny_model(name: str, vocab_size: int, seed: int = 0):
-    """A family's tiny causal LM with random weights (fp32, eval mode)."""
-    config = FAMILIES[name].config(vocab_size)
+    """A family's tiny causal LM (or vision-language model) with random weights (fp32, eval mode)."""
+    family = FAMILIES[name]
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    auto = transformers.AutoModelForCausalLM if family.vision is None else transformers.AutoModelForImageTextToText
+    return auto.from_config(family.config(vocab_size)).eval()
 
 
 def build(name: str | None, out: Path, data_source: str | None = None, n_train: int = 8, n_val: int = 4,
