@@ -81,6 +81,28 @@ def test_the_value_pass_gives_each_accepted_familys_own_log_probs(family, temper
     torch.testing.assert_close(scores.probe_logp, naive, rtol=1e-5, atol=2e-5)
 
 
+def test_the_value_pass_scores_a_lora_adapted_model_as_it_samples():
+    """verl's LoRA actor is a peft model (``model.lora_rank`` > 0): the value pass scores it with its adapters, as
+    its own forward does (adapters set non-zero, so that they move the log-probs)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.set_num_threads(1)
+    model = get_peft_model(_model("qwen2"), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero: the adapted model would equal the base one
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    assert value_pass_refusal(model.config, model) is None
+    prompt, response, probes = _trace()
+    scores = scoring.score_batch_packed(model, [prompt], [response], [probes], temperature=0.7)[0]
+    own, _ = _own_log_probs(model, prompt, response, 0.7)
+    torch.testing.assert_close(scores.trace_log_probs, own, rtol=1e-5, atol=2e-5)
+    with model.disable_adapter():
+        base, _ = _own_log_probs(model, prompt, response, 0.7)
+    assert (base - own).abs().max() > 0.05
+
+
 @pytest.mark.parametrize("family", ["cohere", "granite", "gemma2_full_attention", "phi"])
 def test_the_logit_changes_reproduced_are_ones_that_matter(family):
     """The output layer's projection alone (as the value pass computed it before) is far from these families' own
