@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from tensordict import TensorDict
 from verl import DataProto
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
@@ -84,6 +85,8 @@ def _trainer(make_trainer, estimator, events, monkeypatch, *overrides):
     trainer.curr_step_profile = False
     trainer.step_context = lambda: None
     trainer._trace_batch = lambda batch, with_entropy: SimpleNamespace(with_entropy=with_entropy)
+    # verl's rm_scores of the batch (one token reward per trace), on the default reward_range's scale
+    trainer._fetch = lambda batch, fields: TensorDict({"rm_scores": torch.tensor([[0.0], [1.0]])}, batch_size=2)
     return trainer, engine
 
 
@@ -115,6 +118,30 @@ def test_no_actor_forward_runs_while_the_engine_holds_its_memory(estimator, over
     trainer._compute_old_log_prob(batch=FULL_STEP, metrics={})
     assert not engine.awake
     assert events == expected
+
+
+@pytest.mark.parametrize("estimator", ["rredcot", "ibpo", "segment_mc", "rredcot_ibpo"])
+def test_a_first_batch_off_the_reward_range_stops_before_any_extra_work(estimator, make_trainer, monkeypatch):
+    """verl's math_dapo scores a wrong answer -1: under the default reward_range [0, 1] the first batch stops the
+    run, naming the key, before a repair, continuation, log-prob pass or value pass; a later batch is not checked
+    (its outliers are the estimators' counted fallbacks)."""
+    events = []
+    trainer, _ = _trainer(make_trainer, estimator, events, monkeypatch)
+    dapo = torch.tensor([[-1.0], [-1.0], [-1.0], [1.0]])  # one outcome a trace of FULL_STEP
+    trainer._fetch = lambda batch, fields: TensorDict({"rm_scores": dapo}, batch_size=4)
+    trainer.on_sample_end()
+    with pytest.raises(trainer_module.RewardScaleError) as error:
+        trainer._compute_old_log_prob(batch=FULL_STEP, metrics={})
+    assert "3 of 4 outcomes of the first batch lie outside algorithm.rredcot.reward_range=[0, 1]" in str(error.value)
+    assert "\n" not in str(error.value)
+    assert [event for event in events if event != "sleep"] == []
+    trainer._compute_old_log_prob(batch=FULL_STEP, metrics={})  # the second batch runs its stages
+    assert "log_prob" in events
+
+    trainer, _ = _trainer(make_trainer, estimator, [], monkeypatch, "algorithm.rredcot.reward_range=[-1.0,1.0]")
+    trainer._fetch = lambda batch, fields: TensorDict({"rm_scores": dapo}, batch_size=4)
+    trainer.on_sample_end()
+    trainer._compute_old_log_prob(batch=FULL_STEP, metrics={})  # the scale declared: it trains
 
 
 def test_stages_of_one_step_share_its_context(make_trainer, monkeypatch):

@@ -43,6 +43,7 @@ from verl.workers.utils.padding import response_to_nested
 
 from rredcot_verl.compat import REPLAY_POLL_INTERVAL_S, cpu_mode_requested
 from rredcot_verl.core.concordance import ConcordanceWindow
+from rredcot_verl.core.outcomes import first_batch_scale_refusal
 from rredcot_verl.core.planning import records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration import failures, rollouts
@@ -112,6 +113,10 @@ SYNC_MODE = "sync"
 VALUE_GATE_FILE = "value_gate.json"
 
 
+class RewardScaleError(ValueError):
+    """The first batch's outcomes are on another scale than ``algorithm.rredcot.reward_range``."""
+
+
 @register_trainer(TRAINER_NAME)
 class SegmentCreditTrainer(PPOTrainerSync):
     def __init__(self, config):
@@ -133,6 +138,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
         self.task = resolve_task(self.settings.task)
         self.value_window = ConcordanceWindow(self.settings.redistribution.concordance_window)
         self.value_gate_open = True
+        self.outcome_scale_checked = False
         super().__init__(config)
 
     # Overrides of verl's PPOTrainer / PPOTrainerSync members, each with why it must be there; everything else is
@@ -250,6 +256,18 @@ class SegmentCreditTrainer(PPOTrainerSync):
                 f"First error:\n{failures.first_error() or '(not recorded; see Error in _run_prompt in the log)'}"
             )
 
+    def _check_first_outcome_scale(self, batch) -> None:
+        """Stop the run at its first batch when the outcomes lie mostly outside ``algorithm.rredcot.reward_range``
+        (a reward on another scale), before any extra generation or value pass is paid for; later outliers are the
+        estimators' counted fallbacks."""
+        if self.outcome_scale_checked:
+            return
+        self.outcome_scale_checked = True
+        outcomes = [float(row.float().sum()) for row in _rows(self._fetch(batch, ["rm_scores"])["rm_scores"])]
+        refusal = first_batch_scale_refusal(outcomes, self.settings.reward_range)
+        if refusal:
+            raise RewardScaleError(f"step {self.global_steps}: {refusal}")
+
     def _compute_old_log_prob(self, batch, metrics: dict):
         """verl's ``PPOTrainer._compute_old_log_prob`` (step 4, old log-probs), with the estimator's stages before and
         after it (``EngineUse``): the stages write the estimator's inputs, and only this step sees the engine awake
@@ -258,6 +276,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
         self._check_rollout_failures(batch, metrics)
         if self.spec is None:
             return super()._compute_old_log_prob(batch, metrics)
+        self._check_first_outcome_scale(batch)
         context = self.step_context()
         # 2. stages that need only outcomes generate while the engine is still awake, then the engine sleeps
         before = self._stages((EngineUse.BEFORE_LOG_PROB_PASS,))
