@@ -26,6 +26,7 @@ what would bring ``rredcot`` within 1.5× GRPO's step.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import statistics
@@ -397,7 +398,8 @@ def print_tables(projection: dict, long_cost: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    cli = common.parser(__doc__, RESULTS_PATH, "no effect (pure arithmetic)", build=False)
+    cli = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    cli.add_argument("--out", type=Path, default=RESULTS_PATH, help="the projection's JSON")
     cli.add_argument("--long-runs", type=Path, default=None,
                      help="folder of long-setting run folders (<run>/metrics.jsonl): refresh the committed medians")
     cli.add_argument("--long-out", type=Path, default=LONG_RESULTS_PATH, help="the long-setting breakdown's JSON")
@@ -408,7 +410,7 @@ def main(argv=None) -> dict:
         source = long_inputs["grpo_stage_medians"]["source"]
         long_inputs["grpo_stage_medians"] = {**runs["grpo_seed1"], "source": source}
         common.write_result(long_inputs, LONG_INPUTS_PATH)
-    projection = common.write_result(gpu_projection(collect_inputs()), common.out_path(args, RESULTS_PATH))
+    projection = common.write_result(gpu_projection(collect_inputs()), args.out)
     long_cost = common.write_result(long_step_cost(long_inputs), args.long_out)
     print_tables(projection, long_cost)
     return {"projection": projection, "long": long_cost}
