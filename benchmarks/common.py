@@ -235,6 +235,12 @@ def step_seconds(rows: list[dict], phase: str = "step") -> list[float]:
     return [row[key] for row in rows if row["step"] >= 2 and key in row]
 
 
+def phase_medians(rows: list[dict]) -> dict[str, float]:
+    """Median seconds of every ``timing_s/*`` phase verl logs (nested phases included, so they do not add up)."""
+    phases = sorted({key.removeprefix("timing_s/") for row in rows for key in row if key.startswith("timing_s/")})
+    return {phase: float(np.median(seconds)) for phase in phases if (seconds := step_seconds(rows, phase))}
+
+
 def with_step_ratios(entries: dict[str, dict]) -> dict[str, dict]:
     """Add ``over_grpo`` (median step seconds over GRPO's, from runs of one sitting) to every entry that has a median
     when the ``grpo`` entry has one; returns ``entries``."""
