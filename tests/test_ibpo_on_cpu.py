@@ -7,12 +7,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from omegaconf import OmegaConf
-from verl import DataProto
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-from verl.trainer.ppo.ray_trainer import compute_advantage
-
-import rredcot_verl.integration.plugin  # noqa: F401  registers the ibpo estimator
 
 from rredcot_verl.core.ibpo import (
     DEFAULT_REVISION_TEMPLATE,
@@ -34,8 +29,9 @@ from rredcot_verl.core.ibpo import (
     stack_edited_masks,
 )
 from rredcot_verl.core.outcomes import correct_outcomes
-from rredcot_verl.integration.estimators import estimator_inputs
-from rredcot_verl.integration.estimators.ibpo import IBPOInputs
+from rredcot_verl.core.settings import settings_from_config
+from rredcot_verl.integration.estimators import AdvantageBatch
+from rredcot_verl.integration.estimators.ibpo import ibpo_advantage
 
 torch.set_num_threads(1)
 
@@ -734,27 +730,18 @@ def test_a_repair_longer_than_its_budget_fails_at_length():
     assert evaluate_repair(trace, trace[:1500], True, True, cfg).failure == "truncated"
 
 
-# ------------------------------------------------------------------ reward scales, through verl's compute_advantage
+# ------------------------------------------------------- reward scales, through the estimator's advantage function
 
 
-def _ibpo_through_verl(outcomes, phi, edited, reward_range, use_mask=True):
+def _ibpo_advantage(outcomes, phi, edited, reward_range, use_mask=True):
+    """``ibpo``'s advantage function (the one the trainer calls) on the settings verl's config gives."""
     bs, T = edited.shape
-    rewards = torch.zeros(bs, T)
-    rewards[:, -1] = torch.tensor(outcomes)
-    uid = np.array(["q"] * bs, dtype=object)
-    data = DataProto.from_dict(
-        tensors={"token_level_rewards": rewards, "response_mask": torch.ones(bs, T)}, non_tensors={"uid": uid}
-    )
-    config = OmegaConf.create(
-        {
-            "adv_estimator": "ibpo",
-            "norm_adv_by_std_in_grpo": True,
-            "rredcot": {"reward_range": list(reward_range), "ibpo": {"use_mask": use_mask}},
-        }
-    )
-    with estimator_inputs(uid, IBPOInputs(torch.tensor(phi), edited).to_batch()) as record:
-        out = compute_advantage(data, adv_estimator="ibpo", config=config)
-    return out.batch["advantages"], record.metrics
+    settings = settings_from_config({"norm_adv_by_std_in_grpo": True,
+                                     "rredcot": {"reward_range": list(reward_range), "ibpo": {"use_mask": use_mask}}})
+    batch = AdvantageBatch(scores=torch.tensor(outcomes), response_mask=torch.ones(bs, T),
+                           index=np.array(["q"] * bs, dtype=object), phi=torch.tensor(phi), edited_mask=edited)
+    result = ibpo_advantage(batch, settings)
+    return result.advantages, result.metrics
 
 
 def _grpo_on(shaped, T):
@@ -769,15 +756,15 @@ def test_ibpo_reward_scale_plus_minus_one():
     outcomes, phi = [1.0, -1.0, -1.0, -1.0], [0.0, 0.5, 0.0, 0.0]
     edited = torch.zeros(4, 5, dtype=torch.bool)
     edited[1, 2] = True
-    shaping_only, _ = _ibpo_through_verl(outcomes, phi, edited, (-1.0, 1.0), use_mask=False)
+    shaping_only, _ = _ibpo_advantage(outcomes, phi, edited, (-1.0, 1.0), use_mask=False)
     torch.testing.assert_close(shaping_only, _grpo_on([1.0, -0.4, -1.0, -1.0], 5))
-    masked, metrics = _ibpo_through_verl(outcomes, phi, edited, (-1.0, 1.0))
+    masked, metrics = _ibpo_advantage(outcomes, phi, edited, (-1.0, 1.0))
     assert masked[0, 0] > 0 > masked[1, 2] > masked[2, 0]  # correct > repaired > hopeless
     assert masked[1].ne(0).tolist() == [False, False, True, False, False]  # blame on the edited token only
     assert metrics["ibpo/incorrect_repaired_frac"] == pytest.approx(1 / 3)
     # on the 0/1 reading, −1 and +1 would both sit outside the scale and the +1 trace would be shaped: refused
     with pytest.raises(ValueError, match="correct traces"):
-        _ibpo_through_verl([1.0, -1.0], [0.5, 0.0], torch.zeros(2, 3, dtype=torch.bool), (-1.0, 1.0))
+        _ibpo_advantage([1.0, -1.0], [0.5, 0.0], torch.zeros(2, 3, dtype=torch.bool), (-1.0, 1.0))
 
 
 def test_ibpo_reward_scale_partial_credit():
@@ -786,11 +773,11 @@ def test_ibpo_reward_scale_partial_credit():
     edited = torch.zeros(4, 5, dtype=torch.bool)
     edited[1, 1] = True
     shaped = [1.0, 0.5 + 0.3 * 0.5, 0.5, 0.0 + 0.3 * 1.0]  # R + λφ(1 − R)
-    shaping_only, _ = _ibpo_through_verl(outcomes, phi, edited, (0.0, 1.0), use_mask=False)
+    shaping_only, _ = _ibpo_advantage(outcomes, phi, edited, (0.0, 1.0), use_mask=False)
     torch.testing.assert_close(shaping_only, _grpo_on(shaped, 5))
     order = shaping_only[:, 0].tolist()
     assert order[0] > order[1] > order[2] > order[3]  # correct > repaired partial > partial > repaired wrong
-    masked, metrics = _ibpo_through_verl(outcomes, phi, edited, (0.0, 1.0))
+    masked, metrics = _ibpo_advantage(outcomes, phi, edited, (0.0, 1.0))
     # the repaired partial trace sits above the group mean: credit only on the tokens its repair kept
     assert masked[1].ne(0).tolist() == [True, False, True, True, True] and masked[1, 0] > 0
     assert metrics["ibpo/masked_traces"] == 1.0 and metrics["ibpo/incorrect_repaired_frac"] == pytest.approx(2 / 3)
