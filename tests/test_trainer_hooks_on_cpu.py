@@ -423,13 +423,11 @@ def test_single_turn_rows_are_read_as_before(warm_start, ragged, make_trainer):
 
 
 @pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "padded"])
-def test_each_trace_owns_its_tensors(warm_start, ragged, monkeypatch):
+def test_each_trace_owns_its_tensors(warm_start, ragged):
     """A record's tensors hold its own tokens only, not views of the batch: the value pass's request pickles every
     plan's tensors, and a view pickles its batch's whole storage (the request then grows as the batch squared)."""
     _, tokenizer = warm_start
-    store = _fields(tokenizer, list(TOOL_TURNS), ragged)
-    trainer = _stored_trainer(_algorithm("exit_probe"), tokenizer, store, monkeypatch)
-    for record in trainer._trace_batch(None, with_entropy=True).records:
+    for record in trainer_module.step_traces(_fields(tokenizer, list(TOOL_TURNS), ragged), with_entropy=True).records:
         for tensor in (record.prompt_ids, record.response_ids, record.entropy, record.response_mask):
             if tensor is not None:
                 assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
