@@ -15,7 +15,7 @@ What is timed, with the package's own functions, in the order a step runs them (
 * driver, ``ibpo`` / ``rredcot_ibpo``: the step's traces read from verl's ragged tensors (``trainer._trace_batch`` on
   in-memory tensors); IBPO's repairs (``estimators.ibpo.ibpo_repairs``, the default ``repair_operator: resume``),
   split into decoding each repair for the reward, judging it with the recipe's reward (``tasks.math_reward``),
-  judging the repair (``core.ibpo.evaluate_repair``: failures, rewrite guard, the alignment of the correct ones) and
+  judging the repair (``core.ibpo.evaluate_repair``: failures, rewrite guard, the alignment of the local ones) and
   the rest (the plan, divergence points and requests, φ, masks); a stand-in engine continues every request with
   another problem's body (a repair that leaves the trace at its divergence point, the costliest to align), half of
   them right, and its own time is subtracted.

@@ -169,8 +169,10 @@ def test_evaluate_repair_failures_and_rewrites():
     assert local.correct and not local.rewrite and local.failure is None
     assert local.alignment.edited_mask.tolist() == [False, False, True, False]
     rewrite = evaluate_repair(trace, [7, 8, 9, 4], verified_correct=True, truncated=False, cfg=cfg)
-    assert rewrite.correct and rewrite.rewrite and rewrite.alignment.edit_ratio == 0.75
-    assert rewrite.alignment.kept_prefix == 0 and local.alignment.kept_prefix == 2
+    assert rewrite.correct and rewrite.rewrite and align_tokens(trace, [7, 8, 9, 4]).edit_ratio == 0.75
+    # a rewrite is not aligned (nothing reads its mask), its kept prefix is known all the same
+    assert rewrite.alignment is None and rewrite.kept_prefix == 0 and rewrite.trace_length == 4
+    assert local.alignment.kept_prefix == local.kept_prefix == 2
     assert evaluate_repair(trace, [1] * 6, True, False, cfg).failure is None  # exactly the budget is allowed
     failed = []
     for repair, truncated, failure in [([], False, "empty"), ([1, 2, 9, 4], True, "truncated"), ([1] * 7, False, "too_long")]:
@@ -233,7 +235,7 @@ def test_repair_metrics_counts():
     assert metrics["ibpo/repair_success_rate"] == pytest.approx(2 / 5)
     assert metrics["ibpo/local_repair_rate"] == pytest.approx(1 / 5)
     assert metrics["ibpo/rewrite_frac"] == pytest.approx(0.5)
-    assert metrics["ibpo/edit_ratio_mean"] == pytest.approx(0.5)
+    assert metrics["ibpo/local_edit_ratio_mean"] == pytest.approx(0.25)  # the rewrite's ratio is not computed
     assert metrics["ibpo/kept_prefix_frac_mean"] == pytest.approx((2 / 4 + 0) / 2)
     assert (metrics["ibpo/failed_empty"], metrics["ibpo/failed_truncated"], metrics["ibpo/failed_too_long"]) == (1, 1, 0)
     assert all(v == 0.0 for k, v in repair_metrics([]).items())
@@ -588,9 +590,11 @@ def test_a_resumed_repair_keeps_its_prefix_whatever_the_continuation(trace, cont
     # insertion after a fully kept trace marks its last token, the documented end-of-trace rule).
     k = min(cut, len(trace))
     assume(k + len(continuation) > 0)  # an empty repair is a failure, not aligned
-    alignment = evaluate_repair(trace, trace[:k] + continuation, True, False, IBPOSettings(), 10**6).alignment
+    alignment = align_tokens(trace, trace[:k] + continuation)
     kept = k if k < len(trace) else k - 1
     assert not alignment.edited_mask[:kept].any() and alignment.kept_prefix >= kept
+    evaluation = evaluate_repair(trace, trace[:k] + continuation, True, False, IBPOSettings(), 10**6)
+    assert evaluation.kept_prefix == alignment.kept_prefix  # the rewrite guard's, read without aligning
 
 
 def test_a_resumed_repair_from_the_opening_is_judged_a_fresh_solve_at_length():
@@ -711,7 +715,7 @@ def test_a_copy_of_the_reference_is_a_rewrite_at_length():
     reference = opening + _long_trace(rng, 2100)
     cfg = IBPOSettings()
     copy = evaluate_repair(trace, reference, True, False, cfg)
-    assert copy.correct and copy.rewrite and copy.alignment.kept_prefix == 40
+    assert copy.correct and copy.rewrite and copy.kept_prefix == 40 and copy.alignment is None
     assert repair_signal(False, [copy], cfg) == 0.0 and not localisation_mask([copy], 2000).any()
     assert repair_signal(False, [copy], IBPOSettings(rewrite_counts_as_repair=True)) == 0.5
 

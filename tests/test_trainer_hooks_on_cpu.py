@@ -420,3 +420,14 @@ def test_single_turn_rows_are_read_as_before(warm_start, ragged, make_trainer):
         assert torch.equal(record.response_ids, response[: mask.numel()][mask[: response.numel()]])
         assert torch.equal(record.entropy, entropy[: mask.numel()][mask[: entropy.numel()]].float())
         assert record.response_mask is None
+
+
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "padded"])
+def test_each_trace_owns_its_tensors(warm_start, ragged):
+    """A record's tensors hold its own tokens only, not views of the batch: the value pass's request pickles every
+    plan's tensors, and a view pickles its batch's whole storage (the request then grows as the batch squared)."""
+    _, tokenizer = warm_start
+    for record in trainer_module.step_traces(_fields(tokenizer, list(TOOL_TURNS), ragged), with_entropy=True).records:
+        for tensor in (record.prompt_ids, record.response_ids, record.entropy, record.response_mask):
+            if tensor is not None:
+                assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()

@@ -87,10 +87,12 @@ def step_traces(data, with_entropy: bool) -> StepTraces:
     lengths = _response_lengths(masks, ragged=bool(getattr(data["response_mask"], "is_nested", False)))
     # Rows stay whole: a multi-turn response keeps its tool output and template tokens (mask 0), the context the
     # policy saw, and carries its mask; a response without holes carries none and reads as before.
-    masks = [mask[:length] for mask, length in zip(masks, lengths)]
-    cut = lambda rows: [row[:length] for row, length in zip(rows, lengths)]  # noqa: E731
+    # Each trace owns its tensors: a row of a batch tensor is a view of the whole batch's storage, and a view
+    # pickles that whole storage, so the value pass's request (every plan's tensors) grew as the batch squared.
+    masks = [mask[:length].clone() for mask, length in zip(masks, lengths)]
+    cut = lambda rows: [row[:length].clone() for row, length in zip(rows, lengths)]  # noqa: E731
     records = records_from_arrays(
-        prompts=_rows(data["prompts"]),
+        prompts=[row.clone() for row in _rows(data["prompts"])],
         responses=cut(_rows(data["responses"])),
         entropies=[row.float() for row in cut(_rows(data["entropy"]))] if with_entropy else None,
         response_masks=[None if mask.all() else mask for mask in masks],

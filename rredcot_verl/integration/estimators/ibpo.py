@@ -112,17 +112,31 @@ def ibpo_repairs(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.
     per_trace: dict[int, list[core_ibpo.RepairEvaluation]] = {}
     verified: dict[Any, list[list[int]]] = {}
     generated_tokens = 0
+    repairs, truncations, judged, reward_inputs = [], [], [], []
     for (i, _), r, output in zip(plan.pairs, planned, outputs):
-        truth, extra, source = rollouts.reward_inputs(records[i])
+        reward_inputs.append(rollouts.reward_inputs(records[i]))
         generated = list(output.token_ids)
         generated_tokens += len(generated)
-        repair = responses[i][: r.kept] + generated
-        reward = ctx.score(source, tokenizer.decode(repair, skip_special_tokens=True), truth, extra)
-        truncated = rollouts.generation_truncated(output, r.max_new_tokens, tokenizer.eos_token_id)
+        repairs.append(responses[i][: r.kept] + generated)
+        truncations.append(rollouts.generation_truncated(output, r.max_new_tokens, tokenizer.eos_token_id))
+        # A repair that fails (empty, truncated, too long) counts for nothing whatever its answer: not judged.
+        failure = core_ibpo.repair_failure(len(responses[i]), len(repairs[-1]), truncations[-1], cfg,
+                                           r.kept + r.max_new_tokens)
+        judged.append(failure is None)
+    to_judge = [repair for repair, judge in zip(repairs, judged) if judge]
+    # As arrays: a tokenizer checks a list's ids one by one in Python before decoding it, an array's not at all.
+    texts_to_judge = iter(tokenizer.batch_decode([np.asarray(repair) for repair in to_judge], skip_special_tokens=True)
+                          if to_judge else [])
+    for (i, _), r, repair, truncated, judge, (truth, extra, source) in zip(
+        plan.pairs, planned, repairs, truncations, judged, reward_inputs
+    ):
+        verified_correct = False
+        if judge:
+            reward = ctx.score(source, next(texts_to_judge), truth, extra)
+            verified_correct = outcomes.is_correct(reward, reward_range)
         evaluation = core_ibpo.evaluate_repair(
-            responses[i], repair, outcomes.is_correct(reward, reward_range), truncated, cfg,
-            max_repair_tokens=r.kept + r.max_new_tokens,
-        )  # fmt: skip
+            responses[i], repair, verified_correct, truncated, cfg, max_repair_tokens=r.kept + r.max_new_tokens
+        )
         per_trace.setdefault(i, []).append(evaluation)
         if evaluation.correct:
             verified.setdefault(records[i].group, []).append(repair)
