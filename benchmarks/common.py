@@ -449,8 +449,10 @@ METHODS = {
     # same): how many steps a better gradient buys when it is GRPO's own
     "grpo_n6": Method("grpo", ("actor_rollout_ref.rollout.n=6",)),
     "grpo_n10": Method("grpo", ("actor_rollout_ref.rollout.n=10",)),
-    # GRPO at rredcot's (exit probe) step time on the answer-early setting (registrations/verdict.yaml's pilot)
-    "grpo_n5": Method("grpo", ("actor_rollout_ref.rollout.n=5",)),
+    # GRPO at rredcot's (exit probe) step time on the answer-early setting (registrations/verdict.yaml's pilot); micro
+    # batches of 8, since verl splits the 40 traces of a step into micro batches without a remainder (base.yaml's 16)
+    "grpo_n5": Method("grpo", ("actor_rollout_ref.rollout.n=5", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                               "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8")),
     "rredcot": Method("rredcot"),  # reference continuations from the dataset reference + the group's correct traces
     "rredcot_exit_probe": Method("rredcot", _EXIT_PROBE),  # the answer-forcing exit probe, affine value mapping
     "rredcot_exit_probe_gated": Method("rredcot", (*_EXIT_PROBE, f"{_RREDCOT}.redistribution.min_value_concordance=0.6")),

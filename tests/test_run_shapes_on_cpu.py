@@ -409,3 +409,19 @@ def test_the_package_defaults_leave_verls_own_keys_alone():
     assert ours["trainer"]["logger"] == verls["trainer"]["logger"]
     ours["algorithm"].pop("rredcot")
     assert ours == verls
+
+
+@pytest.mark.parametrize("estimator", ["grpo", *OURS])
+def test_a_step_whose_traces_do_not_split_into_micro_batches_is_refused_before_ray(cpu_build, estimator):
+    """8 prompts x 5 rollouts = 40 traces against micro batches of 16: verl asserts at its first log-prob pass, after
+    the rollouts (the verdict study's first grpo_n5 runs); refused at launch for every estimator, verl's included,
+    naming the key; micro batches of 8, or verl's length balancing, pass."""
+    with pytest.raises(LaunchError, match=r"log_prob_micro_batch_size_per_gpu=16 does not divide the 40 traces"):
+        check(_config(estimator, ["actor_rollout_ref.rollout.n=5"]))
+    eights = ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]
+    with pytest.raises(LaunchError, match=r"ppo_micro_batch_size_per_gpu=16 does not divide the 40 traces"):
+        check(_config(estimator, ["actor_rollout_ref.rollout.n=5", eights[0]]))
+    check(_config(estimator, ["actor_rollout_ref.rollout.n=5", *eights]))
+    check(_config(estimator, ["actor_rollout_ref.rollout.n=5", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                              "actor_rollout_ref.actor.use_dynamic_bsz=true"]))

@@ -501,7 +501,7 @@ def check(config: DictConfig) -> list[str]:
     the checks skipped because what they read is not on this machine (a hub model not in the local cache, remote
     dataset files): verl fetches those at start, where the same problems would fail late."""
     from rredcot_verl.integration.estimators import ESTIMATORS
-    from rredcot_verl.integration.run_shapes import shape_refusal
+    from rredcot_verl.integration.run_shapes import micro_batches, shape_refusal
     from rredcot_verl.tasks.code import code_task_refusal
 
     skipped: list[str] = []
@@ -532,7 +532,8 @@ def check(config: DictConfig) -> list[str]:
         skipped.append(f"tokenizer of {model_path!r} (not local: prompt lengths)")
     else:
         check_prompt_lengths(config, prompt_lengths)
-    refusal = shape_refusal(config, spec, hf_config) or (spec and code_task_refusal(settings, estimator))
+    refusal = (micro_batches(config) or shape_refusal(config, spec, hf_config)
+               or (spec and code_task_refusal(settings, estimator)))
     if refusal:
         raise LaunchError(refusal)
     if spec is not None:

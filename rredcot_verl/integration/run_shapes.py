@@ -263,6 +263,35 @@ SHAPE_CHECKS: tuple[Callable[[DictConfig, Any, Any], str | None], ...] = (
 )  # fmt: skip
 
 
+def micro_batches(config: DictConfig) -> str | None:
+    """verl splits each rank's traces into micro batches without a remainder when it does not balance them by length
+    (``use_dynamic_bsz`` off): its log-prob pass and its update assert it after the first rollouts. Checked here for
+    every estimator, verl's included, so that a step's trace count (prompts x ``rollout.n``) that does not split
+    stops before Ray starts."""
+    n = int(_get(config, "actor_rollout_ref.rollout.n", 1))
+    ranks = int(_get(config, "trainer.n_gpus_per_node", 1)) * int(_get(config, "trainer.nnodes", 1))
+    data_parallel = max(ranks // int(_get(config, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1)), 1)
+    passes = (
+        ("data.train_batch_size", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+         "actor_rollout_ref.actor.use_dynamic_bsz"),
+    )
+    for prompts_key, micro_key, dynamic_key in passes:
+        prompts, micro = _get(config, prompts_key), _get(config, micro_key)
+        if prompts is None or micro is None or _get(config, dynamic_key, False):
+            continue
+        traces = int(prompts) * n
+        if traces % data_parallel == 0 and (traces // data_parallel) % int(micro) != 0:
+            per_rank = traces // data_parallel
+            return (
+                f"{micro_key}={micro} does not divide the {per_rank} traces a rank gets ({prompts_key}={prompts} x "
+                f"actor_rollout_ref.rollout.n={n} over {data_parallel} data-parallel ranks): verl would stop at the "
+                f"first log-prob pass or update; choose a divisor of {per_rank} or set {dynamic_key}=true"
+            )
+    return None
+
+
 def shape_refusal(config: DictConfig, spec, hf_config) -> str | None:
     """The first refusal of ``SHAPE_CHECKS`` for this package's estimator ``spec`` (None for verl's own)."""
     if spec is None:
