@@ -235,6 +235,12 @@ def step_seconds(rows: list[dict], phase: str = "step") -> list[float]:
     return [row[key] for row in rows if row["step"] >= 2 and key in row]
 
 
+def phase_medians(rows: list[dict]) -> dict[str, float]:
+    """Median seconds of every ``timing_s/*`` phase verl logs (nested phases included, so they do not add up)."""
+    phases = sorted({key.removeprefix("timing_s/") for row in rows for key in row if key.startswith("timing_s/")})
+    return {phase: float(np.median(seconds)) for phase in phases if (seconds := step_seconds(rows, phase))}
+
+
 def with_step_ratios(entries: dict[str, dict]) -> dict[str, dict]:
     """Add ``over_grpo`` (median step seconds over GRPO's, from runs of one sitting) to every entry that has a median
     when the ``grpo`` entry has one; returns ``entries``."""
@@ -356,9 +362,10 @@ def sample_traces(model, tokenizer, problems, samples_per_prompt: int, seed: int
     return traces
 
 
-def monte_carlo_values(model, tokenizer, traces: list[Trace], segment_ends: list[list[int]], *, num_samples: int,
-                       max_response_tokens: int = MAX_RESPONSE_TOKENS, temperature: float = 1.0, seed: int = 0,
-                       batch_size: int = 512) -> tuple[list[np.ndarray], int]:
+def continuation_success_rates(model, tokenizer, traces: list[Trace], segment_ends: list[list[int]], *,
+                               num_samples: int, max_response_tokens: int = MAX_RESPONSE_TOKENS,
+                               temperature: float = 1.0, seed: int = 0,
+                               batch_size: int = 512) -> tuple[list[np.ndarray], int]:
     """Values of the states S_0..S_{K-1} of each trace (S_k: the response up to segment k's start): the mean task
     reward of ``num_samples`` continuations sampled by ``generate``, planned and tallied by ``core.montecarlo`` as
     ``segment_mc`` does. A continuation may take the response to ``max_response_tokens`` (training's response
@@ -382,7 +389,7 @@ def monte_carlo_values(model, tokenizer, traces: list[Trace], segment_ends: list
     def judge(i: int, response_ids: list[int]) -> float:
         return compute_score(None, tokenizer.decode(response_ids, skip_special_tokens=True), traces[i].ground_truth)
 
-    _, raw, metrics = montecarlo.monte_carlo_values(
+    _, raw, metrics = montecarlo.values_from_continuations(
         [t.response_ids.tolist() for t in traces], segment_ends, [t.outcome for t in traces], requests,
         continuations, judge, max_segments=max([len(ends) for ends in segment_ends], default=0))
     values = [raw[i, : len(ends)].double().numpy() for i, ends in enumerate(segment_ends)]
@@ -442,8 +449,10 @@ METHODS = {
     # same): how many steps a better gradient buys when it is GRPO's own
     "grpo_n6": Method("grpo", ("actor_rollout_ref.rollout.n=6",)),
     "grpo_n10": Method("grpo", ("actor_rollout_ref.rollout.n=10",)),
-    # GRPO at rredcot's (exit probe) step time on the answer-early setting (registrations/verdict.yaml's pilot)
-    "grpo_n5": Method("grpo", ("actor_rollout_ref.rollout.n=5",)),
+    # GRPO at rredcot's (exit probe) step time on the answer-early setting (registrations/verdict.yaml's pilot); micro
+    # batches of 8, since verl splits the 40 traces of a step into micro batches without a remainder (base.yaml's 16)
+    "grpo_n5": Method("grpo", ("actor_rollout_ref.rollout.n=5", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                               "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8")),
     "rredcot": Method("rredcot"),  # reference continuations from the dataset reference + the group's correct traces
     "rredcot_exit_probe": Method("rredcot", _EXIT_PROBE),  # the answer-forcing exit probe, affine value mapping
     "rredcot_exit_probe_gated": Method("rredcot", (*_EXIT_PROBE, f"{_RREDCOT}.redistribution.min_value_concordance=0.6")),

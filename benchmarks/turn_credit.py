@@ -63,8 +63,8 @@ from benchmarks.gradient_quality import (cached_pool, compute_gstar, cosine, dra
 from benchmarks.value_quality import correlations
 from rredcot_verl.core.outcomes import group_outcome_advantage
 from rredcot_verl.core.planning import TraceRecord
-from rredcot_verl.core.redistribution import redistribute
 from rredcot_verl.core.values import compute_segment_values
+from rredcot_verl.integration.estimators import ESTIMATORS, AdvantageBatch
 from rredcot_verl.tasks import calculator
 from rredcot_verl.tasks import calculator_miniature as cm
 from rredcot_verl.tasks.arithmetic import make_problem
@@ -158,7 +158,7 @@ def trace_records(prompts: list[dict], responses, masks, scores, groups, entropi
             for p, r, m, s, g, e in zip(prompts, responses, masks, scores, groups, entropies)]
 
 
-def segment_values(player: Player, records: list[TraceRecord], settings):
+def player_segment_values(player: Player, records: list[TraceRecord], settings):
     return compute_segment_values(player.model, player.tokenizer, records, settings, task=resolve_task(settings.task),
                                   max_positions=player.model.config.max_position_embeddings)
 
@@ -206,9 +206,10 @@ def evaluate_batch(player: Player, pool: dict, gstar: dict, table: dict, items, 
         if estimator == "grpo":
             advantages = group_outcome_advantage(scores, index)[0].unsqueeze(-1) * mask
         else:
-            values = segment_values(player, records, settings)
-            outcome = redistribute(scores, mask, index, values.segment_ends, values.raw_values,
-                                   settings.redistribution, reward_range=settings.reward_range)
+            values = player_segment_values(player, records, settings)
+            outcome = ESTIMATORS[estimator].advantage(
+                AdvantageBatch(scores=scores, response_mask=mask, index=index, segment_ends=values.segment_ends,
+                               raw_values=values.raw_values), settings)
             advantages = outcome.advantages.float()
             info = {"fallback_frac": float(outcome.fallback.float().mean()),
                     "traces_without_candidates": values.metrics.get("rredcot/traces_without_candidates", 0.0)}
@@ -307,7 +308,7 @@ def value_quality(player: Player, args, cache: Path, table: dict) -> dict:
         ends, values, seconds = None, {}, {}
         for name in VALUE_SOURCES:
             t0 = time.perf_counter()
-            result = segment_values(player, records, table[name][1])
+            result = player_segment_values(player, records, table[name][1])
             seconds[name] = time.perf_counter() - t0
             trace_ends = [[e for e in row.tolist() if e >= 0] for row in result.segment_ends]
             if ends is not None and trace_ends != ends:

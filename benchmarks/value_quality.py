@@ -2,7 +2,8 @@
 
 On the warm start's own samples of validation prompts (several per prompt, so the group banks see several rollouts,
 as in training), segmented as the tiny recipe segments them, every state S_0..S_{K-1} gets a Monte-Carlo value from
-``--mc-samples`` continuations (``common.monte_carlo_values``), the ground truth here; S_K's value is the outcome.
+``--mc-samples`` continuations (``common.continuation_success_rates``), the ground truth here; S_K's value is the
+outcome.
 Compared with it: the exit probe (raw and self-normalised), reference and own continuations (what training computes,
 ``core.values.compute_segment_values``), the rule "no wrong line yet", and, per segment only, leave-one-out and
 gradient × input (``benchmarks/attribution.py``) and MC's own segment rewards R_k = v_k − v_{k−1}. Reported: Spearman
@@ -266,8 +267,8 @@ def run(build: Path, num_prompts: int, samples_per_prompt: int, mc_samples: int,
     traces = common.sample_traces(model, tokenizer, problems, samples_per_prompt, seed, max_tokens)
     ends, probe_values, timings = value_sources(model, tokenizer, traces, SOURCES[setting], SEGMENTATIONS[setting])
     started = time.perf_counter()
-    mc_values, _ = common.monte_carlo_values(model, tokenizer, traces, ends, num_samples=mc_samples, seed=seed + 1,
-                                             max_response_tokens=max_tokens)
+    mc_values, _ = common.continuation_success_rates(model, tokenizer, traces, ends, num_samples=mc_samples,
+                                                     seed=seed + 1, max_response_tokens=max_tokens)
     timings["mc"] = time.perf_counter() - started
     started = time.perf_counter()
     attribution = [attributions(model, tokenizer, t, e) for t, e in zip(traces, ends)]

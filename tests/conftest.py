@@ -1,7 +1,10 @@
-"""Fixtures shared by the launcher tests, and the streams the end-to-end tier runs in."""
+"""Fixtures shared by the tests (a build for the launcher, a trainer instance), and the streams the end-to-end tier
+runs in."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import shutil
 from pathlib import Path
 
@@ -22,6 +25,44 @@ def build(tmp_path, monkeypatch):
     monkeypatch.setenv("RREDCOT_BUILD", str(tmp_path))
     monkeypatch.setenv("RREDCOT_REWARD_FILE", str(ROOT / "rredcot_verl/tasks/reward.py"))
     return tmp_path
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer_config(overrides: tuple[str, ...]):
+    """The package's composed config (verl's ppo_trainer and algorithm.rredcot) with hydra ``overrides``; composed once
+    per distinct overrides (about 0.4 s each), copied for each trainer (which changes its config)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "rredcot_verl" / "conf"), version_base=None):
+        return compose(config_name="rredcot_trainer", overrides=list(overrides))
+
+
+@pytest.fixture()
+def make_trainer():
+    """``make_trainer(*overrides, store=None)``: the rredcot trainer as verl's task runner builds it (its own
+    ``__init__`` on the package's composed config: the embedded task on the shipped warm start, with hydra
+    ``overrides``; the tokenizer loaded by verl's ``_init_tokenizer``), without Ray. TransferQueue is the dict
+    ``trainer.store`` (field name to rows); what a test drives beyond it (worker groups, the checkpoint manager, the
+    engine's client) the test sets."""
+    from rredcot_verl.integration.trainer import TRAINER_NAME, SegmentCreditTrainer
+
+    def make(*overrides: str, store: dict | None = None):
+        # The value source's keys as the tiny recipe pins them: the launcher, not run here, would resolve their
+        # `auto` default from the training rows.
+        base = (f"trainer.v1.trainer_mode={TRAINER_NAME}", f"actor_rollout_ref.model.path={WARM_START}",
+                "algorithm.rredcot.task=arithmetic", "algorithm.rredcot.probe.profile=embedded",
+                "algorithm.rredcot.probe.value_source=exit_probe", "algorithm.rredcot.candidates.source=both",
+                "algorithm.rredcot.redistribution.value_mapping=affine",
+                "algorithm.rredcot.redistribution.degenerate_groups=grpo")  # fmt: skip
+        trainer = SegmentCreditTrainer(copy.deepcopy(_trainer_config((*base, *overrides))))
+        trainer._init_tokenizer()
+        trainer.global_steps, trainer.timing_raw = 1, {}
+        trainer.store = {} if store is None else store
+        trainer._fetch = lambda batch, fields: {key: trainer.store[key] for key in fields if key in trainer.store}
+        trainer._put = lambda batch, tensors: trainer.store.update(tensors) or batch
+        return trainer
+
+    return make
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,8 +8,17 @@ import pytest
 import torch
 from scipy import stats
 
-from benchmarks import common, cost, length_scaling, sample_efficiency, value_gate, value_quality, verdict
-from benchmarks.common import build_task, monte_carlo_values, spearman
+from benchmarks import (
+    common,
+    cost,
+    gpu_projection,
+    length_scaling,
+    sample_efficiency,
+    value_gate,
+    value_quality,
+    verdict,
+)
+from benchmarks.common import build_task, continuation_success_rates, spearman
 from rredcot_verl.core.concordance import ConcordanceCounts
 from rredcot_verl.tasks import compute_score, load_model_dir, parse_prompt, reference_response
 from rredcot_verl.tasks.arithmetic import response_step_lines
@@ -87,12 +96,12 @@ def test_monte_carlo_matches_the_exact_probability_of_a_forced_answer(model_and_
     exact = exact_success_probability_two_tokens(model, tokenizer, prompt, prefix, str(problem.answer), temperature)
     assert 0.1 < exact < 0.9
     trace = _trace(prompt, response, str(problem.answer))
-    (values,), _ = monte_carlo_values(model, tokenizer, [trace], [[len(prefix), len(response)]],
+    (values,), _ = continuation_success_rates(model, tokenizer, [trace], [[len(prefix), len(response)]],
                                       num_samples=samples, max_response_tokens=len(prefix) + 2,
                                       temperature=temperature, seed=3)
     assert abs(values[1] - exact) <= 4 * math.sqrt(exact * (1 - exact) / samples)  # 4 binomial sigmas
     # One token of budget cannot hold "}" and EOS: every continuation is truncated and counts as a failure.
-    (values,), _ = monte_carlo_values(model, tokenizer, [trace], [[len(prefix), len(response)]], num_samples=16,
+    (values,), _ = continuation_success_rates(model, tokenizer, [trace], [[len(prefix), len(response)]], num_samples=16,
                                       max_response_tokens=len(prefix) + 1)
     assert values[1] == 0.0
 
@@ -102,7 +111,7 @@ def test_monte_carlo_gives_a_state_without_room_no_value(model_and_tokenizer):
     valued from ``num_samples`` continuations each (success counts over num_samples)."""
     model, tokenizer = model_and_tokenizer
     trace = _trace([1, 2], [3, 4, 5, 6], "1")
-    (values,), generated = monte_carlo_values(model, tokenizer, [trace], [[2, 3, 4]], num_samples=4,
+    (values,), generated = continuation_success_rates(model, tokenizer, [trace], [[2, 3, 4]], num_samples=4,
                                               max_response_tokens=3)
     assert math.isnan(values[2]) and not any(math.isnan(v) for v in values[:2])
     assert all((v * 4).is_integer() for v in values[:2])
@@ -217,6 +226,45 @@ def test_committed_verdict_jsons_recompute_from_the_ledger(tmp_path, registratio
         pytest.skip(f"{registration.name}: no run in the ledger yet")
     verdict.main([str(registration), "--out", str(tmp_path / committed.name)])
     assert_same_result(json.loads((tmp_path / committed.name).read_text()), json.loads(committed.read_text()))
+
+
+def test_committed_gpu_projection_and_long_step_cost_recompute_from_their_inputs(tmp_path):
+    """Both JSONs are what ``benchmarks.gpu_projection`` gives from the committed gpu_check, driver_share, paper
+    recipes, ledger, length_scaling and long-setting stage medians (pure arithmetic): a regenerated input shows here
+    until the projection is regenerated too."""
+    gpu_projection.main(["--out", str(tmp_path / "gpu.json"), "--long-out", str(tmp_path / "long.json")])
+    assert_same_result(json.loads((tmp_path / "gpu.json").read_text()),
+                       json.loads((RESULTS / "gpu_projection.json").read_text()))
+    assert_same_result(json.loads((tmp_path / "long.json").read_text()),
+                       json.loads((RESULTS / "long_step_cost.json").read_text()))
+
+
+def test_gpu_projection_scales_the_measured_passes_to_the_recipes_traces_per_gpu():
+    """The log-prob stage is the recipe's traces per GPU times gpu_check's measured pass at the recipe's length
+    (the fit goes through it within 0.5%), every estimator adds to GRPO's stages, and each range holds its
+    central ratio."""
+    projection = gpu_projection.gpu_projection(gpu_projection.collect_inputs())
+    shape, measured = projection["inputs"]["shape"], projection["inputs"]["gpu_check"]["passes"]["plain"]["measured"]
+    assert (shape["traces"], shape["gpus"], shape["response_tokens"]) == (512, 8, 25000)
+    per_trace = measured[str(gpu_projection.ASSUMPTIONS["prompt_tokens"]["value"] + shape["response_tokens"])]
+    grpo = projection["estimators"]["grpo"]
+    assert grpo["stages_s"]["old_log_prob"] == pytest.approx(64 * per_trace, rel=5e-3)
+    for name, entry in projection["estimators"].items():
+        low, high = entry["over_grpo_range"]
+        assert low <= entry["over_grpo"] <= high, name
+        assert all(entry["stages_s"][stage] == grpo["stages_s"][stage] for stage in grpo["stages_s"]), name
+        assert entry["step_s"] >= grpo["step_s"], name
+
+
+def test_long_setting_stage_medians_are_read_from_each_runs_metrics(tmp_path):
+    run = tmp_path / "grpo_seed1"
+    run.mkdir()
+    rows = [(1, {"timing_s/step": 50.0, "timing_s/gen": 40.0, "response_length/mean": 300.0}),
+            (2, {"timing_s/step": 6.0, "timing_s/gen": 3.0, "response_length/mean": 390.0}),
+            (3, {"timing_s/step": 8.0, "timing_s/gen": 4.0, "response_length/mean": 400.0})]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in rows))
+    assert gpu_projection.extract_stage_medians(tmp_path) == {
+        "grpo_seed1": {"phase_median_s": {"gen": 3.5, "step": 7.0}, "steps": 3, "response_length_median": 390.0}}
 
 
 def test_t_interval_is_scipys_and_a_constant_sample_has_zero_width():

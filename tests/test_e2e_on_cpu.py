@@ -229,6 +229,31 @@ def _assert_stopped_by_the_raising_reward(result: subprocess.CompletedProcess) -
     assert "First error:" in failure and "signal only works in main thread" in failure.split("First error:")[1][:6000]
 
 
+# The task's reward on another scale (2 wrong, 3 right) than the recipe's reward_range [0, 1], which the launcher cannot
+# read from a custom reward function.
+SHIFTED_REWARD = """
+from rredcot_verl.tasks.reward import compute_score as task_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return 2.0 + task_score(data_source, solution_str, ground_truth, extra_info)
+"""
+
+
+def test_a_reward_off_the_declared_scale_stops_the_run_at_its_first_batch(build, tmp_path):
+    """The first batch's outcomes all outside algorithm.rredcot.reward_range: the run stops after its rollouts with
+    one line naming the key, before the value pass and the update (no step is logged)."""
+    reward = tmp_path / "shifted_reward.py"
+    reward.write_text(SHIFTED_REWARD)
+    result = _train("rredcot", build, tmp_path, steps=1, env_extra={"RREDCOT_REWARD_FILE": str(reward)})
+    log = result.stdout + result.stderr
+    assert result.returncode != 0, log[-4000:]
+    assert ("RewardScaleError: step 1: 16 of 16 outcomes of the first batch lie outside "
+            "algorithm.rredcot.reward_range=[0, 1] (they lie in [2, ") in log, log[-6000:]  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    assert not metrics.exists() or not load_metrics(metrics)
+
+
 @pytest.fixture(scope="module")
 def rredcot_reference(build, tmp_path_factory) -> Path:
     """Three uninterrupted `rredcot` steps through our launcher on two actor ranks, checkpointed after step 2,

@@ -7,12 +7,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from omegaconf import OmegaConf
-from verl import DataProto
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-from verl.trainer.ppo.ray_trainer import compute_advantage
-
-import rredcot_verl.integration.plugin  # noqa: F401  registers the ibpo estimator
 
 from rredcot_verl.core.ibpo import (
     DEFAULT_REVISION_TEMPLATE,
@@ -34,8 +29,9 @@ from rredcot_verl.core.ibpo import (
     stack_edited_masks,
 )
 from rredcot_verl.core.outcomes import correct_outcomes
-from rredcot_verl.integration.estimators import estimator_inputs
-from rredcot_verl.integration.estimators.ibpo import IBPOInputs
+from rredcot_verl.core.settings import settings_from_config
+from rredcot_verl.integration.estimators import AdvantageBatch
+from rredcot_verl.integration.estimators.ibpo import ibpo_advantage
 
 torch.set_num_threads(1)
 
@@ -173,8 +169,10 @@ def test_evaluate_repair_failures_and_rewrites():
     assert local.correct and not local.rewrite and local.failure is None
     assert local.alignment.edited_mask.tolist() == [False, False, True, False]
     rewrite = evaluate_repair(trace, [7, 8, 9, 4], verified_correct=True, truncated=False, cfg=cfg)
-    assert rewrite.correct and rewrite.rewrite and rewrite.alignment.edit_ratio == 0.75
-    assert rewrite.alignment.kept_prefix == 0 and local.alignment.kept_prefix == 2
+    assert rewrite.correct and rewrite.rewrite and align_tokens(trace, [7, 8, 9, 4]).edit_ratio == 0.75
+    # a rewrite is not aligned (nothing reads its mask), its kept prefix is known all the same
+    assert rewrite.alignment is None and rewrite.kept_prefix == 0 and rewrite.trace_length == 4
+    assert local.alignment.kept_prefix == local.kept_prefix == 2
     assert evaluate_repair(trace, [1] * 6, True, False, cfg).failure is None  # exactly the budget is allowed
     failed = []
     for repair, truncated, failure in [([], False, "empty"), ([1, 2, 9, 4], True, "truncated"), ([1] * 7, False, "too_long")]:
@@ -237,7 +235,7 @@ def test_repair_metrics_counts():
     assert metrics["ibpo/repair_success_rate"] == pytest.approx(2 / 5)
     assert metrics["ibpo/local_repair_rate"] == pytest.approx(1 / 5)
     assert metrics["ibpo/rewrite_frac"] == pytest.approx(0.5)
-    assert metrics["ibpo/edit_ratio_mean"] == pytest.approx(0.5)
+    assert metrics["ibpo/local_edit_ratio_mean"] == pytest.approx(0.25)  # the rewrite's ratio is not computed
     assert metrics["ibpo/kept_prefix_frac_mean"] == pytest.approx((2 / 4 + 0) / 2)
     assert (metrics["ibpo/failed_empty"], metrics["ibpo/failed_truncated"], metrics["ibpo/failed_too_long"]) == (1, 1, 0)
     assert all(v == 0.0 for k, v in repair_metrics([]).items())
@@ -592,9 +590,11 @@ def test_a_resumed_repair_keeps_its_prefix_whatever_the_continuation(trace, cont
     # insertion after a fully kept trace marks its last token, the documented end-of-trace rule).
     k = min(cut, len(trace))
     assume(k + len(continuation) > 0)  # an empty repair is a failure, not aligned
-    alignment = evaluate_repair(trace, trace[:k] + continuation, True, False, IBPOSettings(), 10**6).alignment
+    alignment = align_tokens(trace, trace[:k] + continuation)
     kept = k if k < len(trace) else k - 1
     assert not alignment.edited_mask[:kept].any() and alignment.kept_prefix >= kept
+    evaluation = evaluate_repair(trace, trace[:k] + continuation, True, False, IBPOSettings(), 10**6)
+    assert evaluation.kept_prefix == alignment.kept_prefix  # the rewrite guard's, read without aligning
 
 
 def test_a_resumed_repair_from_the_opening_is_judged_a_fresh_solve_at_length():
@@ -715,7 +715,7 @@ def test_a_copy_of_the_reference_is_a_rewrite_at_length():
     reference = opening + _long_trace(rng, 2100)
     cfg = IBPOSettings()
     copy = evaluate_repair(trace, reference, True, False, cfg)
-    assert copy.correct and copy.rewrite and copy.alignment.kept_prefix == 40
+    assert copy.correct and copy.rewrite and copy.kept_prefix == 40 and copy.alignment is None
     assert repair_signal(False, [copy], cfg) == 0.0 and not localisation_mask([copy], 2000).any()
     assert repair_signal(False, [copy], IBPOSettings(rewrite_counts_as_repair=True)) == 0.5
 
@@ -730,27 +730,18 @@ def test_a_repair_longer_than_its_budget_fails_at_length():
     assert evaluate_repair(trace, trace[:1500], True, True, cfg).failure == "truncated"
 
 
-# ------------------------------------------------------------------ reward scales, through verl's compute_advantage
+# ------------------------------------------------------- reward scales, through the estimator's advantage function
 
 
-def _ibpo_through_verl(outcomes, phi, edited, reward_range, use_mask=True):
+def _ibpo_advantage(outcomes, phi, edited, reward_range, use_mask=True):
+    """``ibpo``'s advantage function (the one the trainer calls) on the settings verl's config gives."""
     bs, T = edited.shape
-    rewards = torch.zeros(bs, T)
-    rewards[:, -1] = torch.tensor(outcomes)
-    uid = np.array(["q"] * bs, dtype=object)
-    data = DataProto.from_dict(
-        tensors={"token_level_rewards": rewards, "response_mask": torch.ones(bs, T)}, non_tensors={"uid": uid}
-    )
-    config = OmegaConf.create(
-        {
-            "adv_estimator": "ibpo",
-            "norm_adv_by_std_in_grpo": True,
-            "rredcot": {"reward_range": list(reward_range), "ibpo": {"use_mask": use_mask}},
-        }
-    )
-    with estimator_inputs(uid, IBPOInputs(torch.tensor(phi), edited).to_batch()) as record:
-        out = compute_advantage(data, adv_estimator="ibpo", config=config)
-    return out.batch["advantages"], record.metrics
+    settings = settings_from_config({"norm_adv_by_std_in_grpo": True,
+                                     "rredcot": {"reward_range": list(reward_range), "ibpo": {"use_mask": use_mask}}})
+    batch = AdvantageBatch(scores=torch.tensor(outcomes), response_mask=torch.ones(bs, T),
+                           index=np.array(["q"] * bs, dtype=object), phi=torch.tensor(phi), edited_mask=edited)
+    result = ibpo_advantage(batch, settings)
+    return result.advantages, result.metrics
 
 
 def _grpo_on(shaped, T):
@@ -765,15 +756,15 @@ def test_ibpo_reward_scale_plus_minus_one():
     outcomes, phi = [1.0, -1.0, -1.0, -1.0], [0.0, 0.5, 0.0, 0.0]
     edited = torch.zeros(4, 5, dtype=torch.bool)
     edited[1, 2] = True
-    shaping_only, _ = _ibpo_through_verl(outcomes, phi, edited, (-1.0, 1.0), use_mask=False)
+    shaping_only, _ = _ibpo_advantage(outcomes, phi, edited, (-1.0, 1.0), use_mask=False)
     torch.testing.assert_close(shaping_only, _grpo_on([1.0, -0.4, -1.0, -1.0], 5))
-    masked, metrics = _ibpo_through_verl(outcomes, phi, edited, (-1.0, 1.0))
+    masked, metrics = _ibpo_advantage(outcomes, phi, edited, (-1.0, 1.0))
     assert masked[0, 0] > 0 > masked[1, 2] > masked[2, 0]  # correct > repaired > hopeless
     assert masked[1].ne(0).tolist() == [False, False, True, False, False]  # blame on the edited token only
     assert metrics["ibpo/incorrect_repaired_frac"] == pytest.approx(1 / 3)
     # on the 0/1 reading, −1 and +1 would both sit outside the scale and the +1 trace would be shaped: refused
     with pytest.raises(ValueError, match="correct traces"):
-        _ibpo_through_verl([1.0, -1.0], [0.5, 0.0], torch.zeros(2, 3, dtype=torch.bool), (-1.0, 1.0))
+        _ibpo_advantage([1.0, -1.0], [0.5, 0.0], torch.zeros(2, 3, dtype=torch.bool), (-1.0, 1.0))
 
 
 def test_ibpo_reward_scale_partial_credit():
@@ -782,11 +773,11 @@ def test_ibpo_reward_scale_partial_credit():
     edited = torch.zeros(4, 5, dtype=torch.bool)
     edited[1, 1] = True
     shaped = [1.0, 0.5 + 0.3 * 0.5, 0.5, 0.0 + 0.3 * 1.0]  # R + λφ(1 − R)
-    shaping_only, _ = _ibpo_through_verl(outcomes, phi, edited, (0.0, 1.0), use_mask=False)
+    shaping_only, _ = _ibpo_advantage(outcomes, phi, edited, (0.0, 1.0), use_mask=False)
     torch.testing.assert_close(shaping_only, _grpo_on(shaped, 5))
     order = shaping_only[:, 0].tolist()
     assert order[0] > order[1] > order[2] > order[3]  # correct > repaired partial > partial > repaired wrong
-    masked, metrics = _ibpo_through_verl(outcomes, phi, edited, (0.0, 1.0))
+    masked, metrics = _ibpo_advantage(outcomes, phi, edited, (0.0, 1.0))
     # the repaired partial trace sits above the group mean: credit only on the tokens its repair kept
     assert masked[1].ne(0).tolist() == [True, False, True, True, True] and masked[1, 0] > 0
     assert metrics["ibpo/masked_traces"] == 1.0 and metrics["ibpo/incorrect_repaired_frac"] == pytest.approx(2 / 3)

@@ -113,6 +113,24 @@ def test_cli_exits_with_code_2_and_one_line(build):
     assert "rredcot_verl: model folder" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_key_typo_is_one_line_naming_the_key_and_exit_2(tmp_path):
+    """Without "+", a key the config lacks fails hydra's composition: hydra alone prints it over several lines and
+    exits 1; the launcher answers it as every other refusal, before any check (no model folder needed)."""
+    env = {**os.environ, "RREDCOT_CPU": "1", "RREDCOT_BUILD": str(tmp_path / "absent")}
+    env.pop("HYDRA_FULL_ERROR", None)
+    for flags in ((), ("--check-only",)):
+        result = subprocess.run(
+            [sys.executable, "-m", "rredcot_verl.main", *flags, "--config-dir", str(ROOT / "recipes/tiny_cpu"),
+             "--config-name", "rredcot", "algorithm.rredcot.redistribution.mixx=0.5"],
+            capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.strip().splitlines() == [
+            "rredcot_verl: Could not override 'algorithm.rredcot.redistribution.mixx'. To append to your config use "
+            "+algorithm.rredcot.redistribution.mixx=0.5 (Key 'mixx' is not in struct)"
+        ]
+
+
 def _paper_data(folder: Path, monkeypatch) -> None:
     """$DATA_DIR as the paper recipes read it: a few rows in prepare_math_data.py's format."""
     from rredcot_verl.tasks.math_data import convert
@@ -144,22 +162,19 @@ def test_prompts_all_longer_than_the_budget_are_refused(build):
         prepare(_config(["data.max_prompt_length=4", "data.filter_overlong_prompts=true"]))
 
 
-def test_an_empty_dataset_after_verls_filter_names_the_key(monkeypatch):
-    """The trainer's own message where the launcher could not tokenize (a hub model not cached at launch)."""
-    from omegaconf import OmegaConf
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+def _positions(build: Path, positions: int) -> int:
+    """The warm start's config with ``positions`` positions (a long-context model's launch checks read only its
+    config); returns the longest sampled prompt with the chat template, what a resumed repair needs besides its
+    response budget."""
+    import json
 
-    from rredcot_verl.integration.trainer import SegmentCreditTrainer
+    from transformers import AutoTokenizer
 
-    def verl_init_dataloader(self):
-        self.train_dataset = []
-        raise ValueError("num_samples should be a positive integer value, but got num_samples=0")
+    from rredcot_verl.integration.launcher import sampled_prompt_lengths
 
-    monkeypatch.setattr(PPOTrainer, "_init_dataloader", verl_init_dataloader)
-    trainer = object.__new__(SegmentCreditTrainer)
-    trainer.config = OmegaConf.create({"data": {"max_prompt_length": 1024}})
-    with pytest.raises(ValueError, match="train dataset is empty .* data.max_prompt_length=1024"):
-        trainer._init_dataloader()
+    config_file = build / "model" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "max_position_embeddings": positions}))
+    return max(sampled_prompt_lengths(_config(), AutoTokenizer.from_pretrained(build / "model")))
 
 
 @pytest.mark.parametrize(
@@ -168,14 +183,45 @@ def test_an_empty_dataset_after_verls_filter_names_the_key(monkeypatch):
     ids=["ibpo", "rredcot_ibpo", "rredcot-repair-bank"],
 )  # fmt: skip
 def test_ibpo_context_too_short_for_its_revisions_is_refused(build, estimator):
+    """A 40,960-position model: a rewrite of a 25,000-token failure does not fit; resuming it does, so that is the
+    first advice; raising the engine past the model is not offered."""
+    prompt = _positions(build, 40960)
     overrides = [*estimator, "data.max_response_length=25000", "data.max_prompt_length=1024",
                  "actor_rollout_ref.rollout.max_model_len=40960"]  # fmt: skip
-    with pytest.raises(LaunchError, match=r"needs at least 81152 tokens .*repair_operator=resume \(it needs the "
-                                          r"rollouts' own 26024\), or .*max_model_len >= 81152"):  # fmt: skip
+    need = prompt + 2 * 25000 + math.ceil(1.2 * 25000) + 128
+    with pytest.raises(LaunchError) as error:
         prepare(_config([*overrides, "algorithm.rredcot.ibpo.repair_operator=rewrite"]))
-    # resumed, a repair needs no more than a rollout: an engine shorter than that is refused for both
-    with pytest.raises(LaunchError, match=r"resuming a failure needs the rollouts' own 26024 tokens"):
-        prepare(_config([*overrides[:-1], "actor_rollout_ref.rollout.max_model_len=26023"]))
+    fits = (40960 - prompt - 128) * 5 // 16  # 2 L + ceil(1.2 L) <= room
+    assert str(error.value).endswith(
+        f"needs at least {need} tokens of engine context (question {prompt} + trace and reference 2 x 25000 + repair "
+        f"30128), the engine has 40960; the model has 40960 positions: set algorithm.rredcot.ibpo.repair_operator="
+        f"resume (it needs {prompt + 25000}, which the engine has), or data.max_response_length <= {fits}"
+    )
+    # Resumed, a repair needs its rollout's context: the longest prompt's, not data.max_prompt_length's.
+    prepare(_config([*overrides[:-1], f"actor_rollout_ref.rollout.max_model_len={prompt + 25000}"]))
+    with pytest.raises(LaunchError) as error:
+        prepare(_config([*overrides[:-1], f"actor_rollout_ref.rollout.max_model_len={prompt + 24999}"]))
+    assert str(error.value).endswith(
+        f"resuming a failure needs its rollout's own context, the longest sampled prompt ({prompt} tokens with the "
+        f"chat template) + data.max_response_length 25000 = {prompt + 25000} tokens, the engine has {prompt + 24999}; "
+        f"the model has 40960 positions: set actor_rollout_ref.rollout.max_model_len >= {prompt + 25000}, or "
+        f"data.max_response_length <= {40960 - prompt} (with max_model_len 40960)"
+    )
+
+
+def test_a_512_position_model_is_offered_only_what_it_can_take(build):
+    """The warm start has 512 positions: neither a longer engine nor the resume operator can hold a 600-token
+    rewrite, so the advice is the response length that fits."""
+    prompt = _positions(build, 512)
+    with pytest.raises(LaunchError) as error:
+        prepare(_config(["algorithm.adv_estimator=ibpo", "data.max_response_length=600",
+                         "algorithm.rredcot.ibpo.repair_operator=rewrite"]))  # fmt: skip
+    fits = max(n for n in range(600) if prompt + 2 * n + math.ceil(1.2 * n) + 128 <= 512)
+    assert str(error.value).endswith(f"the engine has 512; the model has 512 positions: set data.max_response_length "
+                                     f"<= {fits}")  # fmt: skip
+    with pytest.raises(LaunchError) as error:
+        prepare(_config(["algorithm.adv_estimator=ibpo", "data.max_response_length=600"]))  # resume
+    assert str(error.value).endswith(f"set data.max_response_length <= {512 - prompt}")
 
 
 def test_an_unknown_repair_operator_is_refused_in_one_line(build):

@@ -10,7 +10,7 @@ from rredcot_verl.core.montecarlo import (
     ContinuationTally,
     MonteCarloSettings,
     continuation_chunks,
-    monte_carlo_values,
+    values_from_continuations,
     plan_continuations,
 )
 
@@ -81,7 +81,8 @@ def test_chunks_bound_the_prefix_tokens_and_tally_to_the_same_values():
     correct = {(r.trace, r.state): (r.trace + r.state) % 4 for chunk in chunks for r in chunk}
     outcomes = [1.0, 0.0, 1.0, 0.0]
     everything = [r for chunk in chunks for r in chunk]
-    expected = monte_carlo_values(responses, ends, outcomes, everything, fake_generate(everything, correct), judge, 4)
+    continuations = fake_generate(everything, correct)
+    expected = values_from_continuations(responses, ends, outcomes, everything, continuations, judge, 4)
     tally = ContinuationTally(len(responses), 4)
     for chunk in chunks:
         tally.add(responses, chunk, fake_generate(chunk, correct), judge)
@@ -96,7 +97,7 @@ def test_monte_carlo_values_are_fractions_of_correct_continuations():
     outcomes = [1.0, 0.0]
     requests = plan_continuations(prompts, responses, ends, cfg, max_total_length=100)
     correct = {(0, 0): 4, (0, 1): 1, (0, 2): 3, (1, 0): 0}
-    seg_ends, values, metrics = monte_carlo_values(
+    seg_ends, values, metrics = values_from_continuations(
         responses, ends, outcomes, requests, fake_generate(requests, correct), judge, max_segments=4
     )
     assert seg_ends.dtype == torch.int64 and seg_ends.tolist() == [[1, 3, 4, -1], [3, -1, -1, -1]]
@@ -118,7 +119,9 @@ def test_no_room_is_nan_and_truncated_continuations_count_as_failures():
     requests = plan_continuations(prompts, responses, ends, cfg, max_total_length=7)
     correct = {(0, 0): 2, (0, 1): 2}
     continuations = fake_generate(requests, correct, length=3)  # 3 tokens: state 1's room of 2 cuts them
-    _, values, metrics = monte_carlo_values(responses, ends, [0.0], requests, continuations, judge, max_segments=3)
+    _, values, metrics = values_from_continuations(
+        responses, ends, [0.0], requests, continuations, judge, max_segments=3
+    )
     assert values[0, 0] == 1.0
     assert values[0, 1] == 0.0  # [CORRECT, CORRECT] would be judged right, but it never finished
     assert math.isnan(values[0, 2]) and values[0, 3] == 0.0
@@ -130,12 +133,12 @@ def test_width_grows_past_max_segments_and_mismatches_fail():
     responses, ends = [[1, 2, 3, 4, 5]], [[1, 2, 3, 4, 5]]
     requests = plan_continuations([[9]], responses, ends, cfg, max_total_length=100)
     correct = {(0, k): 1 for k in range(5)}
-    seg_ends, values, _ = monte_carlo_values(
+    seg_ends, values, _ = values_from_continuations(
         responses, ends, [1.0], requests, fake_generate(requests, correct), judge, max_segments=2
     )
     assert seg_ends.shape == (1, 5) and values.shape == (1, 6) and values[0].tolist() == [1.0] * 6
     with pytest.raises(ValueError, match="continuations for"):
-        monte_carlo_values(responses, ends, [1.0], requests, [], judge, max_segments=2)
+        values_from_continuations(responses, ends, [1.0], requests, [], judge, max_segments=2)
 
 
 @pytest.mark.parametrize("kwargs", [{"num_continuations": 0}, {"max_tokens": 0}])

@@ -10,6 +10,7 @@ Only generation is a stand-in (``test_rollouts_on_cpu.FakeEngine``), for vLLM.
 import copy
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,12 +20,9 @@ from tensordict import TensorDict
 from verl import DataProto
 from verl.trainer.ppo.reward import load_reward_manager
 
-from rredcot_verl.core.settings import settings_from_config
-from rredcot_verl.integration.estimators.ibpo import ibpo_repairs
 from rredcot_verl.integration.estimators.segment_mc import monte_carlo_values
 from rredcot_verl.integration.rollouts import reward_function
-from rredcot_verl.integration.trainer import SegmentCreditTrainer
-from rredcot_verl.tasks.model import chat_prompt_ids, load_model_dir, response_ids
+from rredcot_verl.tasks.model import chat_prompt_ids, load_model_dir
 from test_rollouts_on_cpu import (
     A_RIGHT,
     A_STEP2,
@@ -34,6 +32,7 @@ from test_rollouts_on_cpu import (
     context,
     finishing_engine,
     mc_context,
+    repairs,
     scripted_repairs,
     solutions_in,
     trace_batch,
@@ -145,39 +144,39 @@ def test_a_dict_reward_is_read_at_its_score_key(tokenizer, reward_file):
     assert score("rredcot_arithmetic", A_RIGHT, "59", {}) == 1.0
     assert score("rredcot_arithmetic", A_STEP2, "59", {}) == 0.0
     engine = FakeEngine(scripted_repairs(tokenizer))
-    inputs, metrics, verified = ibpo_repairs(context(tokenizer, engine, score=score), trace_batch(tokenizer))
-    assert inputs.phi.tolist() == pytest.approx(REPAIRED_PHI)
+    inputs, metrics, verified = repairs(context(tokenizer, engine, score=score), trace_batch(tokenizer))
+    assert inputs["phi"].tolist() == pytest.approx(REPAIRED_PHI)
     assert metrics["ibpo/revisions"] == 11.0 and sorted(verified) == ["a", "b"]
 
 
 def test_an_async_reward_is_awaited(tokenizer, reward_file):
     score = reward_function(verl_config(reward_file, "async_score"))
     assert score("rredcot_arithmetic", A_RIGHT, "59", {}) == 1.0
-    inputs, _, _ = ibpo_repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=score),
-                                 trace_batch(tokenizer))  # fmt: skip
-    assert inputs.phi.tolist() == pytest.approx(REPAIRED_PHI)
+    inputs, _, _ = repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=score),
+                            trace_batch(tokenizer))  # fmt: skip
+    assert inputs["phi"].tolist() == pytest.approx(REPAIRED_PHI)
 
     # Monte-Carlo continuations: the value of a state is the share of its continuations the reward accepts
     engine, correct_count = finishing_engine(tokenizer)
     batch = trace_batch(tokenizer)
     inputs, _ = monte_carlo_values(dataclasses.replace(mc_context(tokenizer, engine), score=score), batch)
     prompt_length = len(batch.records[0].prompt_ids)
-    assert inputs.raw_values[0, 0].item() == pytest.approx(correct_count(prompt_length) / 3)
+    assert inputs["raw_values"][0, 0].item() == pytest.approx(correct_count(prompt_length) / 3)
 
 
 def test_reward_kwargs_are_bound_as_verl_binds_them(tokenizer, reward_file):
     score = reward_function(verl_config(reward_file, "weighted_score", WEIGHTS))
     assert score("rredcot_arithmetic", A_RIGHT, "59", {}) == 1.0
     assert score("rredcot_arithmetic", A_STEP2, "59", {}) == torch.tensor(0.1, dtype=torch.float32).item()
-    inputs, _, _ = ibpo_repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=score),
-                                 trace_batch(tokenizer))  # fmt: skip
-    assert inputs.phi.tolist() == pytest.approx(REPAIRED_PHI)
+    inputs, _, _ = repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=score),
+                            trace_batch(tokenizer))  # fmt: skip
+    assert inputs["phi"].tolist() == pytest.approx(REPAIRED_PHI)
 
     # without them a correct repair earns 0.5, below the top of reward_range: nothing would be verified
     unweighted = reward_function(verl_config(reward_file, "weighted_score"))
-    inputs, _, verified = ibpo_repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=unweighted),
-                                        trace_batch(tokenizer))  # fmt: skip
-    assert not inputs.phi.any() and verified == {}
+    inputs, _, verified = repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=unweighted),
+                                   trace_batch(tokenizer))  # fmt: skip
+    assert not inputs["phi"].any() and verified == {}
 
 
 @pytest.mark.parametrize("manager", ["naive", "dapo"])
@@ -188,11 +187,11 @@ def test_every_extra_generation_gets_the_score_verls_reward_manager_gives(tokeni
     config = verl_config(reward_file, name, kwargs, manager=manager)
     score, calls = recorded(reward_function(config))
     batch = trace_batch(tokenizer)
-    ibpo_repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=score), batch)
-    repairs = len(calls)
+    repairs(context(tokenizer, FakeEngine(scripted_repairs(tokenizer)), score=score), batch)
+    judged_repairs = len(calls)
     engine, _ = finishing_engine(tokenizer)
     monte_carlo_values(dataclasses.replace(mc_context(tokenizer, engine), score=score), batch)
-    assert repairs == 11 and len(calls) > repairs
+    assert judged_repairs == 11 and len(calls) > judged_repairs
     reference = verl_scorer(config, tokenizer)
     verdicts = set()
     for args, value in calls:
@@ -228,33 +227,30 @@ def test_dapos_overlong_penalty_changes_verls_score(tokenizer, reward_file):
 # ------------------------------------------------------------------------------------------- chat template
 
 
-def test_repair_prompts_use_the_datasets_chat_template_kwargs(reward_file):
-    """The trainer's rollout context carries ``data.apply_chat_template_kwargs``: with Qwen3's template and
+def test_repair_prompts_use_the_datasets_chat_template_kwargs(reward_file, make_trainer):
+    """The trainer's step context carries ``data.apply_chat_template_kwargs``: with Qwen3's template and
     ``enable_thinking: false`` a revision prompt closes an empty thinking block, as the rollouts' prompts do."""
-    tokenizer = load_model_dir(WARMSTART, with_model=False)[1]
     template = Path(__file__).resolve().parents[1] / "rredcot_verl/tasks/assets/chat_templates/qwen3.jinja"
-    tokenizer.chat_template = template.read_text()
     no_think = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
-    def rollout_context(template_kwargs):
-        trainer = object.__new__(SegmentCreditTrainer)
-        trainer.config = verl_config(
-            reward_file,
-            "dict_score",
-            data={"max_prompt_length": 32, "max_response_length": 96, "apply_chat_template_kwargs": template_kwargs},
-            actor_rollout_ref={"rollout": {"max_model_len": 2048}},
-        )
-        trainer.tokenizer = tokenizer
-        trainer.settings = settings_from_config({"rredcot": {"task": "arithmetic", "probe": {"profile": "embedded"},
-                                                             "ibpo": {"repair_operator": "rewrite"}}})  # fmt: skip
+    def rollout_context(*template_kwargs):
+        trainer = make_trainer(
+            "algorithm.adv_estimator=ibpo", "algorithm.rredcot.ibpo.repair_operator=rewrite",
+            f"reward.custom_reward_function.path={reward_file}", "reward.custom_reward_function.name=dict_score",
+            "data.max_prompt_length=32", "data.max_response_length=96", "actor_rollout_ref.rollout.max_model_len=2048",
+            *template_kwargs,
+        )  # fmt: skip
+        trainer.tokenizer.chat_template = template.read_text()
         trainer.global_steps = 0
         trainer.get_llm_client = lambda: None
-        engine = FakeEngine(scripted_repairs(tokenizer))
-        return dataclasses.replace(trainer.rollout_context(), generate=engine), engine
+        trainer.actor_rollout_wg = SimpleNamespace(value_pass=None)
+        engine = FakeEngine(scripted_repairs(trainer.tokenizer))
+        return dataclasses.replace(trainer.step_context(), generate=engine), engine
 
-    ctx, engine = rollout_context({"enable_thinking": False})
-    inputs, _, _ = ibpo_repairs(ctx, trace_batch(tokenizer))
-    assert inputs.phi.tolist() == pytest.approx(REPAIRED_PHI)  # the trainer's reward judged them
+    ctx, engine = rollout_context("+data.apply_chat_template_kwargs.enable_thinking=false")
+    tokenizer = ctx.tokenizer
+    inputs, _, _ = repairs(ctx, trace_batch(tokenizer))
+    assert inputs["phi"].tolist() == pytest.approx(REPAIRED_PHI)  # the trainer's reward judged them
     assert len(engine.requests) == 11
     for ids, _ in engine.requests:
         text = tokenizer.decode(ids, skip_special_tokens=False)
@@ -265,8 +261,8 @@ def test_repair_prompts_use_the_datasets_chat_template_kwargs(reward_file):
                                                      enable_thinking=False)  # fmt: skip
 
     # without the kwargs the template's default (thinking) applies
-    ctx, engine = rollout_context({})
-    ibpo_repairs(ctx, trace_batch(tokenizer))
+    ctx, engine = rollout_context()
+    repairs(ctx, trace_batch(tokenizer))
     assert engine.requests and not any(
         tokenizer.decode(ids, skip_special_tokens=False).endswith(no_think) for ids, _ in engine.requests
     )

@@ -1,7 +1,7 @@
 """IBPO repairs and Monte-Carlo values through ``integration/rollouts.py`` with a fake generation client.
 
-Everything but the generation is real: the embedded task's tokenizer, its reward (``tasks/reward.py``), verl's
-``StepTraces`` as ``trainer._trace_batch`` builds it, the settings reader, the alignment and the segmentation.
+Everything but the generation is real: the embedded task's tokenizer, its reward (``tasks/reward.py``), the
+``StepTraces`` as ``trainer._trace_batch`` builds them, the settings reader, the alignment and the segmentation.
 The fake client answers each request deterministically from its prompt, caps the output at ``max_tokens`` as vLLM
 does, and records what it was asked.
 """
@@ -16,10 +16,10 @@ import torch
 from rredcot_verl.core import ibpo
 from rredcot_verl.core.planning import records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
-from rredcot_verl.integration.estimators import StepTraces
-from rredcot_verl.integration.estimators.ibpo import ibpo_repairs
+from rredcot_verl.integration.estimators import StepContext, StepTraces
+from rredcot_verl.integration.estimators.ibpo import VERIFIED_REPAIRS, ibpo_repairs
 from rredcot_verl.integration.estimators.segment_mc import monte_carlo_values
-from rredcot_verl.integration.rollouts import RolloutContext, engine_max_model_length
+from rredcot_verl.integration.rollouts import engine_max_model_length
 from rredcot_verl.tasks.model import EOS_TOKEN, IM_END, IM_START, chat_prompt_ids, load_model_dir, response_ids
 from rredcot_verl.tasks.reward import compute_score
 
@@ -102,16 +102,23 @@ def context(tokenizer, engine, section=None, score=compute_score, max_model_leng
     section = dict(section or {})
     ibpo_section = {"repair_operator": "rewrite", **section.pop("ibpo", {})}
     section = {"task": "arithmetic", "probe": {"profile": "embedded"}, "ibpo": ibpo_section, **section}
-    return RolloutContext(
+    return StepContext(
+        settings=settings_from_config({"rredcot": section}),
+        tokenizer=tokenizer,
+        step=seed,
         generate=engine,
         score=score,
-        tokenizer=tokenizer,
-        settings=settings_from_config({"rredcot": section}),
         max_prompt_length=32,
         max_response_length=96,
-        seed=seed,
         max_model_length=max_model_length,
     )
+
+
+def repairs(ctx, batch):
+    """``ibpo_repairs`` as its stage runs: the ``AdvantageBatch`` inputs, the metrics, and the verified repairs per
+    group it leaves in the step's context."""
+    inputs, metrics = ibpo_repairs(ctx, batch)
+    return inputs, metrics, ctx.carry[VERIFIED_REPAIRS]
 
 
 # ---------------------------------------------------------------------------------------------------- IBPO
@@ -147,7 +154,7 @@ def scripted_repairs(tokenizer):
 def test_ibpo_repairs_requests_prompts_phi_and_masks(tokenizer):
     batch = trace_batch(tokenizer)
     engine = FakeEngine(scripted_repairs(tokenizer))
-    inputs, metrics, verified = ibpo_repairs(context(tokenizer, engine), batch)
+    inputs, metrics, verified = repairs(context(tokenizer, engine), batch)
     texts = {i: text for i, (_, _, _, text) in enumerate(ROWS)}
 
     # Which traces were revised, against which references: incorrect traces with siblings, up to 3 references,
@@ -174,11 +181,11 @@ def test_ibpo_repairs_requests_prompts_phi_and_masks(tokenizer):
         assert params["max_tokens"] == ibpo.revision_budget(length, ibpo.IBPOSettings(repair_operator="rewrite"))
 
     # φ: all 3 repairs of the two locally fixable traces succeed; the rewrite and the truncated repair earn nothing.
-    phi = inputs.phi.tolist()
+    phi = inputs["phi"].tolist()
     assert phi == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0])
 
     # Masks: exactly the digits that differ from the right solution (the tokenizer splits every digit).
-    mask = inputs.edited_mask
+    mask = inputs["edited_mask"]
     assert mask.shape == (len(batch), batch.response_width) and mask.dtype == torch.bool
     right = response_ids(tokenizer, A_RIGHT)
     for row, text in ((1, A_STEP2), (3, A_STEP1), (2, B_WRONG1)):
@@ -224,7 +231,7 @@ def test_resumed_repairs_continue_the_rollout_prompt_from_the_divergence_point(t
     batch = trace_batch(tokenizer)
     engine = FakeEngine(resumed_solutions(tokenizer))
     resume = {"ibpo": {"repair_operator": "resume"}}
-    inputs, metrics, verified = ibpo_repairs(context(tokenizer, engine, resume), batch)
+    inputs, metrics, verified = repairs(context(tokenizer, engine, resume), batch)
     responses = [record.response_ids.tolist() for record in batch.records]
     groups = [record.group for record in batch.records]
 
@@ -247,9 +254,9 @@ def test_resumed_repairs_continue_the_rollout_prompt_from_the_divergence_point(t
     # φ: the step-1 and step-2 failures (and both failures of group b, whose shared prefix "42-5=3" is right) are
     # recovered from every divergence point; "no idea" shares nothing with its siblings, so its repairs are fresh
     # solves, verified but rewrites.
-    assert inputs.phi.tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.5, 0.0])
+    assert inputs["phi"].tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.5, 0.0])
     # Masks: the digits where the failure leaves the right solution, nothing in the kept prefix.
-    mask = inputs.edited_mask
+    mask = inputs["edited_mask"]
     right = response_ids(tokenizer, A_RIGHT)
     assert mask[1, : len(responses[1])].tolist() == [a != b for a, b in zip(responses[1], right)]
     assert not mask[1, :k].any() and mask[1, k]
@@ -263,7 +270,7 @@ def test_resumed_repairs_continue_the_rollout_prompt_from_the_divergence_point(t
 
     # An engine shorter than a rollout (prompt + response budget) cannot serve a resumed repair: all skipped.
     short = FakeEngine(resumed_solutions(tokenizer))
-    _, metrics, _ = ibpo_repairs(context(tokenizer, short, resume, max_model_length=96), batch)
+    _, metrics, _ = repairs(context(tokenizer, short, resume, max_model_length=96), batch)
     assert short.requests == [] and metrics["ibpo/revisions_skipped_no_room"] == 11.0
 
 
@@ -278,8 +285,8 @@ def test_an_aborted_generation_is_a_failed_repair(tokenizer):
                 output.stop_reason = "aborted"
             return outputs
 
-    inputs, metrics, _ = ibpo_repairs(context(tokenizer, Aborting(reply)), trace_batch(tokenizer))
-    assert not inputs.phi.any() and not inputs.edited_mask.any()
+    inputs, metrics, _ = repairs(context(tokenizer, Aborting(reply)), trace_batch(tokenizer))
+    assert not inputs["phi"].any() and not inputs["edited_mask"].any()
     assert metrics["ibpo/failed_truncated"] == metrics["ibpo/revisions"] == 11.0
 
 
@@ -289,10 +296,10 @@ def test_ibpo_repairs_with_the_embedded_template_resolve_the_question(tokenizer)
     engine = FakeEngine(lambda ids, params: response_ids(tokenizer, answers[questions[tuple(ids)]]))
     # recipes/tiny_cpu/ibpo.yaml: with the 128-token fallback context (32 + 96) the repairs need a small slack
     section = {"ibpo": {"revision_template": ibpo.EMBEDDED_TASK_TEMPLATE, "revision_slack_tokens": 16}}
-    inputs, metrics, _ = ibpo_repairs(context(tokenizer, engine, section, max_model_length=None), trace_batch(tokenizer))
+    inputs, metrics, _ = repairs(context(tokenizer, engine, section, max_model_length=None), trace_batch(tokenizer))
     assert all(tuple(ids) in questions for ids, _ in engine.requests)  # the bare chat prompt of the question
-    assert inputs.phi.tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.5, 0.0])
-    assert inputs.edited_mask[5].any()  # B_WRONG2 now gets a complete fresh solve
+    assert inputs["phi"].tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.5, 0.0])
+    assert inputs["edited_mask"][5].any()  # B_WRONG2 now gets a complete fresh solve
 
 
 def test_revision_prompts_are_bounded_by_the_engine_not_the_dataset_prompt_length(tokenizer):
@@ -300,14 +307,14 @@ def test_revision_prompts_are_bounded_by_the_engine_not_the_dataset_prompt_lengt
     engine = FakeEngine(scripted_repairs(tokenizer))
     # data.max_prompt_length is 32, yet every default-template prompt (about 600 tokens) is sent: the engine's
     # 1024-token context holds it and its repair budget
-    _, metrics, _ = ibpo_repairs(context(tokenizer, engine, max_model_length=1024), batch)
+    _, metrics, _ = repairs(context(tokenizer, engine, max_model_length=1024), batch)
     assert metrics["ibpo/revisions"] == 11.0 and min(len(ids) for ids, _ in engine.requests) > 32
     assert all(len(ids) + p["max_tokens"] <= 1024 for ids, p in engine.requests)
 
     # a context that holds the repair budget but not the prompt: nothing is sent, and every skip is reported
     short = FakeEngine(scripted_repairs(tokenizer))
-    inputs, metrics, _ = ibpo_repairs(context(tokenizer, short, max_model_length=200), batch)
-    assert short.requests == [] and not inputs.phi.any()
+    inputs, metrics, _ = repairs(context(tokenizer, short, max_model_length=200), batch)
+    assert short.requests == [] and not inputs["phi"].any()
     assert metrics["ibpo/traces_without_fitting_reference"] == 5.0
     assert metrics["ibpo/revisions_skipped_no_room"] == 11.0
 
@@ -319,14 +326,14 @@ def test_revision_prompts_are_bounded_by_the_engine_not_the_dataset_prompt_lengt
 def test_a_cap_gives_every_incorrect_trace_one_revision_before_any_gets_a_second(tokenizer):
     batch = trace_batch(tokenizer)
     engine = FakeEngine(scripted_repairs(tokenizer))
-    inputs, metrics, _ = ibpo_repairs(context(tokenizer, engine, {"ibpo": {"max_revisions": 5}}), batch)
+    inputs, metrics, _ = repairs(context(tokenizer, engine, {"ibpo": {"max_revisions": 5}}), batch)
     revised = [solutions_in(tokenizer, ids)[0] for ids, _ in engine.requests]
     assert sorted(revised) == sorted([A_STEP2, A_STEP1, A_NOIDEA, B_WRONG1, B_WRONG2])
     assert metrics["ibpo/traces_skipped_by_cap"] == 0.0 and metrics["ibpo/revisions_skipped_by_cap"] == 6.0
-    assert inputs.phi.tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0])
+    assert inputs["phi"].tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0])
 
     tight = FakeEngine(scripted_repairs(tokenizer))
-    _, metrics, _ = ibpo_repairs(context(tokenizer, tight, {"ibpo": {"max_revisions": 3}}), batch)
+    _, metrics, _ = repairs(context(tokenizer, tight, {"ibpo": {"max_revisions": 3}}), batch)
     assert len(tight.requests) == 3 and len({solutions_in(tokenizer, ids)[0] for ids, _ in tight.requests}) == 3
     assert metrics["ibpo/traces_skipped_by_cap"] == 2.0 and metrics["ibpo/revisions_skipped_by_cap"] == 8.0
 
@@ -339,9 +346,9 @@ def test_ibpo_repairs_reward_scale_plus_minus_one(tokenizer):
     assert sorted(set(batch.outcomes.tolist())) == [-1.0, 1.0]
     engine = FakeEngine(scripted_repairs(tokenizer))
     section = {"reward_range": [-1.0, 1.0]}
-    inputs, metrics, _ = ibpo_repairs(context(tokenizer, engine, section, score=plus_minus), batch)
+    inputs, metrics, _ = repairs(context(tokenizer, engine, section, score=plus_minus), batch)
     # the same verdicts as on the 0/1 scale: −1 traces are incorrect, repairs scoring +1 are verified
-    assert inputs.phi.tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0])
+    assert inputs["phi"].tolist() == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0])
     assert metrics["ibpo/incorrect_traces"] == 6.0
 
 
@@ -356,14 +363,14 @@ def test_ibpo_repairs_reward_scale_partial_credit(tokenizer):
     batch = trace_batch(tokenizer, score=partial)
     assert batch.outcomes[1] == 0.5
     engine = FakeEngine(scripted_repairs(tokenizer))
-    inputs, metrics, _ = ibpo_repairs(context(tokenizer, engine, score=partial), batch)
+    inputs, metrics, _ = repairs(context(tokenizer, engine, score=partial), batch)
     assert A_STEP2 in [solutions_in(tokenizer, ids)[0] for ids, _ in engine.requests]
-    assert inputs.phi[1] == pytest.approx(0.5) and inputs.edited_mask[1].any()
+    assert inputs["phi"][1] == pytest.approx(0.5) and inputs["edited_mask"][1].any()
 
     # a repair that only earns partial credit is not a verified repair
     half = FakeEngine(lambda ids, params: response_ids(tokenizer, solutions_in(tokenizer, ids)[0]))
-    inputs, metrics, _ = ibpo_repairs(context(tokenizer, half, score=partial), batch)
-    assert not inputs.phi.any() and metrics["ibpo/repair_success_rate"] == 0.0
+    inputs, metrics, _ = repairs(context(tokenizer, half, score=partial), batch)
+    assert not inputs["phi"].any() and metrics["ibpo/repair_success_rate"] == 0.0
 
 
 def test_engine_max_model_length_reads_verls_setting_or_the_model(tokenizer):
@@ -390,14 +397,16 @@ def mc_context(tokenizer, engine, max_response_length=96):
         "segmentation": {"min_segment_len": 2},
         "segment_mc": {"num_continuations": K, "max_tokens": 40},
     }
-    return RolloutContext(
+    settings = settings_from_config({"rredcot": section})
+    return StepContext(
+        settings=settings,
+        tokenizer=tokenizer,
+        step=0,
+        boundary_vocab=settings.boundary_vocab(tokenizer),
         generate=engine,
         score=compute_score,
-        tokenizer=tokenizer,
-        settings=settings_from_config({"rredcot": section}),
         max_prompt_length=32,
         max_response_length=max_response_length,
-        seed=0,
     )
 
 
@@ -425,7 +434,7 @@ def test_monte_carlo_values_are_the_fraction_of_correct_continuations(tokenizer)
     batch = trace_batch(tokenizer)
     engine, correct_count = finishing_engine(tokenizer)
     inputs, metrics = monte_carlo_values(mc_context(tokenizer, engine), batch)
-    seg_ends, values = inputs.ends, inputs.raw_values
+    seg_ends, values = inputs["segment_ends"], inputs["raw_values"]
     prompt_lengths = [len(record.prompt_ids) for record in batch.records]
     states = 0
     for i in range(len(ROWS)):
@@ -447,7 +456,7 @@ def test_monte_carlo_values_are_nan_without_room_and_truncation_fails(tokenizer)
     engine, correct_count = finishing_engine(tokenizer)
     # 32 + 16 = 48 tokens in all: late prefixes leave no room; others leave too little for the 13-token answer
     inputs, metrics = monte_carlo_values(mc_context(tokenizer, engine, max_response_length=16), batch)
-    seg_ends, values = inputs.ends, inputs.raw_values
+    seg_ends, values = inputs["segment_ends"], inputs["raw_values"]
     prompt_lengths = [len(record.prompt_ids) for record in batch.records]
     finish = len(response_ids(tokenizer, "\n</think>\n\\boxed{59}"))
     nan_states = truncated_states = 0

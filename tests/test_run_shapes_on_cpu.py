@@ -9,12 +9,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
-from transformers import Gemma2Config, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import CohereConfig, Gemma2Config, MistralConfig, Qwen2Config, Qwen3Config, Qwen3NextConfig
 
 from composing import compose_recipe
 from rredcot_verl.integration.estimators import ESTIMATORS
 from rredcot_verl.integration.launcher import LaunchError, check, prepare
-from rredcot_verl.integration.run_shapes import attention_kind
+from rredcot_verl.integration.run_shapes import SINGLE_TURN_AGENT_LOOP, value_pass_model
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = sorted(ESTIMATORS)
@@ -22,9 +22,16 @@ OURS = sorted(ESTIMATORS)
 
 @pytest.fixture()
 def cpu_build(build, monkeypatch):
-    """The shared ``build``, launched in CPU mode on a local Ray."""
+    """The shared ``build``, launched in CPU mode on a local Ray; beside its training rows, the same rows naming the
+    agent loop verl runs for each (``agent_name``): all ``tool_agent``, one in four, or all single-turn."""
     monkeypatch.setenv("RREDCOT_CPU", "1")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    rows = pd.read_parquet(build / "data" / "train.parquet")
+    for name, agent_names in (("tool_rows", ["tool_agent"] * len(rows)),
+                              ("some_tool_rows", [("tool_agent" if i % 4 == 3 else SINGLE_TURN_AGENT_LOOP)
+                                                  for i in range(len(rows))]),
+                              ("single_turn_rows", [SINGLE_TURN_AGENT_LOOP] * len(rows))):  # fmt: skip
+        rows.assign(agent_name=agent_names).to_parquet(build / "data" / f"{name}.parquet", index=False)
     return build
 
 
@@ -34,6 +41,11 @@ def _config(estimator: str, overrides=()):
 
 # verl asks for it whenever a reference policy runs (KL loss or KL in reward).
 REF_MICRO_BATCH = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16"
+# DAPO's overlong penalty as verl's DAPO recipe sets it (reward_kwargs are not in verl's config: added with +).
+DAPO_OVERLONG = ["+reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+                 "+reward.reward_kwargs.overlong_buffer_cfg.len=16",
+                 "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+                 "+reward.reward_kwargs.overlong_buffer_cfg.log=false", "+reward.reward_kwargs.max_resp_len=96"]
 # shape -> (overrides, the key the refusal must name)
 REFUSED_SHAPES = {
     "legacy_trainer": (["trainer.use_v1=false"], "trainer.use_v1=false"),
@@ -43,6 +55,11 @@ REFUSED_SHAPES = {
     "n_1": (["actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"], "actor_rollout_ref.rollout.n=1"),
     "kl_in_reward": (["algorithm.use_kl_in_reward=true", REF_MICRO_BATCH], "algorithm.use_kl_in_reward=true"),
+    "dapo_overlong_penalty": (["reward.reward_manager.name=dapo", *DAPO_OVERLONG],
+                              "reward.reward_kwargs.overlong_buffer_cfg.enable=true"),
+    "dapo_overlong_penalty_legacy_keys": (["reward_model.reward_manager=dapo",
+                                           *[o.replace("reward.", "reward_model.") for o in DAPO_OVERLONG]],
+                                          "reward_model.reward_kwargs.overlong_buffer_cfg.enable=true"),
     "reward_model": (["reward.reward_model.enable=true"], "reward.reward_model.enable=true"),
     "async_trainer_mode": (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode=colocate_async"),
 }  # fmt: skip
@@ -59,8 +76,10 @@ def test_shapes_the_estimators_cannot_serve_are_refused_naming_the_key(cpu_build
 
 
 # Multi-turn rollouts (tool output in the response, response_mask with holes): shape -> (overrides, the key named)
+ROWS = "data.train_files=${{oc.env:RREDCOT_BUILD}}/data/{}.parquet"
 MULTI_TURN_SHAPES = {
-    "multi_turn": (["actor_rollout_ref.rollout.multi_turn.enable=true"], "multi_turn.enable=true"),
+    "agent_name_rows": ([ROWS.format("tool_rows")], "data.train_files rows with agent_name=tool_agent"),
+    "some_agent_name_rows": ([ROWS.format("some_tool_rows")], "data.train_files rows with agent_name=tool_agent"),
     "tool_agent_loop": (["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"],
                         "default_agent_loop=tool_agent"),
 }  # fmt: skip
@@ -100,6 +119,67 @@ def test_rredcot_values_multi_turn_traces_by_exit_probes_only(cpu_build, shape):
         assert "\n" not in message
 
 
+@pytest.mark.parametrize("estimator", OURS)
+def test_rows_that_choose_the_single_turn_loop_and_the_multi_turn_flag_alone_are_single_turn(cpu_build, estimator):
+    """verl runs a row's own agent_name over agent.default_agent_loop; and rollout.multi_turn.enable, read by verl's
+    legacy trainer only, changes nothing in the V1 trainer: neither is refused."""
+    check(_config(estimator, [ROWS.format("single_turn_rows"),
+                              "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"]))  # fmt: skip
+    check(_config(estimator, ["actor_rollout_ref.rollout.multi_turn.enable=true"]))
+
+
+def test_verls_v1_trainer_never_reads_the_multi_turn_flag():
+    """What makes the flag a no-op here, in verl's installed source: it is read only by the legacy trainer (refused
+    for these estimators) and the fully-async entry point (refused too)."""
+    import verl
+
+    package = Path(verl.__file__).parent
+    readers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                     if "multi_turn.enable" in path.read_text(errors="replace") and "config" not in path.parts)  # fmt: skip
+    assert readers == ["experimental/fully_async_policy/detach_utils.py", "trainer/ppo/ray_trainer.py"]
+
+
+COOLER = "actor_rollout_ref.rollout.temperature=0.7"
+# estimator -> (its overrides, the key of the extra generation's own temperature)
+OWN_TEMPERATURES = {
+    "ibpo": ([], "algorithm.rredcot.ibpo.revision_temperature"),
+    "rredcot_ibpo": ([], "algorithm.rredcot.ibpo.revision_temperature"),
+    "rredcot": (["algorithm.rredcot.candidates.source=group_and_repairs"], "algorithm.rredcot.ibpo.revision_temperature"),
+    "segment_mc": ([], "algorithm.rredcot.segment_mc.temperature"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("estimator", sorted(OWN_TEMPERATURES))
+def test_extra_generations_at_another_temperature_than_the_rollouts_are_refused(cpu_build, estimator):
+    """Repairs and continuations sample at their own temperature key (1.0 by default): under a rollout at 0.7 they
+    would be samples of another policy. The key set to the rollout's (or interpolated from it) is accepted."""
+    extra, key = OWN_TEMPERATURES[estimator]
+    with pytest.raises(LaunchError) as error:
+        check(_config(estimator, [*extra, COOLER]))
+    assert str(error.value).startswith(f"{key}=1 differs from actor_rollout_ref.rollout.temperature=0.7: ")
+    assert f"set {key}=0.7" in str(error.value) and "\n" not in str(error.value)
+    check(_config(estimator, [*extra, COOLER, f"{key}=0.7"]))
+    check(_config(estimator, [*extra, COOLER, f"{key}=${{actor_rollout_ref.rollout.temperature}}"]))
+
+
+def test_the_value_pass_scores_at_the_rollout_temperature_whatever_it_is(cpu_build):
+    """rredcot's probes are scored under logits / the rollout temperature: nothing of its own to mismatch."""
+    check(_config("rredcot", [COOLER]))
+
+
+@pytest.mark.parametrize("estimator", OURS)
+@pytest.mark.parametrize("truncation", ["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=20"])
+def test_a_rollout_that_truncates_its_distribution_is_refused(cpu_build, estimator, truncation):
+    """Probes, repairs and continuations use the whole distribution: top-p / top-k rollouts sample another one."""
+    with pytest.raises(LaunchError) as error:
+        check(_config(estimator, [truncation]))
+    message = str(error.value)
+    assert message.startswith(f"{truncation} is not supported with algorithm.adv_estimator={estimator}: ")
+    assert "top_p=1 and actor_rollout_ref.rollout.top_k=-1" in message and "\n" not in message
+    check(_config("grpo", [truncation]))
+    check(_config(estimator, ["actor_rollout_ref.rollout.top_p=1.0", "actor_rollout_ref.rollout.top_k=0"]))
+
+
 @pytest.mark.parametrize("shape", sorted({**REFUSED_SHAPES, **MULTI_TURN_SHAPES}))
 def test_grpo_accepts_every_shape_verl_accepts(cpu_build, shape):
     overrides, _ = {**REFUSED_SHAPES, **MULTI_TURN_SHAPES}[shape]
@@ -124,22 +204,38 @@ def test_megatron_is_refused_for_the_value_pass_only(cpu_build):
 @pytest.mark.parametrize(
     "hf_config, refused",
     [
-        (Gemma2Config(), "sliding_attention attention layers"),
-        (MistralConfig(sliding_window=4096), "sliding_window=4096 attention layers"),
-        (Gemma2Config(layer_types=["full_attention"] * 26), "attn_logit_softcapping and final_logit_softcapping"),
+        (Gemma2Config(), "layer_types with sliding_attention layers (sliding_window=4096)"),
+        (MistralConfig(sliding_window=4096), "sliding_window=4096 (windowed attention)"),
+        (Gemma2Config(layer_types=["full_attention"] * 26), "attn_logit_softcapping=50.0"),
+        (Qwen3NextConfig(), "layer_types with linear_attention layers"),
+        (Gemma2Config(layer_types=["full_attention"] * 26, attn_logit_softcapping=None), None),  # logits capped alike
+        (CohereConfig(), None),  # logit_scale, applied by the value pass
         (Qwen2Config(), None),  # sliding_window is set but use_sliding_window is false
         (Qwen3Config(), None),
         (MistralConfig(sliding_window=None), None),
     ],
-    ids=["gemma2", "mistral-v0.1", "softcapped", "qwen2", "qwen3", "mistral-v0.3"],
+    ids=["gemma2", "mistral-v0.1", "softcapped-attention", "qwen3-next", "softcapped-logits", "cohere", "qwen2",
+         "qwen3", "mistral-v0.3"],
 )
-def test_hybrid_attention_and_softcapping_are_refused_for_the_value_pass(hf_config, refused):
+def test_what_the_value_pass_cannot_score_is_refused_at_launch(hf_config, refused):
     for name in OURS:
-        message = attention_kind(_config_stub(), ESTIMATORS[name], hf_config)
+        message = value_pass_model(_config_stub(), ESTIMATORS[name], hf_config)
         if refused is None or not ESTIMATORS[name].uses_value_pass:
             assert message is None
         else:
-            assert refused in message and "actor_rollout_ref.model.path" in message
+            assert message.startswith(f"actor_rollout_ref.model.path is a {hf_config.model_type} model with {refused}")
+            assert f"algorithm.adv_estimator={name} cannot score it exactly" in message and "\n" not in message
+
+
+def test_the_launch_reads_the_model_config_as_verls_override_config_leaves_it():
+    """verl applies actor_rollout_ref.model.override_config to the actor's config; the launch check reads the same."""
+    from omegaconf import OmegaConf
+
+    overridden = OmegaConf.create({"actor_rollout_ref": {"model": {"override_config": {"attn_logit_softcapping": None}}}})
+    softcapped = Gemma2Config(layer_types=["full_attention"] * 26)
+    assert value_pass_model(overridden, ESTIMATORS["rredcot"], softcapped) is None
+    assert "attn_logit_softcapping" in value_pass_model(_config_stub(), ESTIMATORS["rredcot"], softcapped)
+    assert softcapped.attn_logit_softcapping == 50.0  # the model folder's config is left as it was
 
 
 def _config_stub():
@@ -184,19 +280,23 @@ def test_a_cluster_address_in_the_recipe_is_kept_on_cpu(cpu_build):
     assert config.ray_kwargs.ray_init.address == "auto" and config.ray_kwargs.ray_init.get("num_gpus") is None
 
 
-def _check_only(*overrides, config_name="rredcot"):
+def _check_only(*overrides, config_name="rredcot", cwd=None):
     env = {**os.environ, "RREDCOT_CPU": "1"}
     env.pop("RAY_ADDRESS", None)
     return subprocess.run(
         [sys.executable, "-m", "rredcot_verl.main", "--check-only", "--config-dir", str(ROOT / "recipes/tiny_cpu"),
          "--config-name", config_name, *overrides],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True, text=True, env=env, timeout=300, cwd=cwd,
     )  # fmt: skip
 
 
-def test_check_only_says_ok_refuses_and_names_what_it_skipped(cpu_build):
-    """One process for three answers would hide which one exits how: three runs, none starting Ray."""
-    ok = _check_only()
+def test_check_only_says_ok_refuses_and_names_what_it_skipped(cpu_build, tmp_path):
+    """One process for three answers would hide which one exits how: three runs, none starting Ray, none writing
+    into the working directory (hydra's output folder and log)."""
+    work = tmp_path / "cwd"  # tmp_path holds the build
+    work.mkdir()
+    ok = _check_only(cwd=work)
+    assert list(work.iterdir()) == []
     assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1] == "rredcot_verl: ok", ok.stderr[-2000:]
     refused = _check_only("algorithm.use_kl_in_reward=true")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
@@ -209,23 +309,39 @@ def test_check_only_says_ok_refuses_and_names_what_it_skipped(cpu_build):
 
 
 @pytest.mark.parametrize(
-    "entry_point",
-    ["verl.experimental.one_step_off_policy.main_ppo", "verl.experimental.fully_async_policy.fully_async_main"],
-)
-def test_verls_async_entry_points_refuse_the_estimators_before_ray_starts(entry_point):
-    """They do not go through this launcher; the plugin (loaded by `import verl`) refuses at their first call."""
+    "entry_point, why",
+    [
+        ("verl.trainer.main_ppo", "its trainer runs none of the estimators' stages (segment data, values, repairs), "
+                                  "nor this package's launch checks"),
+        ("verl.experimental.one_step_off_policy.main_ppo", "its stages run in verl's sync trainer"),
+        ("verl.experimental.fully_async_policy.fully_async_main", "its stages run in verl's sync trainer"),
+    ],
+)  # fmt: skip
+def test_verls_own_entry_points_refuse_the_estimators_before_ray_starts(entry_point, why):
+    """They do not go through this launcher; the plugin (loaded by `import verl`) refuses at their first call, before
+    Ray starts and before any rollout: verl's main_ppo would otherwise run its rollouts and fail at the first
+    advantage."""
     env = {**os.environ, "RREDCOT_CPU": "1"}
     result = subprocess.run(
         [sys.executable, "-m", entry_point, "algorithm.adv_estimator=rredcot",
-         "hydra.searchpath=[pkg://verl.trainer.config]"],  # their configs name verl's by a repo-relative path
+         "hydra.searchpath=[pkg://verl.trainer.config]"],  # the async configs name verl's by a repo-relative path
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1] == (
-        f"rredcot_verl: algorithm.adv_estimator=rredcot is not supported by {entry_point}: its stages run in verl's "
-        "sync trainer; launch with `python -m rredcot_verl.main`"
+        f"rredcot_verl: algorithm.adv_estimator=rredcot is not supported by {entry_point}: {why}; launch with "
+        "`python -m rredcot_verl.main` (the same overrides)"
     )
     assert "Started a local Ray instance" not in result.stdout + result.stderr
+
+
+def test_verls_main_ppo_keeps_verls_own_estimators():
+    """The refusal is for this package's estimators only: under verl's main_ppo, grpo passes the guard."""
+    from rredcot_verl.integration.verl_entry_points import entry_point_refusal
+
+    assert entry_point_refusal("verl.trainer.main_ppo", "grpo") is None
+    assert entry_point_refusal("rredcot_verl.main", "rredcot") is None
+    assert "verl.trainer.main_ppo" in entry_point_refusal("verl.trainer.main_ppo", "segment_mc")
 
 
 def test_a_reward_manager_that_rescores_is_refused_for_extra_generations(cpu_build):
@@ -236,17 +352,13 @@ def test_a_reward_manager_that_rescores_is_refused_for_extra_generations(cpu_bui
     check(_config("grpo", overrides))
 
 
-def test_the_engine_context_of_a_hub_model_is_read_once_per_run(monkeypatch):
+def test_the_engine_context_of_a_hub_model_is_read_once_per_run(make_trainer, monkeypatch):
     """Without rollout.max_model_len the context comes from the model's config: a hub lookup, not one per step."""
-    from omegaconf import OmegaConf
-
     from rredcot_verl.integration import rollouts
-    from rredcot_verl.integration.trainer import SegmentCreditTrainer
 
     reads = []
     monkeypatch.setattr(rollouts, "engine_max_model_length", lambda config: reads.append(config) or 40960)
-    trainer = object.__new__(SegmentCreditTrainer)
-    trainer.config = OmegaConf.create({"actor_rollout_ref": {"model": {"path": "Qwen/Qwen3-4B"}}})
+    trainer = make_trainer()
     assert [trainer.engine_max_model_length for _ in range(3)] == [40960] * 3 and len(reads) == 1
 
 
@@ -297,3 +409,19 @@ def test_the_package_defaults_leave_verls_own_keys_alone():
     assert ours["trainer"]["logger"] == verls["trainer"]["logger"]
     ours["algorithm"].pop("rredcot")
     assert ours == verls
+
+
+@pytest.mark.parametrize("estimator", ["grpo", *OURS])
+def test_a_step_whose_traces_do_not_split_into_micro_batches_is_refused_before_ray(cpu_build, estimator):
+    """8 prompts x 5 rollouts = 40 traces against micro batches of 16: verl asserts at its first log-prob pass, after
+    the rollouts (the verdict study's first grpo_n5 runs); refused at launch for every estimator, verl's included,
+    naming the key; micro batches of 8, or verl's length balancing, pass."""
+    with pytest.raises(LaunchError, match=r"log_prob_micro_batch_size_per_gpu=16 does not divide the 40 traces"):
+        check(_config(estimator, ["actor_rollout_ref.rollout.n=5"]))
+    eights = ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]
+    with pytest.raises(LaunchError, match=r"ppo_micro_batch_size_per_gpu=16 does not divide the 40 traces"):
+        check(_config(estimator, ["actor_rollout_ref.rollout.n=5", eights[0]]))
+    check(_config(estimator, ["actor_rollout_ref.rollout.n=5", *eights]))
+    check(_config(estimator, ["actor_rollout_ref.rollout.n=5", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                              "actor_rollout_ref.actor.use_dynamic_bsz=true"]))

@@ -1,25 +1,25 @@
 """``algorithm.rredcot.snapshot_freq`` and ``snapshot_max_traces`` at both places that write snapshots: the trainer's
 ``step_XXXXX.json`` (``SegmentCreditTrainer._compute_advantage``) and ``rredcot``'s ``step_XXXXX_plans.pt``
-(``estimators.rredcot.segment_values``), driven with the committed warm-start tokenizer and model, real probe plans and
-the real value pass scorer; only verl's own advantage step and TransferQueue are stood in for."""
+(``estimators.rredcot.probe_values``), driven with the committed warm-start tokenizer and model, real probe plans and
+the real value pass; only verl's own advantage step and TransferQueue are stood in for."""
 
+import contextlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from verl import DataProto
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
-from rredcot_verl.core.concordance import ConcordanceWindow
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.probes import ProbeSettings
 from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.core.settings import RRedCoTSettings, settings_from_config
-from rredcot_verl.core.values import score_plans
 from rredcot_verl.integration.estimators.base import StepContext, StepTraces
-from rredcot_verl.integration.estimators.rredcot import segment_values
-from rredcot_verl.integration.trainer import SegmentCreditTrainer
+from rredcot_verl.integration.estimators.rredcot import probe_values
+from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
 from rredcot_verl.tasks.arithmetic import ArithmeticProblem, reference_response, reference_steps
 from rredcot_verl.tasks.base import ARITHMETIC
 from rredcot_verl.tasks.model import chat_prompt_ids, load_model_dir, response_ids
@@ -55,26 +55,24 @@ def _written(tmp_path, pattern: str) -> list[str]:
 # -------------------------------------------------------------------------------------------- the trainer's JSON
 
 
-def _trainer(settings, tokenizer, monkeypatch):
-    """The rredcot trainer as verl builds it, minus Ray: its advantage step over a 6-trace batch served from memory."""
+def _trainer(make_trainer, tmp_path, monkeypatch, *snapshot):
+    """The trainer (``grpo``: verl's own advantage step, stood in for) after its advantage step over a 6-trace batch
+    served from memory, with ``snapshot`` settings."""
+    trainer = make_trainer("algorithm.adv_estimator=grpo", f"algorithm.rredcot.snapshot_dir={tmp_path / 'snapshots'}",
+                           *(f"algorithm.rredcot.{setting}" for setting in snapshot))  # fmt: skip
+    tokenizer = trainer.tokenizer
     prompt = torch.tensor(chat_prompt_ids(tokenizer, PROBLEM.prompt))
     texts = [reference_response(PROBLEM), WRONG] * 3
     responses = [torch.tensor(response_ids(tokenizer, text)) for text in texts]
     width = max(len(r) for r in responses)
-    data = {
+    trainer.store.update({
         "prompts": torch.stack([prompt] * len(texts)),
         "responses": torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in responses]),
         "advantages": torch.arange(len(texts) * width, dtype=torch.float32).reshape(len(texts), width),
         "rm_scores": torch.tensor([[1.0], [0.0]] * 3),
         "uid": list(GROUPS),
         "extra_info": [{"operands": list(PROBLEM.operands), "ops": list(PROBLEM.ops)}] * len(texts),
-    }
-    trainer = object.__new__(SegmentCreditTrainer)
-    trainer.estimator, trainer.spec, trainer.settings = "grpo", None, settings
-    trainer.tokenizer = tokenizer
-    trainer.value_window = ConcordanceWindow(settings.redistribution.concordance_window)
-    trainer.value_gate_open = True
-    trainer._fetch = lambda batch, fields: {key: data[key] for key in fields}
+    })  # fmt: skip
     monkeypatch.setattr(PPOTrainer, "_compute_advantage", lambda self, batch, metrics: batch)
     return trainer
 
@@ -86,14 +84,14 @@ def _train(trainer, steps: int) -> None:
         trainer._compute_advantage(batch, {})
 
 
-def test_trainer_writes_a_snapshot_every_snapshot_freq_steps(tmp_path, model_and_tokenizer, monkeypatch):
-    trainer = _trainer(_settings(tmp_path, snapshot_freq=2), model_and_tokenizer[1], monkeypatch)
+def test_trainer_writes_a_snapshot_every_snapshot_freq_steps(tmp_path, make_trainer, monkeypatch):
+    trainer = _trainer(make_trainer, tmp_path, monkeypatch, "snapshot_freq=2")
     _train(trainer, 5)
     assert _written(tmp_path, "step_*.json") == ["step_00002.json", "step_00004.json"]
 
 
-def test_trainer_snapshot_holds_whole_groups_up_to_the_bound(tmp_path, model_and_tokenizer, monkeypatch):
-    trainer = _trainer(_settings(tmp_path, snapshot_max_traces=5), model_and_tokenizer[1], monkeypatch)
+def test_trainer_snapshot_holds_whole_groups_up_to_the_bound(tmp_path, make_trainer, monkeypatch):
+    trainer = _trainer(make_trainer, tmp_path, monkeypatch, "snapshot_max_traces=5")
     _train(trainer, 1)
     traces = json.loads((tmp_path / "snapshots" / "step_00001.json").read_text())["traces"]
     # 5 traces allowed: groups a and b (4 traces) fit, c would make 6.
@@ -104,8 +102,8 @@ def test_trainer_snapshot_holds_whole_groups_up_to_the_bound(tmp_path, model_and
     assert firsts[1] > 0 and firsts == [i * firsts[1] for i in range(4)]
 
 
-def test_trainer_snapshot_without_a_bound_keeps_every_trace(tmp_path, model_and_tokenizer, monkeypatch):
-    trainer = _trainer(_settings(tmp_path, snapshot_max_traces=None), model_and_tokenizer[1], monkeypatch)
+def test_trainer_snapshot_without_a_bound_keeps_every_trace(tmp_path, make_trainer, monkeypatch):
+    trainer = _trainer(make_trainer, tmp_path, monkeypatch, "snapshot_max_traces=null")
     _train(trainer, 1)
     traces = json.loads((tmp_path / "snapshots" / "step_00001.json").read_text())["traces"]
     assert [trace["uid"] for trace in traces] == GROUPS
@@ -126,23 +124,21 @@ def _records(tokenizer) -> list[TraceRecord]:
 
 
 def _value_steps(settings, model, tokenizer, steps: int) -> None:
-    """``rredcot``'s value stage for ``steps`` steps, its value pass scored by the warm-start model as the actor
-    workers score it (``core.values.score_plans``)."""
+    """``rredcot``'s value stage for ``steps`` steps, its value pass the actor workers' own on the warm-start
+    model."""
+    engine = SimpleNamespace(module=model, eval_mode=contextlib.nullcontext)
+    worker = SimpleNamespace(actor=SimpleNamespace(engine=engine))
 
     def value_pass(request: DataProto) -> DataProto:
-        values = score_plans(model, list(request.non_tensor_batch["plan"]),
-                             max_segments=request.meta_info["max_segments"])
-        return DataProto.from_dict(tensors={"seg_ends": values.segment_ends, "seg_raw_values": values.raw_values},
-                                   meta_info={"metrics": values.metrics})
+        return SegmentActorRolloutRefWorker.value_pass(worker, request)
 
     records = _records(tokenizer)
     traces = StepTraces(records, response_width=max(r.response_ids.numel() for r in records))
     for step in range(1, steps + 1):
-        context = StepContext(settings=settings, tokenizer=tokenizer, task=ARITHMETIC,
-                              boundary_vocab=settings.boundary_vocab(tokenizer), step=step, temperature=1.0,
-                              rollout=lambda: None, value_pass=value_pass)
-        tensors, _ = segment_values(context, traces)
-        assert tensors["seg_ends"].shape[0] == len(records)  # the value pass itself still covers the whole batch
+        context = StepContext(settings=settings, tokenizer=tokenizer, step=step, task=ARITHMETIC,
+                              boundary_vocab=settings.boundary_vocab(tokenizer), value_pass=value_pass)
+        inputs, _ = probe_values(context, traces)
+        assert inputs["segment_ends"].shape[0] == len(records)  # the value pass itself still covers the whole batch
 
 
 def test_value_stage_saves_plans_every_snapshot_freq_steps_for_the_kept_traces(tmp_path, model_and_tokenizer):

@@ -64,6 +64,10 @@ def _untrained_build(shape_name: str, out: Path) -> Path:
 
         code_miniature.write_data(code_miniature.make_problems(20, 0), str(out / "data"), 0)
         shutil.copytree(ARTEFACT, out / "model")
+    elif BY_SHAPE[shape_name].build[0] == "benchmarks.model_families":  # already untrained or copied: the build itself
+        from benchmarks import model_families
+
+        model_families.main([*BY_SHAPE[shape_name].build[1:], "--out", str(out)])
     elif shape_name == "multi_turn_tools":
         from rredcot_verl.tasks import calculator_miniature
 

@@ -3,6 +3,7 @@ actor forwards and extra generation; the failed-group count; the checkpoint orde
 same hooks with the real stack, where CPU mode turns vLLM's sleep mode off, so the order is only observable here.)"""
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -12,21 +13,19 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
+from tensordict import TensorDict
 from verl import DataProto
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-from verl.trainer.ppo.ray_trainer import compute_advantage
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
+from rredcot_verl.core.concordance import ConcordanceCounts
 from rredcot_verl.core.segmentation import turn_spans
-from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings, settings_from_config
 from rredcot_verl.integration import failures, trainer as trainer_module
-from rredcot_verl.integration.estimators import ESTIMATORS, EngineUse, Stage, StepContext
+from rredcot_verl.integration.estimators import ESTIMATORS, EngineUse, Stage
 from rredcot_verl.integration.estimators.rredcot import VALUE_STAGE
-from rredcot_verl.integration.trainer import VALUE_GATE_FILE, SegmentCreditTrainer
+from rredcot_verl.integration.trainer import VALUE_GATE_FILE
 from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
 from rredcot_verl.tasks.arithmetic import ArithmeticProblem, reference_steps
-from rredcot_verl.tasks.base import ARITHMETIC
 from rredcot_verl.tasks.model import chat_prompt_ids, load_model_dir
 
 
@@ -46,8 +45,22 @@ class Engine:
         self.events.append("wake")
 
 
-def _trainer(estimator, events, monkeypatch, settings=RRedCoTSettings()):
-    trainer = object.__new__(SegmentCreditTrainer)
+# Two prompts of two traces a step (data.train_batch_size, rollout.n).
+STEP = ("data.train_batch_size=2", "actor_rollout_ref.rollout.n=2")
+
+
+def _sampled(keys, padding: int = 0):
+    """A sampled batch as verl's replay buffer and ``_balance_batch`` leave it: TransferQueue keys ``{uid}_{session}``,
+    then ``padding`` rows tagged ``is_padding``."""
+    keys = [*keys, *(f"pad_{i}" for i in range(padding))]
+    return SimpleNamespace(keys=keys, tags=[{"is_padding": key.startswith("pad_")} for key in keys])
+
+
+FULL_STEP = _sampled(["a_0", "a_1", "b_0", "b_1"])
+
+
+def _trainer(make_trainer, estimator, events, monkeypatch, *overrides):
+    trainer = make_trainer(f"algorithm.adv_estimator={estimator}", *STEP, *overrides)
     engine = Engine(events)
 
     def actor_forward(name):
@@ -62,76 +75,95 @@ def _trainer(estimator, events, monkeypatch, settings=RRedCoTSettings()):
             else:
                 assert engine.awake, "generation while the engine sleeps"
                 events.append("generate")
-            return {key: None for key in ESTIMATORS[estimator].fields}, {}
+            return {name: None for name in ESTIMATORS[estimator].inputs}, {}
 
         return Stage(produce, stage.engine_use)
 
     monkeypatch.setattr(PPOTrainer, "_compute_old_log_prob", lambda self, batch, metrics: actor_forward("log_prob") or batch)
-    trainer.estimator = estimator
-    spec = ESTIMATORS.get(estimator)
-    trainer.spec = spec
-    trainer.stages = () if spec is None else tuple(recording(stage) for stage in spec.stages(settings))
-    trainer.settings = settings
-    trainer.sampled_groups = None
+    trainer.stages = tuple(recording(stage) for stage in trainer.stages)
     trainer.checkpoint_manager = engine
     trainer.curr_step_profile = False
-    trainer.timing_raw = {}
-    trainer.global_steps = 1
     trainer.step_context = lambda: None
     trainer._trace_batch = lambda batch, with_entropy: SimpleNamespace(with_entropy=with_entropy)
-    trainer._put = lambda batch, tensors: None
+    # verl's rm_scores of the batch (one token reward per trace), on the default reward_range's scale
+    trainer._fetch = lambda batch, fields: TensorDict({"rm_scores": torch.tensor([[0.0], [1.0]])}, batch_size=2)
     return trainer, engine
 
 
-REPAIR_BANK = RRedCoTSettings(candidates=CandidateSettings(source="group_and_repairs"))
+REPAIR_BANK = ("algorithm.rredcot.candidates.source=group_and_repairs",)
 
 
 @pytest.mark.parametrize(
-    "estimator, settings, expected",
+    "estimator, overrides, expected",
     [
-        ("grpo", RRedCoTSettings(), ["sleep", "log_prob"]),
-        ("rredcot", RRedCoTSettings(), ["sleep", "log_prob", "value_pass"]),
+        ("grpo", (), ["sleep", "log_prob"]),
+        ("rredcot", (), ["sleep", "log_prob", "value_pass"]),
         # repairs need only outcomes: generated before the pass
-        ("ibpo", RRedCoTSettings(), ["generate", "sleep", "log_prob"]),
+        ("ibpo", (), ["generate", "sleep", "log_prob"]),
         # boundaries need the pass's entropy
-        ("segment_mc", RRedCoTSettings(), ["sleep", "log_prob", "wake", "generate", "sleep"]),
+        ("segment_mc", (), ["sleep", "log_prob", "wake", "generate", "sleep"]),
         # repairs first (they fill the value pass's bank), then the value pass on the actor
         ("rredcot_ibpo", REPAIR_BANK, ["generate", "sleep", "log_prob", "value_pass"]),
         ("rredcot", REPAIR_BANK, ["generate", "sleep", "log_prob", "value_pass"]),
     ],
     ids=["grpo", "rredcot", "ibpo", "segment_mc", "rredcot_ibpo", "rredcot-repair-bank"],
 )
-def test_no_actor_forward_runs_while_the_engine_holds_its_memory(estimator, settings, expected, monkeypatch):
+def test_no_actor_forward_runs_while_the_engine_holds_its_memory(estimator, overrides, expected, make_trainer,
+                                                                 monkeypatch):
     """verl's step: rollouts, ``on_sample_end``, then the old-log-prob pass; our stages run around that pass.
     The engine must sleep through every actor forward and be awake for every generation, and sleep at the end."""
     events = []
-    trainer, engine = _trainer(estimator, events, monkeypatch, settings)
+    trainer, engine = _trainer(make_trainer, estimator, events, monkeypatch, *overrides)
     trainer.on_sample_end()
-    trainer._compute_old_log_prob(batch=object(), metrics={})
+    trainer._compute_old_log_prob(batch=FULL_STEP, metrics={})
     assert not engine.awake
     assert events == expected
 
 
-def test_stages_of_one_step_share_its_context(monkeypatch):
+@pytest.mark.parametrize("estimator", ["rredcot", "ibpo", "segment_mc", "rredcot_ibpo"])
+def test_a_first_batch_off_the_reward_range_stops_before_any_extra_work(estimator, make_trainer, monkeypatch):
+    """verl's math_dapo scores a wrong answer -1: under the default reward_range [0, 1] the first batch stops the
+    run, naming the key, before a repair, continuation, log-prob pass or value pass; a later batch is not checked
+    (its outliers are the estimators' counted fallbacks)."""
+    events = []
+    trainer, _ = _trainer(make_trainer, estimator, events, monkeypatch)
+    dapo = torch.tensor([[-1.0], [-1.0], [-1.0], [1.0]])  # one outcome a trace of FULL_STEP
+    trainer._fetch = lambda batch, fields: TensorDict({"rm_scores": dapo}, batch_size=4)
+    trainer.on_sample_end()
+    with pytest.raises(trainer_module.RewardScaleError) as error:
+        trainer._compute_old_log_prob(batch=FULL_STEP, metrics={})
+    assert "3 of 4 outcomes of the first batch lie outside algorithm.rredcot.reward_range=[0, 1]" in str(error.value)
+    assert "\n" not in str(error.value)
+    assert [event for event in events if event != "sleep"] == []
+    trainer._compute_old_log_prob(batch=FULL_STEP, metrics={})  # the second batch runs its stages
+    assert "log_prob" in events
+
+    trainer, _ = _trainer(make_trainer, estimator, [], monkeypatch, "algorithm.rredcot.reward_range=[-1.0,1.0]")
+    trainer._fetch = lambda batch, fields: TensorDict({"rm_scores": dapo}, batch_size=4)
+    trainer.on_sample_end()
+    trainer._compute_old_log_prob(batch=FULL_STEP, metrics={})  # the scale declared: it trains
+
+
+def test_stages_of_one_step_share_its_context(make_trainer, monkeypatch):
     """The repair stage leaves the verified repairs in the step's context; the value stage reads them there."""
-    trainer, _ = _trainer("rredcot_ibpo", [], monkeypatch, REPAIR_BANK)
+    trainer, _ = _trainer(make_trainer, "rredcot_ibpo", [], monkeypatch, *REPAIR_BANK)
     contexts = []
     trainer.stages = tuple(
         Stage(lambda context, traces: (contexts.append(context) or {}, {}), stage.engine_use) for stage in trainer.stages
     )
     trainer.step_context = lambda: {"step": len(contexts)}
     trainer.on_sample_end()
-    trainer._compute_old_log_prob(batch=object(), metrics={})
+    trainer._compute_old_log_prob(batch=FULL_STEP, metrics={})
     assert len(contexts) == 2 and contexts[0] is contexts[1]
 
 
-def test_only_stages_after_the_pass_read_its_entropy(monkeypatch):
+def test_only_stages_after_the_pass_read_its_entropy(make_trainer, monkeypatch):
     seen = {}
     for estimator in ("rredcot", "ibpo", "segment_mc", "rredcot_ibpo"):
-        trainer, _ = _trainer(estimator, [], monkeypatch)
+        trainer, _ = _trainer(make_trainer, estimator, [], monkeypatch)
         trainer._trace_batch = lambda batch, with_entropy, name=estimator: seen.setdefault(name, []).append(with_entropy)
         trainer.on_sample_end()
-        trainer._compute_old_log_prob(batch=object(), metrics={})
+        trainer._compute_old_log_prob(batch=FULL_STEP, metrics={})
     assert seen == {"rredcot": [True], "ibpo": [False], "segment_mc": [True], "rredcot_ibpo": [False, True]}
 
 
@@ -150,30 +182,33 @@ def test_groups_that_lost_sessions_are_counted(keys, requested, expected):
     assert count.share == pytest.approx(expected[0] / requested)
 
 
-def test_a_step_past_the_failed_share_stops_with_the_first_error(monkeypatch):
-    trainer, _ = _trainer("grpo", [], monkeypatch)
+def test_a_step_past_the_failed_share_stops_with_the_first_error(make_trainer, monkeypatch):
+    trainer, _ = _trainer(make_trainer, "grpo", [], monkeypatch)
     monkeypatch.setattr(failures, "first_error", lambda: "ValueError: signal only works in main thread")
-    trainer.sampled_groups = failures.count_groups(["a_0", "a_1", "b_0"], 2, samples_per_prompt=2)
+    # b lost a session; verl's balancing padded the batch back to four rows, which are not traces of any group
+    lost = _sampled(["a_0", "a_1", "b_0"], padding=1)
     trainer.on_sample_end()
     metrics = {}
     with pytest.raises(failures.RolloutFailure) as error:
-        trainer._compute_old_log_prob(batch=object(), metrics=metrics)
+        trainer._compute_old_log_prob(batch=lost, metrics=metrics)
     assert "1 of 2 prompt groups lost 1 traces" in str(error.value)
     assert "max_failed_group_share=0.1" in str(error.value) and "signal only works in main thread" in str(error.value)
     assert metrics["rollout/failed_groups"] == 1.0 and metrics["rollout/failed_group_share"] == 0.5
 
-    trainer.settings = RRedCoTSettings(max_failed_group_share=0.5)  # at the share: logged, the step goes on
+    trainer.settings = dataclasses.replace(trainer.settings, max_failed_group_share=0.5)  # at the share: logged
     metrics = {}
-    trainer._compute_old_log_prob(batch=object(), metrics=metrics)
+    trainer._compute_old_log_prob(batch=lost, metrics=metrics)
     assert metrics["rollout/failed_groups"] == 1.0 and metrics["rollout/missing_traces"] == 1.0
+    trainer._compute_old_log_prob(batch=FULL_STEP, metrics=metrics)
+    assert metrics["rollout/failed_groups"] == 0.0
 
 
-def test_value_gate_window_is_written_before_verl_declares_the_checkpoint_complete(tmp_path, monkeypatch):
+def test_value_gate_window_is_written_before_verl_declares_the_checkpoint_complete(tmp_path, make_trainer,
+                                                                                    monkeypatch):
     """verl's save ends with latest_checkpointed_iteration.txt and the checkpoint callback (remote upload): the
     window file must already be in the folder by then."""
-    trainer, _ = _trainer("rredcot", [], monkeypatch)
-    trainer.config = OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path)}})
-    trainer.value_window = trainer_module.ConcordanceWindow(3)
+    trainer, _ = _trainer(make_trainer, "rredcot", [], monkeypatch, f"trainer.default_local_dir={tmp_path}")
+    trainer.value_window.push(ConcordanceCounts(3.0, 4))
     seen = {}
 
     def verl_save(self):
@@ -190,9 +225,9 @@ def test_value_gate_window_is_written_before_verl_declares_the_checkpoint_comple
 
 
 @pytest.mark.parametrize("estimator, fallback", [("rredcot", "GRPO's advantage"), ("rredcot_ibpo", "IBPO's advantage")])
-def test_the_log_says_when_the_value_gate_closes_and_what_the_batch_trains_with(estimator, fallback, monkeypatch, caplog):
-    trainer, _ = _trainer(estimator, [], monkeypatch)
-    trainer.value_gate_open = True
+def test_the_log_says_when_the_value_gate_closes_and_what_the_batch_trains_with(estimator, fallback, make_trainer,
+                                                                               monkeypatch, caplog):
+    trainer, _ = _trainer(make_trainer, estimator, [], monkeypatch)
     closed = {f"{estimator}/value_gate_open": 0.0, f"{estimator}/value_concordance_pooled": 0.54}
     with caplog.at_level("WARNING", logger=trainer_module.logger.name):
         trainer._report_value_gate(closed)
@@ -208,7 +243,7 @@ def test_the_log_says_when_the_value_gate_closes_and_what_the_batch_trains_with(
 # A batch as verl's tool agent loop leaves it in TransferQueue (Qwen's continuous-token layout): the model's turns
 # (mask 1, each closed by its own <|im_end|>), then the separator verl inserts after <|im_end|> and the tool message
 # up to the next assistant header (mask 0). Read by the trainer, valued by the real value pass on the warm-start
-# model, redistributed through verl's compute_advantage.
+# model, redistributed by the trainer's advantage step.
 
 WARM_START = Path(__file__).resolve().parents[1] / "rredcot_verl" / "tasks" / "assets" / "warmstart"
 PROBLEM = ArithmeticProblem(operands=(23, 45, 17, 8), ops=("+", "-", "+"))
@@ -277,76 +312,45 @@ def _fields(tokenizer, names, ragged: bool) -> dict:
     }
 
 
-def _algorithm(value_source: str):
-    return OmegaConf.create({
-        "adv_estimator": "rredcot", "norm_adv_by_std_in_grpo": True,
-        "rredcot": {
-            "task": "arithmetic",
-            # max_segments below the segments of a two-turn trace: turn starts and </think> cuts are kept anyway.
-            "segmentation": {"strategy": "turns", "max_segments": 2, "min_segment_len": 2},
-            "probe": {"value_source": value_source, "profile": "embedded"},
-            "redistribution": {"min_value_concordance": 0.0},
-        },
-    })  # fmt: skip
-
-
-def _stored_trainer(algorithm, tokenizer, store, monkeypatch):
-    """The rredcot trainer with TransferQueue replaced by ``store`` and verl's advantage step by its core (verl's
-    ``compute_advantage`` on the padded fields, as ``PPOTrainer._compute_advantage`` calls it)."""
-    trainer = object.__new__(SegmentCreditTrainer)
-    trainer.estimator, trainer.spec = "rredcot", ESTIMATORS["rredcot"]
-    trainer.settings = settings_from_config(algorithm)
-    trainer.tokenizer = tokenizer
-    trainer.timing_raw, trainer.global_steps = {}, 1
-    trainer.value_window = trainer_module.ConcordanceWindow(trainer.settings.redistribution.concordance_window)
-    trainer.value_gate_open = True
-    trainer._fetch = lambda batch, fields: {key: store[key] for key in fields}
-    trainer._put = lambda batch, tensors: store.update(tensors)
-
-    def verl_advantage(self, batch, metrics):
-        padded = {key: trainer_module._padded(store[key]) for key in ("response_mask", "rm_scores")}
-        data = DataProto.from_dict(
-            tensors={"token_level_rewards": padded["rm_scores"].float(), "response_mask": padded["response_mask"]},
-            non_tensors={"uid": np.array(store["uid"], dtype=object)},
-        )
-        store["advantages"] = compute_advantage(data, adv_estimator="rredcot", config=algorithm).batch["advantages"]
-        return batch
-
-    monkeypatch.setattr(PPOTrainer, "_compute_advantage", verl_advantage)
-    return trainer
+def _algorithm(value_source: str) -> tuple[str, ...]:
+    prefix = "algorithm.rredcot"
+    return (
+        "algorithm.adv_estimator=rredcot",
+        # max_segments below the segments of a two-turn trace: turn starts and </think> cuts are kept anyway.
+        f"{prefix}.segmentation.strategy=turns", f"{prefix}.segmentation.max_segments=2",
+        f"{prefix}.segmentation.min_segment_len=2", f"{prefix}.probe.value_source={value_source}",
+        f"{prefix}.redistribution.min_value_concordance=0.0",
+    )  # fmt: skip
 
 
 def _sharded_value_pass(model):
     """The actor workers' value pass on two data-parallel shards (verl's DP_COMPUTE_PROTO: contiguous chunks, the
-    outputs concatenated), each running the worker's own ``compute_segment_data``."""
+    outputs concatenated), each running the worker's own ``value_pass``."""
     worker = SimpleNamespace(actor=SimpleNamespace(engine=SimpleNamespace(module=model, eval_mode=contextlib.nullcontext)))
 
     def value_pass(request: DataProto) -> DataProto:
-        return DataProto.concat([SegmentActorRolloutRefWorker.compute_segment_data(worker, shard)
-                                 for shard in request.chunk(2)])
+        return DataProto.concat([SegmentActorRolloutRefWorker.value_pass(worker, shard) for shard in request.chunk(2)])
 
     return value_pass
 
 
-def _run_step(trainer, model, tokenizer, store):
-    context = StepContext(
-        settings=trainer.settings, tokenizer=tokenizer, task=ARITHMETIC,
-        boundary_vocab=trainer.settings.boundary_vocab(tokenizer), step=1, temperature=1.0, rollout=None,
-        value_pass=_sharded_value_pass(model),
-    )  # fmt: skip
+def _value_stage(trainer, model) -> dict:
+    """``rredcot``'s value stage as the trainer runs it after the log-prob pass, the actor workers' pass on
+    ``model``."""
+    trainer.actor_rollout_wg = SimpleNamespace(value_pass=_sharded_value_pass(model))
     metrics = {}
-    trainer._produce(VALUE_STAGE, context, batch=None, metrics=metrics, with_entropy=True)
+    trainer._produce(VALUE_STAGE, trainer.step_context(), batch=None, metrics=metrics, with_entropy=True)
     return metrics
 
 
 @pytest.mark.parametrize("value_source", ["exit_probe", "reference_continuation"])
-@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "padded"])
-def test_tool_output_is_context_never_credited(warm_start, value_source, ragged, monkeypatch):
+def test_tool_output_is_context_never_credited(warm_start, value_source, make_trainer):
+    """Read by the trainer from verl's ragged fields, valued by the real value pass, redistributed by the trainer's
+    advantage step."""
     model, tokenizer = warm_start
     names = list(TOOL_TURNS)
-    store = _fields(tokenizer, names, ragged)
-    algorithm = _algorithm(value_source)
-    trainer = _stored_trainer(algorithm, tokenizer, store, monkeypatch)
+    trainer = make_trainer(*_algorithm(value_source), store=_fields(tokenizer, names, ragged=True))
+    store = trainer.store
 
     traces = trainer._trace_batch(None, with_entropy=True)
     for record, name in zip(traces.records, names):
@@ -357,11 +361,11 @@ def test_tool_output_is_context_never_credited(warm_start, value_source, ragged,
             assert torch.equal(record.response_mask, mask.bool())
         assert record.entropy.numel() == ids.numel()
 
-    _run_step(trainer, model, tokenizer, store)
+    _value_stage(trainer, model)
     ends, values = store["seg_ends"], store["seg_raw_values"]
     assert ends.shape[1] == 4  # two turns, each thinking + answer: beyond max_segments, one width on both shards
     trainer._compute_advantage(batch=None, metrics={})
-    advantages = store["advantages"]
+    advantages = trainer_module._padded(store["advantages"])
     mask = trainer_module._padded(store["response_mask"]).bool()
     assert (advantages[~mask] == 0).all()  # tool output, template tokens and padding get nothing
 
@@ -382,16 +386,48 @@ def test_tool_output_is_context_never_credited(warm_start, value_source, ragged,
     assert advantages[1, own[0]] != advantages[1, own[-1]]
 
 
+def test_padded_multi_turn_rows_read_and_value_as_ragged_ones(warm_start, make_trainer):
+    """Right-padded fields (a trailing hole and the padding both 0) give the traces and values of verl's ragged
+    ones."""
+    model, tokenizer = warm_start
+    names = list(TOOL_TURNS)
+    read = {}
+    for ragged in (True, False):
+        trainer = make_trainer(*_algorithm("exit_probe"), store=_fields(tokenizer, names, ragged))
+        records = trainer._trace_batch(None, with_entropy=True).records
+        _value_stage(trainer, model)
+        read[ragged] = records, trainer.store["seg_ends"], trainer.store["seg_raw_values"]
+    for ragged_record, padded_record in zip(read[True][0], read[False][0]):
+        assert torch.equal(ragged_record.response_ids, padded_record.response_ids)
+        assert (ragged_record.response_mask is None) == (padded_record.response_mask is None)
+        if ragged_record.response_mask is not None:
+            assert torch.equal(ragged_record.response_mask, padded_record.response_mask)
+        assert torch.equal(ragged_record.entropy, padded_record.entropy)
+    assert torch.equal(read[True][1], read[False][1])
+    torch.testing.assert_close(read[True][2], read[False][2], equal_nan=True)
+
+
 @pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "padded"])
-def test_single_turn_rows_are_read_as_before(warm_start, ragged, monkeypatch):
+def test_single_turn_rows_are_read_as_before(warm_start, ragged, make_trainer):
     """Rows without holes give the records the trainer built before multi-turn support (the mask's 1s kept, no
     mask carried), so single-turn runs are unchanged."""
     _, tokenizer = warm_start
     store = _fields(tokenizer, ["one_turn_correct", "one_turn_wrong"], ragged)
-    trainer = _stored_trainer(_algorithm("exit_probe"), tokenizer, store, monkeypatch)
+    trainer = make_trainer(*_algorithm("exit_probe"), store=store)
     records = trainer._trace_batch(None, with_entropy=True).records
     masks = [mask.bool() for mask in store["response_mask"].unbind(0)]
     for record, response, entropy, mask in zip(records, store["responses"].unbind(0), store["entropy"].unbind(0), masks):
         assert torch.equal(record.response_ids, response[: mask.numel()][mask[: response.numel()]])
         assert torch.equal(record.entropy, entropy[: mask.numel()][mask[: entropy.numel()]].float())
         assert record.response_mask is None
+
+
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "padded"])
+def test_each_trace_owns_its_tensors(warm_start, ragged):
+    """A record's tensors hold its own tokens only, not views of the batch: the value pass's request pickles every
+    plan's tensors, and a view pickles its batch's whole storage (the request then grows as the batch squared)."""
+    _, tokenizer = warm_start
+    for record in trainer_module.step_traces(_fields(tokenizer, list(TOOL_TURNS), ragged), with_entropy=True).records:
+        for tensor in (record.prompt_ids, record.response_ids, record.entropy, record.response_mask):
+            if tensor is not None:
+                assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()

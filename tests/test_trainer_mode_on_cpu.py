@@ -1,10 +1,12 @@
-"""The rredcot trainer is verl's *sync* trainer to verl's base class (integration/trainer.py, ``trainer_mode``).
+"""The rredcot trainer is verl's *sync* trainer to verl's base class (integration/trainer.py, ``__init__``).
 
 verl's ``PPOTrainer`` branches on ``self.trainer_mode == "sync"`` (replay buffer, ``data.gen_batch_size``, TransferQueue
-prompt persistence, checkpoint save/resume) and sets that attribute from ``trainer.v1.trainer_mode``, which names the
-registered trainer class. ``SegmentCreditTrainer`` is selected as "rredcot" and answers "sync" to the base class. These
-tests fail when verl reads the mode some other way (so the trainer would silently run an async path again), and check
-the resulting behaviour on a trainer built from the tiny recipe (no Ray: only ``__init__`` and the dataloader).
+prompt persistence, checkpoint save/resume) and sets that attribute from ``trainer.v1.trainer_mode``, which also names
+the registered trainer class. ``SegmentCreditTrainer`` is selected as "rredcot" (verl's task runner reads the key before
+building the trainer) and then sets the key of the config it is given to "sync". These tests fail when verl reads the
+mode some other way (before the trainer exists, or by another question than "sync or not"), so the trainer would
+silently run an async path again, and check the resulting behaviour on a trainer built from the tiny recipe (no Ray:
+only ``__init__`` and the dataloader).
 """
 
 import ast
@@ -58,7 +60,7 @@ def test_verl_base_reads_the_mode_only_through_self_trainer_mode_and_only_tests_
         if isinstance(node, ast.Compare) and any(_is_self_trainer_mode(n) for n in [node.left, *node.comparators]):
             assert all(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops), ast.unparse(node)
             compared |= {n.value for n in [node.left, *node.comparators] if isinstance(n, ast.Constant)}
-    # One read of the config, stored on the instance (where the property intercepts it) ...
+    # One read of the config, in __init__ (after the rredcot trainer set it to "sync"), stored on the instance ...
     assert [read for _, read in config_reads] == ["self.config.trainer.v1.trainer_mode"], config_reads
     assert [value for _, value in assignments] == ["self.config.trainer.v1.trainer_mode"], assignments
     # ... and every branch asks one question: "sync" or not.
@@ -73,7 +75,7 @@ def test_no_other_verl_module_branches_on_the_mode():
         if "trainer_mode" in path.read_text(errors="ignore")
     )
     assert users == [
-        "trainer/main_ppo.py",  # get_trainer_cls(config.trainer.v1.trainer_mode): the selection by name
+        "trainer/main_ppo.py",  # get_trainer_cls(config.trainer.v1.trainer_mode): the selection, before __init__
         "trainer/ppo/v1/replay_buffer.py",  # stores the value it is given (ours: "sync")
         "trainer/ppo/v1/trainer_base.py",  # checked above
         "utils/skip/rollout_skip.py",  # trainer.v1.<mode>.parameter_sync_step, default 1 as in trainer.v1.sync
@@ -118,6 +120,7 @@ def _built(cls, config):
 def test_rredcot_trainer_gets_verls_sync_replay_buffer_and_gen_batch_size(config):
     assert config.trainer.v1.trainer_mode == TRAINER_NAME
     ours = _built(SegmentCreditTrainer, config)
+    assert ours.config.trainer.v1.trainer_mode == SYNC_MODE  # what verl reads from here on
     sync_config = config.copy()
     sync_config.trainer.v1.trainer_mode = SYNC_MODE
     theirs = _built(PPOTrainerSync, sync_config)

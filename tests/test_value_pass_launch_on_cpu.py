@@ -23,12 +23,22 @@ def _config(overrides):
         return compose(config_name="rredcot", overrides=list(overrides))
 
 
-@pytest.mark.parametrize("estimator", ["rredcot", "segment_mc"])
-def test_ulysses_with_a_value_pass_estimator_is_refused_naming_the_key(estimator, monkeypatch):
+@pytest.mark.parametrize(
+    "estimator, why",
+    [("rredcot", "the segment value pass scores whole traces per rank"),
+     ("rredcot_ibpo", "the segment value pass scores whole traces per rank"),
+     # segment_mc runs no value pass: its refusal names what it does on whole traces
+     ("segment_mc", "its segment boundaries are cut on whole traces from the entropies of verl's log-prob pass")],
+)  # fmt: skip
+def test_ulysses_with_a_whole_trace_estimator_is_refused_naming_the_key(estimator, why, monkeypatch):
     monkeypatch.setenv("RREDCOT_CPU", "1")
     overrides = [f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
-    with pytest.raises(LaunchError, match=r"actor_rollout_ref\.actor\.ulysses_sequence_parallel_size=2 is not supported"):
+    with pytest.raises(LaunchError) as error:
         prepare(_config(overrides))
+    assert str(error.value).startswith(
+        f"actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 is not supported with algorithm.adv_estimator="
+        f"{estimator}: {why}"
+    )
 
 
 def test_ulysses_without_a_value_pass_is_not_refused_by_this_check(monkeypatch):

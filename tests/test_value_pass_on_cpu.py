@@ -304,8 +304,8 @@ def test_a_flash_attention_model_never_receives_the_probe_mask(monkeypatch):
 
 
 def test_models_that_cannot_take_the_value_pass_attention_are_refused(model, monkeypatch):
-    monkeypatch.setattr(model.config, "final_logit_softcapping", 30.0, raising=False)
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
+    monkeypatch.setattr(model.config, "attn_logit_softcapping", 50.0, raising=False)
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0"):
         score_batch_packed(model, [torch.tensor([1, 2])], [torch.tensor([3])], [[Probe(0, [], [4], value_index=0)]])
     monkeypatch.undo()
     with pytest.raises(ValueError, match="return_trace_stats has 2 entries"):

@@ -157,15 +157,19 @@ def test_decision_follows_the_registered_rule():
     assert verdict.decide(worse, rule, "auc_paired", True)["decision"] == "below"
 
 
-def test_results_md_restated_tables_are_the_committed_json():
-    """RESULTS.md §3 "Restated": every row of its three tables (hard against GRPO and against GRPO with 6 rollouts,
-    long against GRPO) is its arm's comparison in results/restated_{hard,long}.json, at the rounding shown."""
+@pytest.mark.parametrize("heading, sources", [
+    ("### Restated (2026-11-27)", [("restated_hard", "grpo"), ("restated_hard", "grpo_n6"), ("restated_long", "grpo")]),
+    ("### The verdict", [("verdict", "grpo_n5"), ("verdict", "grpo")]),
+], ids=["restated", "verdict"])
+def test_results_md_verdict_tables_are_the_committed_json(heading, sources):
+    """RESULTS.md's tables of a verdict ("Restated" in §3: hard against GRPO and against GRPO with 6 rollouts, long
+    against GRPO; "The verdict": the registered study against GRPO at equal compute and at equal rollouts): every row
+    is its arm's comparison in the committed results/<name>.json, at the rounding shown."""
     results = LEDGER.parent
     text = (results.parent / "RESULTS.md").read_text(encoding="utf-8").replace("\u2212", "-")
-    section = text[text.index("### Restated (2026-11-27)"):]
-    section = section[:section.index("\n### ", 1)]
+    section = text[text.index(heading):]
+    section = section[:min(section.index(end, 1) for end in ("\n### ", "\n## ") if end in section[1:])]
     tables = re.findall(r"^\| arm \|.*?\n\|---.*?\n((?:\|.*\n)+)", section, re.M)
-    sources = [("restated_hard", "grpo"), ("restated_hard", "grpo_n6"), ("restated_long", "grpo")]
     assert len(tables) == len(sources)
 
     def signed_interval(test):

@@ -129,8 +129,9 @@ def test_an_explicit_setting_wins_over_auto(verl_data, overrides, expected):
 
 
 def test_multi_turn_rollouts_take_the_exit_probe(verl_data):
+    """Rollouts verl makes multi-turn (its tool agent loop by default; run_shapes.multi_turn_key) take exit probes."""
     config = launch_config(verl_data, "gsm8k", "algorithm.adv_estimator=rredcot", "algorithm.rredcot.task=gsm8k",
-                           "actor_rollout_ref.rollout.multi_turn.enable=true")
+                           "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent")
     check(config)
     assert value_keys(config) == ("exit_probe", "both", "affine", "grpo")
 

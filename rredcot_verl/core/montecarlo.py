@@ -149,7 +149,7 @@ class ContinuationTally:
     def values(
         self, segment_ends: Sequence[Sequence[int]], outcomes: Sequence[float]
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """``monte_carlo_values``' outputs from the tallied continuations."""
+        """``values_from_continuations``' outputs from the tallied continuations."""
         seg_ends = torch.full((len(segment_ends), self.k_max), -1, dtype=torch.int64)
         raw_values = torch.full((len(segment_ends), self.k_max + 1), float("nan"), dtype=torch.float32)
         for i, ends in enumerate(segment_ends):
@@ -167,7 +167,7 @@ class ContinuationTally:
         return seg_ends, raw_values, metrics
 
 
-def monte_carlo_values(
+def values_from_continuations(
     responses: Sequence[Sequence[int]],
     segment_ends: Sequence[Sequence[int]],
     outcomes: Sequence[float],

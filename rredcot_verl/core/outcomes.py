@@ -55,6 +55,40 @@ def success_probability(outcome: float, reward_range: tuple[float, float]) -> fl
     return min(max((float(outcome) - low) / (high - low), 0.0), 1.0)
 
 
+FIRST_BATCH_OUTSIDE_SHARE = 0.5
+"""A first batch with more than this share of its outcomes outside ``reward_range`` stops the run: a reward on
+another scale (verl's ``math_dapo`` scores a wrong answer −1) would make every such trace a GRPO fallback, with the
+extra work paid. Later batches count their outliers (``fallback/outside_reward_range``) and train on."""
+
+
+def first_batch_scale_refusal(
+    scores: torch.Tensor | Sequence[float], reward_range: tuple[float, float]
+) -> str | None:
+    """The one-line reason to stop a run whose first batch of outcomes lies mostly outside ``reward_range``, or None.
+
+    Args:
+        scores: (bs,) the first batch's outcomes (verl's ``rm_scores`` summed per trace); non-finite ones count as
+            outside.
+        reward_range: (low, high), ``algorithm.rredcot.reward_range``.
+    """
+    low, high = check_reward_range(reward_range)
+    values = scores if isinstance(scores, torch.Tensor) else torch.tensor(list(scores), dtype=torch.float64)
+    values = values.double().reshape(-1)
+    if values.numel() == 0:
+        return None
+    slack = CORRECT_TOLERANCE * (high - low)
+    outside = ~((values >= low - slack) & (values <= high + slack))  # NaN compares False: outside
+    if int(outside.sum()) <= FIRST_BATCH_OUTSIDE_SHARE * values.numel():
+        return None
+    finite = values[values.isfinite()]
+    seen = f"they lie in [{finite.min().item():g}, {finite.max().item():g}]" if finite.numel() else "none is finite"
+    return (
+        f"{int(outside.sum())} of {values.numel()} outcomes of the first batch lie outside "
+        f"algorithm.rredcot.reward_range=[{low:g}, {high:g}] ({seen}): set algorithm.rredcot.reward_range to the "
+        "reward's scale (verl's math_dapo scores -1 / +1)"
+    )
+
+
 def group_outcome_advantage(
     scores: torch.Tensor, index, epsilon: float = 1e-6, norm_adv_by_std: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:

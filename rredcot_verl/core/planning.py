@@ -98,7 +98,7 @@ class TraceRecord:
         """(start, stop) of each assistant turn; one turn over the whole response without a mask."""
         if self.response_mask is None:
             return [(0, self.response_ids.numel())] if self.response_ids.numel() else []
-        return turn_spans(self.response_mask.bool().tolist())
+        return turn_spans(self.response_mask.bool())
 
 
 @dataclass
@@ -345,22 +345,37 @@ class _Planner:
         turns = trace.turns()
         correct = [s for a in bank.correct_answers for s in self.answer_sequences(a)]
         every = [s for a in bank.all_answers for s in self.answer_sequences(a)]
+        thinking_ends: dict[tuple[int, int], int] = {}  # per turn: one scan of the response, not one per state
         probes = []
         for k, start in enumerate(starts):
             text = self.profile.exit_text if opened[k] else self.profile.think_opener + self.profile.exit_text
             if self.at_response_start(start):
                 text = text.lstrip()
-            forced = self.probe_tokenizer.continuation(prompt + response[:start], text, exit_line=opened[k])
+            forced = self.probe_tokenizer.continuation(self.context(prompt, response, start), text,
+                                                       exit_line=opened[k])
+            span = next(((a, b) for a, b in turns if a <= start < b), (start, len(response)))
+            if span not in thinking_ends:
+                thinking_ends[span] = self.thinking_end(response, span)
             probes += [dataclasses.replace(p, value_index=k) for p in build_exit_probes(
-                [start], forced, correct, thinking_length=self.thinking_end(response, turns, start), all_answers=every)]
+                [start], forced, correct, thinking_length=thinking_ends[span], all_answers=every)]
         return probes
 
-    def thinking_end(self, response: list[int], turns, start: int) -> int:
-        """Where the thinking of the turn holding ``start`` ends: its first ``think_end`` (each turn of a thinking
-        model thinks anew), else the response's end."""
-        turn_start, turn_stop = next(((a, b) for a, b in turns if a <= start < b), (start, len(response)))
-        if self.think_end_id is not None and self.think_end_id in response[turn_start:turn_stop]:
-            return response.index(self.think_end_id, turn_start, turn_stop)
+    def context(self, prompt: list[int], response: list[int], start: int) -> list[int]:
+        """The end of ``prompt + response[:start]`` that a probe's tokens depend on (``ProbeTokenizer.context_needed``
+        tokens): building the whole context at every state of a 25k-token trace costs more than the probes."""
+        needed = self.probe_tokenizer.context_needed
+        if not needed:
+            return []
+        return (prompt[-needed:] + response[max(start - needed, 0) : start])[-needed:]
+
+    def thinking_end(self, response: list[int], span: tuple[int, int]) -> int:
+        """Where the thinking of the turn ``span`` (start, stop) ends: its first ``think_end`` (each turn of a
+        thinking model thinks anew), else the response's end."""
+        if self.think_end_id is not None:
+            try:
+                return response.index(self.think_end_id, *span)
+            except ValueError:
+                pass
         return len(response)
 
     def reference_probes(self, trace, starts, bank, opened, bodies, trace_steps: int) -> list[Probe]:
@@ -371,7 +386,7 @@ class _Planner:
         for k, start in enumerate(starts):
             opening = "" if opened[k] else self.profile.think_opener
             body = bodies[k] if opened[k] else opening[len(self.profile.think_start):]
-            context = prompt + response[:start]
+            context = self.context(prompt, response, start)
             entries = []
             for steps, answer in bank.correct_steps:
                 steps_text = opening + continuation_text(body, steps, self.task, alignment, trace_steps)
@@ -455,12 +470,12 @@ def plan_traces(
         raise ValueError("candidates.source=group_and_repairs needs the step's verified repairs (repairs=...)")
     vocab = vocab or settings.boundary_vocab(tokenizer)
     planner = _Planner(settings, tokenizer, task)
-    texts = [planner.probe_tokenizer.decode(t.response_ids.tolist()) for t in traces]
+    texts = planner.probe_tokenizer.decode_batch([t.response_ids for t in traces])
     # Answers and reference steps are the model's own: a tool's output (mask 0) is neither.
     own_texts = [text if t.response_mask is None else planner.probe_tokenizer.decode(
         t.response_ids[t.response_mask.bool()].tolist()) for t, text in zip(traces, texts)]
     by_prompt = [planner.opened_by_prompt(t.prompt_ids.tolist()) for t in traces]
-    repair_texts = {group: [planner.probe_tokenizer.decode(list(ids)) for ids in ids_of_group]
+    repair_texts = {group: planner.probe_tokenizer.decode_batch(ids_of_group)
                     for group, ids_of_group in (repairs or {}).items()}
     banks = _group_banks(traces, own_texts, by_prompt, settings, task, repair_texts, planner.profile)
     rule = _value_rule(settings)

@@ -249,11 +249,23 @@ class ProbeTokenizer:
         self.split_joins = 0  # continuations that fell back to tokenizing the text on its own
         self._cache: dict[tuple[tuple[int, ...], str, bool], tuple[int, ...]] = {}
 
+    @property
+    def context_needed(self) -> int:
+        """The last tokens of a context that :meth:`continuation` reads (its longest tail)."""
+        return max(self.tail_lengths, default=0)
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def decode_batch(self, sequences: Sequence) -> list[str]:
+        """:meth:`decode` of each sequence (lists, or 1-D tensors, which the tokenizer converts faster than lists)."""
+        if not sequences:  # the tokenizer would decode an empty batch as one empty sequence
+            return []
+        return self.tokenizer.batch_decode(list(sequences), skip_special_tokens=False,
+                                           clean_up_tokenization_spaces=False)
 
     def continuation(self, context_ids: Sequence[int], text: str, *, exit_line: bool = False) -> tuple[int, ...]:
         """Tokens of ``text`` written right after ``context_ids``.

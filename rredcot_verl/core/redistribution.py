@@ -286,7 +286,7 @@ def redistribute(
     """Token advantages from outcome scores and per-segment probe values.
 
     The steps (``redistribution_reference.redistribute_trace`` does the same for one trace in plain Python), each a
-    function of the batch's per-trace quantities (``_Traces``):
+    function of the batch's per-trace quantities (``_TraceQuantities``):
     1. ``_degenerate_groups``: all-equal groups, and whether they learn from value differences;
     2. values V_0..V_K on the outcome scale, ``_anchored_values`` for mixed groups and ``_difference_values`` for
        all-equal ones that learn from them, then ``segment_rewards`` R_k;
@@ -360,7 +360,7 @@ def redistribute(
     lengths, num_segments, policy_ends = _check_batch(scores, response_mask, index, segment_ends, raw_values)
     baseline = scores if shaped_scores is None else _check_shaped(shaped_scores, scores)
     advantage, group_mean = group_outcome_advantage(baseline, index, cfg.epsilon, cfg.norm_adv_by_std)
-    traces = _Traces(
+    traces = _TraceQuantities(
         index=index, scores=scores.double(), baseline=baseline.double(), group_mean=group_mean.double(),
         advantage=advantage, grpo=advantage.unsqueeze(-1) * response_mask, lengths=lengths,
         num_segments=num_segments, segment_ends=policy_ends, raw_values=raw_values, low=low, high=high,
@@ -409,7 +409,7 @@ def redistribute(
 
 
 @dataclass
-class _Traces:
+class _TraceQuantities:
     """The per-trace quantities of one batch: bs traces of T tokens, M = Kmax segment columns. Outcomes are on the
     outcome scale [low, high]; ``probability`` maps one onto the probes' scale [0, 1], where the values are mapped.
 
@@ -507,7 +507,7 @@ class _Traces:
         return torch.where(position == k, self.scores.unsqueeze(1), values).where(position <= k, float("nan"))
 
 
-def _degenerate_groups(traces: _Traces, cfg: RedistributionSettings) -> tuple[torch.Tensor, ...]:
+def _degenerate_groups(traces: _TraceQuantities, cfg: RedistributionSettings) -> tuple[torch.Tensor, ...]:
     """Step 1. Which groups are all-equal (every outcome at the mean: Â = 0), and which of those learn from value
     differences (``degenerate_groups="value_differences"``).
 
@@ -522,7 +522,7 @@ def _degenerate_groups(traces: _Traces, cfg: RedistributionSettings) -> tuple[to
     return degenerate, degenerate & (cfg.degenerate_groups == "value_differences")
 
 
-def _anchored_values(traces: _Traces, cfg: RedistributionSettings) -> tuple[torch.Tensor, ...]:
+def _anchored_values(traces: _TraceQuantities, cfg: RedistributionSettings) -> tuple[torch.Tensor, ...]:
     """Step 2, mixed groups. Values mapped from the probe values (``_map_values``) with the exact ends V_K = ζ and,
     anchored, V_0 = the group mean.
 
@@ -541,13 +541,13 @@ def _anchored_values(traces: _Traces, cfg: RedistributionSettings) -> tuple[torc
     return values, flat & ~traces.differences, steep & ~traces.differences
 
 
-def _difference_values(traces: _Traces) -> torch.Tensor:
+def _difference_values(traces: _TraceQuantities) -> torch.Tensor:
     """Step 2, all-equal groups that learn from value differences: the probe values as they are, as expectations on
     the outcome scale, ending at V_K = ζ. (bs, M+1) float64, NaN beyond K."""
     return traces.ending_at_outcome(traces.outcome(traces.raw_values.double()))
 
 
-def _undefined(traces: _Traces, cfg: RedistributionSettings) -> list[tuple[str, torch.Tensor]]:
+def _undefined(traces: _TraceQuantities, cfg: RedistributionSettings) -> list[tuple[str, torch.Tensor]]:
     """Step 3. The traces where the redistribution is undefined: (reason, (bs,) bool) pairs, in the order in which
     ``fallback/{reason}`` counts each trace under its first reason."""
     bsz, max_segments = traces.segment_ends.shape
@@ -571,14 +571,16 @@ def _undefined(traces: _Traces, cfg: RedistributionSettings) -> list[tuple[str, 
     ]
 
 
-def _coefficients(traces: _Traces, live: torch.Tensor, cfg: RedistributionSettings) -> tuple[torch.Tensor, ...]:
+def _coefficients(
+    traces: _TraceQuantities, live: torch.Tensor, cfg: RedistributionSettings
+) -> tuple[torch.Tensor, ...]:
     """Step 4. σ_k = R_k / Σ R, with K·σ_k within [−c, c] (``_clip_coefficients``) on the ``live`` (bs,) traces whose
     values were not interpolated. Returns sigma (bs, M) float64 and clipped (bs,) bool."""
     active = traces.in_segment & (live & ~traces.interpolated).unsqueeze(1)
     return _clip_coefficients(traces.rewards / traces.total.unsqueeze(1), active, traces.num_segments, cfg.clip)
 
 
-def _anchored_redistribution(traces: _Traces, live: torch.Tensor, cfg: RedistributionSettings):
+def _anchored_redistribution(traces: _TraceQuantities, live: torch.Tensor, cfg: RedistributionSettings):
     """Step 4. Each segment's token advantage A_k = Â·f_k, f_k = (1 − λ) + λ·L·σ_k / n_k (f = 1 where the values
     were interpolated), |f_k| kept within B at Σ_t f_t = L (``_bound_token_factors``), on the ``live`` (bs,) traces.
 
@@ -593,7 +595,7 @@ def _anchored_redistribution(traces: _Traces, live: torch.Tensor, cfg: Redistrib
     return traces.advantage.double().unsqueeze(1) * factor, bounded
 
 
-def _value_differences(traces: _Traces, live: torch.Tensor, cfg: RedistributionSettings):
+def _value_differences(traces: _TraceQuantities, live: torch.Tensor, cfg: RedistributionSettings):
     """Step 5. Each segment's token advantage A_k = unit·f_k, f_k = λ·(R_k / s)·L / n_k, |f_k| kept within B at
     Σ_t f_t = λ·L·Σ_k R_k / s, on the ``live`` (bs,) traces. s is half the reward range; the unit is 1 with
     ``norm_adv_by_std`` and s without it, which makes A_t the advantage of a trace of a 50/50 group (see
@@ -611,7 +613,7 @@ def _value_differences(traces: _Traces, live: torch.Tensor, cfg: RedistributionS
     return (1.0 if cfg.norm_adv_by_std else half_range) * factor, bounded
 
 
-def _token_rows(traces: _Traces, advantages: torch.Tensor) -> torch.Tensor:
+def _token_rows(traces: _TraceQuantities, advantages: torch.Tensor) -> torch.Tensor:
     """Step 6. (bs, T) in GRPO's dtype: each token's advantage is its segment's (``advantages``, (bs, M)); read only
     on the policy's tokens (``in_response``)."""
     bsz, max_segments = traces.segment_ends.shape
@@ -626,7 +628,7 @@ def _token_rows(traces: _Traces, advantages: torch.Tensor) -> torch.Tensor:
     return advantages.gather(1, token_segment).to(traces.grpo.dtype)
 
 
-def _credited(traces: _Traces, cfg: RedistributionSettings) -> torch.Tensor:
+def _credited(traces: _TraceQuantities, cfg: RedistributionSettings) -> torch.Tensor:
     """(bs,) bool, the traces of the kind ``credit_traces`` names (correct: the outcome reaches the top of the
     reward range, as ``outcomes.correct_outcomes`` judges it)."""
     if cfg.credit_traces == "all":
@@ -635,7 +637,9 @@ def _credited(traces: _Traces, cfg: RedistributionSettings) -> torch.Tensor:
     return correct if cfg.credit_traces == "correct" else ~correct
 
 
-def _value_gate(traces: _Traces, defined: torch.Tensor, prior: ConcordanceCounts, cfg: RedistributionSettings):
+def _value_gate(
+    traces: _TraceQuantities, defined: torch.Tensor, prior: ConcordanceCounts, cfg: RedistributionSettings
+):
     """Step 8. The value gate: open while the concordance of the ``defined`` (bs,) traces' values with their
     outcomes, pooled with the ``prior`` window's, reaches ``min_value_concordance``.
 
@@ -859,7 +863,7 @@ def _bound_token_factors(factor, tokens, active, target, bound) -> tuple[torch.T
     return factor, bounded
 
 
-def _metrics(traces: _Traces, rows: torch.Tensor, fallback: torch.Tensor, counts: dict[str, float]) -> dict:
+def _metrics(traces: _TraceQuantities, rows: torch.Tensor, fallback: torch.Tensor, counts: dict[str, float]) -> dict:
     """Scalar diagnostics (see ``redistribute``) from the traces, their redistributed ``rows`` (bs, T) and the
     traces that kept GRPO's row instead (``fallback``, (bs,) bool; ``counts`` per reason)."""
     bsz = fallback.numel()

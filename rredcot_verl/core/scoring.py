@@ -24,6 +24,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from rredcot_verl.core.model_support import LogitTransform, logit_transform, value_pass_refusal
 from rredcot_verl.core.probes import Probe
 
 @dataclass
@@ -57,9 +58,8 @@ def _check_ids(name: str, ids: torch.Tensor, *, allow_empty: bool) -> None:
         raise ValueError(f"{name} must be non-empty")
 
 
-def check_inputs(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor, probes: Sequence[Probe]) -> None:
-    """Raise ValueError on ids that are not 1-D integer tensors, probes past the response, or a model with
-    non-full-attention layers."""
+def check_inputs(prompt_ids: torch.Tensor, response_ids: torch.Tensor, probes: Sequence[Probe]) -> None:
+    """Raise ValueError on ids that are not 1-D integer tensors or probes past the response."""
     _check_ids("prompt_ids", prompt_ids, allow_empty=False)  # the first response token needs a predictor
     _check_ids("response_ids", response_ids, allow_empty=True)
     response_len = response_ids.numel()
@@ -70,10 +70,6 @@ def check_inputs(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor, pr
             raise ValueError(
                 f"probes[{index}].boundary={probe.boundary} is out of range for a response of {response_len} tokens"
             )
-    layer_types = getattr(model.config, "layer_types", None) or ()
-    if any(layer_type != "full_attention" for layer_type in layer_types):
-        # The probe mask is passed to every layer; sliding-window layers would need their own mask.
-        raise ValueError(f"probe scoring supports full-attention models only, got layer_types={layer_types}")
 
 
 def probe_fits(probe: Probe, prompt_len: int, max_positions: int | None) -> bool:
@@ -203,8 +199,17 @@ def value_pass_attention(model):
             config._attn_implementation_internal = saved[key]
 
 
-def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor, *, entropy: bool):
-    """Log-probs (and entropies) of ``targets`` from hidden states, in fp32, a bounded block of logits at a time.
+def _chunked_head(
+    head,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    entropy: bool,
+    transform: LogitTransform = LogitTransform(),
+    temperature: float = 1.0,
+):
+    """Log-probs (and entropies) of ``targets`` under softmax(transform(W h + b) / temperature), in fp32, a bounded
+    block of logits at a time.
 
     The projection itself runs in fp32 (hidden states and a vocabulary slice of the weight upcast): a bf16 matmul
     rounds its output to bf16, which at |logit| 16-32 resolves only 0.125, i.e. about ±0.06 nats of noise on every
@@ -214,6 +219,8 @@ def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor, *, entropy:
     Args:
         head: the output projection (``model.get_output_embeddings()``), read where its weight is gathered.
         hidden: (N, d) final hidden states; targets: (N,) token ids.
+        transform: what the model's forward does to the projection (``core.model_support.logit_transform``).
+        temperature: the sampling temperature the logits are divided by, after the transform (as verl does).
 
     Returns:
         (N,) fp32 log-probs, and (N,) fp32 entropies or None.
@@ -233,7 +240,9 @@ def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor, *, entropy:
         bias_slice = None if bias is None else bias[lo:hi].float()
         for start in range(0, n, rows):
             block = slice(start, min(start + rows, n))
-            logits = torch.nn.functional.linear(hidden[block].float(), weight_slice, bias_slice)
+            logits = transform(torch.nn.functional.linear(hidden[block].float(), weight_slice, bias_slice))
+            if temperature != 1.0:
+                logits = logits / temperature
             inside = (targets[block] >= lo) & (targets[block] < hi)
             local = (targets[block] - lo).clamp(0, hi - lo - 1)
             target_logit[block] = torch.where(inside, logits.gather(-1, local[:, None])[:, 0], target_logit[block])
@@ -354,9 +363,11 @@ def plan_micro_batches(shapes: Sequence[tuple[int, int]], max_token_len: int) ->
     return batches
 
 
-def _forward_micro_batch(model, rows: Sequence[_Row], temperature: float = 1.0) -> list[dict]:
+def _forward_micro_batch(
+    model, rows: Sequence[_Row], temperature: float = 1.0, transform: LogitTransform = LogitTransform()
+) -> list[dict]:
     """One forward over ``rows`` (trace then probe tokens per row); returns per row the log-probs it reads, under
-    the sampling distribution softmax(logits / temperature).
+    the sampling distribution softmax(logits / temperature), the logits being ``transform`` of the head's output.
 
     Returns:
         Per row: ``reads`` (len(row.reads),), ``nodes`` (len(row.nodes),) and, with trace stats, ``log_probs``
@@ -398,14 +409,15 @@ def _forward_micro_batch(model, rows: Sequence[_Row], temperature: float = 1.0) 
     def read(hidden: torch.Tensor) -> torch.Tensor:
         # The final hidden states (B, T + Tp, d) give exactly the log-probs that are read; the head then projects
         # one position per row.
-        # logits / T = W (h / T) for a bias-free head (checked in score_batch_packed_with_stats).
-        scaled = hidden / temperature if temperature != 1.0 else hidden
         as_index = lambda values: torch.tensor(values, dtype=torch.long, device=hidden.device)  # noqa: E731
+        logits_as = {"transform": transform, "temperature": temperature}
         results["points"], _ = _chunked_head(
-            head, scaled[as_index(point_rows), as_index(point_positions)], as_index(point_targets), entropy=False
+            head, hidden[as_index(point_rows), as_index(point_positions)], as_index(point_targets), entropy=False,
+            **logits_as,
         )
         results["span"] = _chunked_head(
-            head, scaled[as_index(span_rows), as_index(span_positions)], as_index(span_targets), entropy=True
+            head, hidden[as_index(span_rows), as_index(span_positions)], as_index(span_targets), entropy=True,
+            **logits_as,
         )
         return hidden[:, -1:]
 
@@ -509,8 +521,9 @@ def score_batch_packed_with_stats(
     for), from the final hidden states a bounded number of rows at a time: no (T, V) logits tensor.
 
     Args:
-        model: a transformers causal LM with full attention that dispatches attention through transformers'
-            AttentionInterface (any configured backend: the value pass uses its own, see ``value_pass_attention``).
+        model: a transformers causal LM that ``core.model_support.value_pass_refusal`` accepts (full causal
+            attention dispatched through transformers' AttentionInterface, whatever backend is configured: the value
+            pass uses its own, see ``value_pass_attention``; the model's own logit scaling or softcapping is applied).
         prompt_ids: n tensors (P_i,), P_i ≥ 1.
         response_ids: n tensors (L_i,), L_i ≥ 0.
         probes: n probe lists, 0 ≤ boundary ≤ L_i.
@@ -528,8 +541,11 @@ def score_batch_packed_with_stats(
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if temperature != 1.0 and model.get_output_embeddings().bias is not None:
-        raise ValueError("probe scoring at a temperature other than 1 needs an output projection without bias")
+    refusal = value_pass_refusal(model.config, model)
+    if refusal is not None:
+        # The launch refuses the same models from their config (integration/run_shapes.py); this is the last guard.
+        raise ValueError(f"the value pass cannot score this model exactly: {refusal}")
+    transform = logit_transform(model.config)
     if not len(prompt_ids) == len(response_ids) == len(probes):
         raise ValueError(
             f"batch sizes differ: {len(prompt_ids)} prompts, {len(response_ids)} responses, {len(probes)} probe lists"
@@ -540,13 +556,9 @@ def score_batch_packed_with_stats(
         raise ValueError(f"return_trace_stats has {len(return_trace_stats)} entries for {len(prompt_ids)} traces")
     if max_token_len < 1:
         raise ValueError(f"max_token_len must be >= 1, got {max_token_len}")
-    for name in ("final_logit_softcapping", "logit_scale"):
-        # Log-probs are computed from the hidden states with the head's weight alone.
-        if getattr(model.config, name, None) not in (None, 1.0):
-            raise ValueError(f"probe scoring does not support models with config.{name}={getattr(model.config, name)}")
     rows = []
     for prompt, response, trace_probes, stats in zip(prompt_ids, response_ids, probes, return_trace_stats):
-        check_inputs(model, prompt, response, trace_probes)
+        check_inputs(prompt, response, trace_probes)
         rows.append(_build_row(prompt, response, trace_probes, max_positions, bool(stats)))
 
     active = [i for i, row in enumerate(rows) if row.needs_forward]
@@ -556,7 +568,7 @@ def score_batch_packed_with_stats(
     outputs: dict[int, dict] = {}
     with value_pass_attention(model):
         for batch in batches:
-            outputs.update(zip(batch, _forward_micro_batch(model, [rows[i] for i in batch], temperature)))
+            outputs.update(zip(batch, _forward_micro_batch(model, [rows[i] for i in batch], temperature, transform)))
         for _ in range(total - len(batches)):
             _dummy_forward(model)
 

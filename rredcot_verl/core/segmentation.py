@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -206,8 +207,8 @@ def segment_response(
     if response_mask is not None:
         response_mask = response_mask.cpu()
     _check_inputs(response_ids, entropies, vocab, cfg, response_mask)
-    trained = [True] * response_ids.numel() if response_mask is None else response_mask.bool().tolist()
-    if not any(trained):
+    trained = torch.ones(response_ids.numel(), dtype=torch.bool) if response_mask is None else response_mask.bool()
+    if not trained.any():
         return []
     layout = _Layout(response_ids.tolist(), trained, vocab, cfg)
     budget = max(0, cfg.max_segments - len(layout.fixed))  # free boundaries allowed in the thinking regions
@@ -220,7 +221,7 @@ def segment_response(
         candidates = _newline_candidates(response_ids, layout, vocab)
         free = _keyword_boundaries(layout, candidates, budget, vocab, cfg)
     elif strategy == "entropy":
-        candidates = [p for start, stop in layout.regions for p in range(start + 1, stop) if trained[p]]
+        candidates = [p for start, stop in layout.regions for p in range(start + 1, stop) if layout.trained[p]]
         free = _by_score(candidates, _boundary_scores(entropies, layout, candidates, cfg), layout, budget, cfg)
     else:  # hybrid
         candidates = _newline_candidates(response_ids, layout, vocab)
@@ -234,8 +235,8 @@ class _Layout:
     ``min_segment_len``; positions are the full response's.
 
     Attributes:
-        ids: the token ids; trained: per position, a policy token.
-        rank: (L + 1) policy tokens before each position.
+        ids: the token ids; trained: per position, a policy token (``trained_mask``: the same as a tensor).
+        rank: (L + 1) policy tokens before each position (``rank_tensor``: the same as a tensor).
         policy_positions: the positions of the policy tokens, in order (``policy_positions[rank[p]] == p`` for them).
         turns: (start, stop) of each turn.
         fixed: boundaries every strategy keeps: each turn's ``</think>`` and the start of the turn after its answer
@@ -245,12 +246,11 @@ class _Layout:
             answer; free cuts go strictly inside them.
     """
 
-    def __init__(self, ids: list[int], trained: list[bool], vocab: BoundaryVocab, cfg: SegmentationSettings):
-        self.ids, self.trained = ids, trained
-        self.rank = [0]
-        for is_trained in trained:
-            self.rank.append(self.rank[-1] + is_trained)
-        self.policy_positions = [p for p, is_trained in enumerate(trained) if is_trained]
+    def __init__(self, ids: list[int], trained: torch.Tensor, vocab: BoundaryVocab, cfg: SegmentationSettings):
+        self.ids, self.trained_mask, self.trained = ids, trained, trained.tolist()
+        self.rank_tensor = torch.cat([trained.new_zeros(1, dtype=torch.int64), trained.cumsum(0)])
+        self.rank = self.rank_tensor.tolist()
+        self.policy_positions = torch.nonzero(trained).flatten().tolist()
         self.turns = turn_spans(trained)
         fixed, answer_starts = {self.turns[-1][1]}, set()
         for j, (start, stop) in enumerate(self.turns):
@@ -272,16 +272,14 @@ class _Layout:
         return self.rank[stop] - self.rank[start]
 
 
-def turn_spans(trained: list[bool]) -> list[tuple[int, int]]:
-    """(start, stop) of each assistant turn: each maximal run of policy tokens (truthy entries of a response mask)."""
-    turns, start = [], None
-    for p, is_trained in enumerate([*trained, False]):
-        if is_trained and start is None:
-            start = p
-        elif not is_trained and start is not None:
-            turns.append((start, p))
-            start = None
-    return turns
+def turn_spans(trained: Sequence[bool] | torch.Tensor) -> list[tuple[int, int]]:
+    """(start, stop) of each assistant turn: each maximal run of policy tokens (truthy entries of a response mask,
+    a sequence or a 1-D tensor)."""
+    flags = torch.as_tensor(trained).bool()
+    padded = torch.zeros(flags.numel() + 2, dtype=torch.int8)
+    padded[1:-1] = flags
+    edges = torch.diff(padded)  # +1 where a run starts, -1 one past where it stops
+    return list(zip(torch.nonzero(edges == 1).flatten().tolist(), torch.nonzero(edges == -1).flatten().tolist()))
 
 
 def _check_inputs(response_ids, entropies, vocab, cfg, response_mask):
@@ -317,9 +315,12 @@ def _check_inputs(response_ids, entropies, vocab, cfg, response_mask):
 
 def _think_end_index(ids: list[int], start: int, stop: int, vocab: BoundaryVocab) -> int | None:
     """The first ``</think>`` of the turn [start, stop), or None."""
-    if vocab.think_end_id is None or vocab.think_end_id not in ids[start:stop]:
+    if vocab.think_end_id is None:
         return None
-    return ids.index(vocab.think_end_id, start, stop)
+    try:
+        return ids.index(vocab.think_end_id, start, stop)
+    except ValueError:
+        return None
 
 
 def _newline_candidates(response_ids: torch.Tensor, layout: _Layout, vocab: BoundaryVocab) -> list[int]:
@@ -330,16 +331,16 @@ def _newline_candidates(response_ids: torch.Tensor, layout: _Layout, vocab: Boun
     inside = torch.zeros_like(after_newline)
     for start, stop in layout.regions:
         inside[start + 1 : stop] = True
-    return torch.nonzero(after_newline & inside & torch.tensor(layout.trained)).flatten().tolist()
+    return torch.nonzero(after_newline & inside & layout.trained_mask).flatten().tolist()
 
 
 def _boundary_scores(entropies: torch.Tensor, layout: _Layout, candidates: list[int], cfg) -> list[float]:
     """Mean entropy of the first ``entropy_window`` policy tokens from each candidate (fewer at the response end)."""
     if not candidates:
         return []
-    policy_entropies = entropies[torch.tensor(layout.trained)].double()
+    policy_entropies = entropies[layout.trained_mask].double()
     prefix = torch.cat([policy_entropies.new_zeros(1), policy_entropies.cumsum(0)])
-    starts = torch.tensor([layout.rank[p] for p in candidates])
+    starts = layout.rank_tensor[torch.tensor(candidates)]
     stops = (starts + cfg.entropy_window).clamp(max=policy_entropies.numel())
     return ((prefix[stops] - prefix[starts]) / (stops - starts)).tolist()
 

@@ -336,7 +336,8 @@ def resolve_auto(section: dict | None, estimator: str | None, offer: DataOffer |
 def settings_from_config(algorithm_config: Any, offer: DataOffer | None = None) -> RRedCoTSettings:
     """Read ``algorithm.rredcot`` (omegaconf node, dict or None) strictly. Keys left at ``auto`` are chosen by
     ``choose_auto`` from ``algorithm.adv_estimator`` and ``offer`` (the launcher writes its choice into the config, so
-    the trainer's processes read concrete values)."""
+    the trainer's processes read concrete values). verl's ``algorithm.norm_adv_by_std_in_grpo`` (default True) becomes
+    ``norm_adv_by_std`` of the redistribution and IBPO sections: the settings an estimator runs with."""
     section = algorithm_config.get("rredcot", None) if algorithm_config is not None else None
     if section is not None and not isinstance(section, dict):
         from omegaconf import OmegaConf
@@ -345,7 +346,13 @@ def settings_from_config(algorithm_config: Any, offer: DataOffer | None = None) 
     if isinstance(section, dict):
         estimator = algorithm_config.get("adv_estimator", None)
         section, _ = resolve_auto(section, None if estimator is None else str(estimator), offer)
-    return _build(RRedCoTSettings, section, "algorithm.rredcot")
+    settings = _build(RRedCoTSettings, section, "algorithm.rredcot")
+    norm = bool(algorithm_config.get("norm_adv_by_std_in_grpo", True)) if algorithm_config is not None else True
+    return dataclasses.replace(
+        settings,
+        redistribution=dataclasses.replace(settings.redistribution, norm_adv_by_std=norm),
+        ibpo=dataclasses.replace(settings.ibpo, norm_adv_by_std=norm),
+    )
 
 
 def default_section() -> dict:

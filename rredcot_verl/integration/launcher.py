@@ -10,9 +10,11 @@ dataset files that do not exist. For this package's estimators also: unknown ``a
 without ``reward_model.ground_truth`` or whose prompts all exceed ``data.max_prompt_length``, reference continuations of
 worked solutions the training rows do not have, extra generations without a rule reward to judge them, an engine
 context too short for IBPO's revisions, Ulysses sequence parallelism, and the run shapes of ``run_shapes.py`` (legacy
-trainer, bypass mode, a critic, groups of one, multi-turn rollouts, KL in reward, a reward model, Megatron, hybrid
-attention). The ``algorithm.rredcot`` keys left at ``auto`` are chosen there from the training rows
-(``choose_auto_settings``) and written into the config, in one line saying which and why.
+trainer, bypass mode, a critic, groups of one, multi-turn rollouts, KL in reward, DAPO's overlong penalty, a reward
+model, Megatron, a model the value pass cannot score exactly). The ``algorithm.rredcot`` keys left at ``auto`` are
+chosen there from the training rows (``choose_auto_settings``) and written into the config, in one line saying which
+and why. Where verl scores the rows with its own scorer, the scale of that scorer becomes
+``algorithm.rredcot.reward_range`` unless the recipe set one (``adopt_scorer_reward_range``).
 
 ``python -m rredcot_verl.main --check-only ...`` runs every check, prints ``ok`` (naming the checks it had to skip: a
 hub model or tokenizer not in the local cache, remote dataset files) or the refusal, and exits 0 / 2 without starting
@@ -22,6 +24,8 @@ matching config (``RREDCOT_CPU=0`` forces it off; ``RREDCOT_CPU=1`` forces it on
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 import sys
@@ -261,25 +265,33 @@ def _local_pretrained(loader, path: str):
         return None
 
 
-def check_prompt_lengths(config: DictConfig, tokenizer, sample: int = 64) -> None:
-    """Refuse a training set whose sampled prompts all exceed ``data.max_prompt_length`` with the chat template: verl
-    would filter every row out and fail later with ``num_samples=0``."""
+def sampled_prompt_lengths(config: DictConfig, tokenizer, sample: int = 64) -> list[int]:
+    """Token counts of the first ``sample`` training prompts with the chat template, as verl renders them; empty
+    where the tokenizer or the file is not on this machine."""
     import pyarrow.parquet as pq
 
-    if tokenizer is None or not config.data.get("filter_overlong_prompts", True):
-        return
     files = config.data.train_files
     first = files if isinstance(files, str) else list(files)[0]
-    if is_remote_uri(first):
-        return
+    if tokenizer is None or is_remote_uri(first):
+        return []
     key = config.data.get("prompt_key", "prompt")
     first_rows = next(pq.ParquetFile(first).iter_batches(batch_size=sample, columns=[key]), None)
     prompts = [] if first_rows is None else first_rows.column(key).to_pylist()
     kwargs = dict(config.data.get("apply_chat_template_kwargs", None) or {})
-    lengths = [
+    return [
         len(tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs))
         for p in prompts
     ]
+
+
+def check_prompt_lengths(config: DictConfig, lengths: list[int]) -> None:
+    """Refuse a training set whose sampled prompts (``lengths``: ``sampled_prompt_lengths``) all exceed
+    ``data.max_prompt_length`` with the chat template: verl would filter every row out and fail later with
+    ``num_samples=0``."""
+    if not config.data.get("filter_overlong_prompts", True):
+        return
+    files = config.data.train_files
+    first = files if isinstance(files, str) else list(files)[0]
     limit = int(config.data.max_prompt_length)
     if lengths and min(lengths) > limit:
         raise LaunchError(
@@ -299,11 +311,10 @@ def check_rule_reward(config: DictConfig, settings) -> None:
     """Refuse an estimator that judges extra generations (repairs, continuations) without a rule reward to judge them
     with, or with a reward manager that scores rollouts otherwise than that function (it would fail at the first
     step, or judge repairs and rollouts differently)."""
-    from rredcot_verl.integration.estimators import EngineUse
+    from rredcot_verl.integration.estimators import generates
     from rredcot_verl.integration.rollouts import reward_manager_refusal
 
-    generates = any(stage.engine_use is not EngineUse.NONE for stage in _stages(config, settings))
-    if not generates:
+    if not generates(_stages(config, settings)):
         return
     custom = config.reward.get("custom_reward_function", None) or {}
     if not custom.get("path"):
@@ -316,43 +327,94 @@ def check_rule_reward(config: DictConfig, settings) -> None:
         raise LaunchError(refusal)
 
 
-def check_ibpo_context(config: DictConfig, settings, hf_config) -> None:
+def check_ibpo_context(config: DictConfig, settings, hf_config, prompt_lengths: list[int]) -> None:
     """Refuse an engine context in which IBPO could not repair a failure of the full response budget with its
-    ``repair_operator`` (``core.ibpo.engine_context_need``): a resumed repair needs the rollouts' own context, a
-    rewrite's prompt holds the question, the trace and a reference and the rewrite may be ``revision_budget`` tokens."""
-    from rredcot_verl.core.ibpo import engine_context_need
+    ``repair_operator`` (``core.ibpo.engine_context_need``). A resumed repair is its rollout's prompt and at most
+    ``data.max_response_length`` tokens: it needs exactly what the longest rollout does, read from the longest sampled
+    prompt (``prompt_lengths``; ``data.max_prompt_length`` where the tokenizer is not local). A rewrite's prompt holds
+    the question, the trace and a reference, and the rewrite may be ``revision_budget`` tokens. The advice lists only
+    the changes the model's positions allow, the smallest first."""
+    from rredcot_verl.core.ibpo import engine_context_need, largest_response_length
     from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE
 
     if REPAIR_STAGE not in _stages(config, settings):
         return
-    estimator = str(config.algorithm.adv_estimator)
-    context = config.actor_rollout_ref.rollout.get("max_model_len", None)
-    if context is None:
-        if hf_config is None:
-            return
+    positions = None
+    if hf_config is not None:
         from verl.workers.rollout.utils import get_max_position_embeddings
 
-        context = get_max_position_embeddings(hf_config)
-    prompt, response = int(config.data.max_prompt_length), int(config.data.max_response_length)
-    need = engine_context_need(prompt, response, settings.ibpo)
-    if int(context) >= need:
+        positions = get_max_position_embeddings(hf_config)
+    context = config.actor_rollout_ref.rollout.get("max_model_len", None) or positions
+    if context is None:
         return
-    operator = f"algorithm.rredcot.ibpo.repair_operator={settings.ibpo.repair_operator}"
-    if settings.ibpo.repair_operator == "resume":
-        raise LaunchError(
-            f"algorithm.adv_estimator={estimator} generates IBPO repairs ({operator}): resuming a failure needs the "
-            f"rollouts' own {need} tokens of engine context (data.max_prompt_length {prompt} + "
-            f"data.max_response_length {response}), the engine has {context}: set "
-            f"actor_rollout_ref.rollout.max_model_len >= {need} (within the model's context), or lower them"
-        )
+    context, cfg = int(context), settings.ibpo
+    limit, response = int(config.data.max_prompt_length), int(config.data.max_response_length)
+    prompt = min(max(prompt_lengths), limit) if prompt_lengths else limit
+    need = engine_context_need(prompt, response, cfg)
+    if context >= need:
+        return
+    estimator, reach = str(config.algorithm.adv_estimator), positions or context
+    prompt_named = (f"the longest sampled prompt ({prompt} tokens with the chat template)" if prompt_lengths else
+                    f"data.max_prompt_length {prompt}")  # fmt: skip
+    fixes = []
+    if cfg.repair_operator == "rewrite":
+        resume = engine_context_need(prompt, response, dataclasses.replace(cfg, repair_operator="resume"))
+        if resume <= min(context, reach):
+            fixes.append(f"algorithm.rredcot.ibpo.repair_operator=resume (it needs {resume}, which the engine has)")
+        elif resume <= reach:
+            fixes.append(f"algorithm.rredcot.ibpo.repair_operator=resume with actor_rollout_ref.rollout.max_model_len"
+                         f" >= {resume}")  # fmt: skip
+    if need <= reach:
+        fixes.append(f"actor_rollout_ref.rollout.max_model_len >= {need}")
+    fitting = largest_response_length(prompt, reach, cfg)
+    if fitting >= 1:
+        fixes.append(f"data.max_response_length <= {fitting}" + (f" (with max_model_len {reach})" if reach > context
+                                                                  else ""))  # fmt: skip
+    if cfg.repair_operator == "rewrite" and response:
+        factor = (reach - prompt - 2 * response - cfg.revision_slack_tokens) / response
+        if factor >= 1:
+            fixes.append(f"algorithm.rredcot.ibpo.revision_length_factor <= {math.floor(factor * 100) / 100}")
+    if not fixes:
+        fixes.append("a shorter data.max_prompt_length")
+    within = f"; the model has {positions} positions" if positions else ""
+    if cfg.repair_operator == "resume":
+        what = (f"resuming a failure needs its rollout's own context, {prompt_named} + data.max_response_length "
+                f"{response} = {need} tokens")  # fmt: skip
+    else:
+        what = (f"revising a {response}-token failure needs at least {need} tokens of engine context (question "
+                f"{prompt} + trace and reference 2 x {response} + repair {need - prompt - 2 * response})")
     raise LaunchError(
-        f"algorithm.adv_estimator={estimator} generates IBPO repairs ({operator}): revising a {response}-token "
-        f"failure needs at least {need} tokens of engine context (question {prompt} + trace and reference "
-        f"2 x {response} + repair {need - prompt - 2 * response}), the engine has {context}: set "
-        f"algorithm.rredcot.ibpo.repair_operator=resume (it needs the rollouts' own {prompt + response}), or "
-        f"actor_rollout_ref.rollout.max_model_len >= {need} (within the model's context), or lower "
-        "data.max_response_length or algorithm.rredcot.ibpo.revision_length_factor"
+        f"algorithm.adv_estimator={estimator} generates IBPO repairs (algorithm.rredcot.ibpo.repair_operator="
+        f"{cfg.repair_operator}): {what}, the engine has {context}{within}: set {', or '.join(fixes)}"
     )
+
+
+def adopt_scorer_reward_range(config: DictConfig) -> str | None:
+    """Set ``algorithm.rredcot.reward_range`` to the scale of verl's own scorer for the training rows
+    (``reward_scale.scorer_reward_range``: ``math_dapo`` scores -1 / +1) where the recipe left the default; returns
+    the launch line saying so, or None. A range set otherwise that disagrees with the scorer is refused, as are rows
+    whose scorers disagree with each other."""
+    from rredcot_verl.core.settings import RRedCoTSettings
+    from rredcot_verl.integration.reward_scale import scorer_reward_range
+
+    try:
+        found = scorer_reward_range(config)
+    except ValueError as error:
+        raise LaunchError(str(error)) from error
+    if found is None:
+        return None
+    scale, scorer = found
+    configured = settings_from_config(config.algorithm).reward_range
+    if configured == scale:
+        return None
+    shown = f"[{scale[0]:g}, {scale[1]:g}]"
+    if configured != RRedCoTSettings().reward_range:
+        raise LaunchError(
+            f"algorithm.rredcot.reward_range=[{configured[0]:g}, {configured[1]:g}] is not the scale of {scorer}, "
+            f"{shown}: set algorithm.rredcot.reward_range={shown}, or leave it out"
+        )
+    _set(config, "algorithm.rredcot.reward_range", list(scale))
+    return f"algorithm.rredcot.reward_range={shown}: the scale of {scorer}"
 
 
 def check_estimator(name: str) -> None:
@@ -372,9 +434,12 @@ def check_value_pass_parallelism(config: DictConfig, estimator: str) -> None:
     size = int(config.actor_rollout_ref.actor.get("ulysses_sequence_parallel_size", 1) or 1)
     spec = ESTIMATORS.get(estimator)
     if spec is not None and spec.whole_traces_per_rank and size > 1:
+        why = ("the segment value pass scores whole traces per rank" if spec.uses_value_pass else
+               "its segment boundaries are cut on whole traces from the entropies of verl's log-prob pass, which has "
+               "not been run under Ulysses' sequence slices with it")  # fmt: skip
         raise LaunchError(
             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={size} is not supported with "
-            f"algorithm.adv_estimator={estimator}: the segment value pass scores whole traces per rank; set it to 1"
+            f"algorithm.adv_estimator={estimator}: {why}; set it to 1"
         )
 
 
@@ -436,7 +501,7 @@ def check(config: DictConfig) -> list[str]:
     the checks skipped because what they read is not on this machine (a hub model not in the local cache, remote
     dataset files): verl fetches those at start, where the same problems would fail late."""
     from rredcot_verl.integration.estimators import ESTIMATORS
-    from rredcot_verl.integration.run_shapes import shape_refusal
+    from rredcot_verl.integration.run_shapes import micro_batches, shape_refusal
     from rredcot_verl.tasks.code import code_task_refusal
 
     skipped: list[str] = []
@@ -462,18 +527,23 @@ def check(config: DictConfig) -> list[str]:
     tokenizer = _local_pretrained(AutoTokenizer, model_path)
     if hf_config is None:
         skipped.append(f"model config of {model_path!r} (not local: attention kind, engine context)")
+    prompt_lengths = sampled_prompt_lengths(config, tokenizer)
     if tokenizer is None:
         skipped.append(f"tokenizer of {model_path!r} (not local: prompt lengths)")
     else:
-        check_prompt_lengths(config, tokenizer)
-    refusal = shape_refusal(config, spec, hf_config) or (spec and code_task_refusal(settings, estimator))
+        check_prompt_lengths(config, prompt_lengths)
+    refusal = (micro_batches(config) or shape_refusal(config, spec, hf_config)
+               or (spec and code_task_refusal(settings, estimator)))
     if refusal:
         raise LaunchError(refusal)
     if spec is not None:
         check_task_answers(config, settings, skipped)
         check_worked_solutions(config, settings, spec)
+        adopted = adopt_scorer_reward_range(config)
+        if adopted:
+            print(f"rredcot_verl: {adopted}")
     check_rule_reward(config, settings)
-    check_ibpo_context(config, settings, hf_config)
+    check_ibpo_context(config, settings, hf_config, prompt_lengths)
     check_with_verl(config, skipped, model_is_local=hf_config is not None)
     return skipped
 
@@ -592,8 +662,18 @@ def check_only(config: DictConfig) -> None:
     print("rredcot_verl: ok" + (f"; skipped (not on this machine): {'; '.join(skipped)}" if skipped else ""))
 
 
+# --check-only writes nothing: hydra's defaults would put an output folder (its config, a log file) in the working
+# directory.
+CHECK_ONLY_HYDRA = ("hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=stdout")
+# Set while hydra composes the config: hydra then raises its composition errors (a key typo without "+") instead of
+# printing them over several lines and exiting 1, and main() answers them as every refusal.
+HYDRA_FULL_ERROR = "HYDRA_FULL_ERROR"
+
+
 @hydra.main(config_path="../conf", config_name="rredcot_trainer", version_base=None)
 def _main(config: DictConfig) -> None:
+    if _RAISE_COMPOSITION_ERRORS:
+        os.environ.pop(HYDRA_FULL_ERROR)  # composed: errors of the run itself are reported as hydra reports them
     try:
         check_only(config) if _CHECK_ONLY else run(config)
     except LaunchError as error:
@@ -602,14 +682,32 @@ def _main(config: DictConfig) -> None:
 
 
 _CHECK_ONLY = False
+_RAISE_COMPOSITION_ERRORS = False
+
+
+def composition_refusal(error: Exception) -> str:
+    """hydra's composition error (and the omegaconf error under it) in one line: ``Could not override 'a.b'. To append
+    to your config use +a.b=1 (Key 'b' is not in struct)``."""
+    cause = error.__cause__
+    detail = f" ({str(cause).splitlines()[0]})" if cause is not None and str(cause).strip() else ""
+    return " ".join(str(error).split()) + detail
 
 
 def main() -> None:
     """The command line: hydra's, plus ``--check-only`` (taken out before hydra parses the rest)."""
-    global _CHECK_ONLY
+    from hydra.errors import CompactHydraException
+
+    global _CHECK_ONLY, _RAISE_COMPOSITION_ERRORS
     _CHECK_ONLY = CHECK_ONLY_FLAG in sys.argv[1:]
-    sys.argv = [arg for arg in sys.argv if arg != CHECK_ONLY_FLAG]
-    _main()
+    sys.argv = [arg for arg in sys.argv if arg != CHECK_ONLY_FLAG] + (list(CHECK_ONLY_HYDRA) if _CHECK_ONLY else [])
+    _RAISE_COMPOSITION_ERRORS = HYDRA_FULL_ERROR not in os.environ
+    if _RAISE_COMPOSITION_ERRORS:
+        os.environ[HYDRA_FULL_ERROR] = "1"
+    try:
+        _main()
+    except CompactHydraException as error:  # overrides that do not parse or compose: before any check ran
+        print(f"rredcot_verl: {composition_refusal(error)}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@ and Monte-Carlo continuations (``estimators.segment_mc.monte_carlo_values``) (th
 
 Both run in the trainer process, with the same vLLM servers (and weights) that produced the step's rollouts: repairs
 before verl's old-log-prob pass, continuations after it (they need its entropies). They receive the step's traces
-(``StepTraces``) and a ``RolloutContext``: a ``generate`` function (the trainer passes one over verl's
-``LLMServerClient``; tests pass a fake), the step's rule reward, the tokenizer and the settings. Token accounting is
-returned as metrics so the cost can be compared with GRPO.
+(``StepTraces``) and its ``StepContext``, whose ``generate`` (the trainer's runs over verl's ``LLMServerClient``,
+:func:`server_generate`; tests pass a fake) and ``score`` (:func:`reward_function`) come from here. Token accounting
+is returned as metrics so the cost can be compared with GRPO.
 
-Every extra generation is judged with the reward verl gives the rollouts (:func:`reward_function`), and revision
-prompts are rendered with the dataset's ``data.apply_chat_template_kwargs`` as the rollouts' prompts are. The
-estimators import this module, so it imports none of them.
+Every extra generation is judged with the reward verl gives the rollouts (:func:`reward_function`); revision prompts
+are rendered with the dataset's ``data.apply_chat_template_kwargs`` as the rollouts' prompts are
+(``StepContext.chat_prompt_ids``). The estimators import this module, so it imports none of them.
 """
 
 from __future__ import annotations
@@ -18,66 +18,15 @@ import asyncio
 import inspect
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from verl.trainer.ppo.reward import get_custom_reward_fn
-from verl.utils.tokenizer import normalize_token_ids
-from verl.utils.tokenizer.chat_template import apply_chat_template
 
 from rredcot_verl.core.planning import TraceRecord
-from rredcot_verl.core.settings import RRedCoTSettings
 
 # (prompt ids, sampling params) -> objects with ``token_ids``, one per request, in order.
 GenerateFn = Callable[[list[tuple[list[int], dict]]], list[Any]]
-
-
-@dataclass
-class RolloutContext:
-    """What extra rollouts use: generation, scoring, tokenizer, settings and length budgets.
-
-    Attributes:
-        generate: runs every (prompt ids, sampling params) request; returns outputs with ``token_ids``.
-        score: the rollouts' reward ``score(data_source, solution_str, ground_truth, extra_info) -> float`` (the
-            trainer passes :func:`reward_function`'s).
-        tokenizer: the policy's tokenizer.
-        settings: ``algorithm.rredcot``.
-        max_prompt_length / max_response_length: ``data.max_prompt_length`` / ``data.max_response_length``.
-        seed: seeds the choice of IBPO references (the training step).
-        max_model_length: the rollout engine's context (prompt + generation) in tokens, from
-            :func:`engine_max_model_length`. It bounds IBPO's revision prompts, which hold a whole trace and a
-            reference and so cannot live within ``data.max_prompt_length``. None: ``max_prompt_length +
-            max_response_length``, a context every engine serving the step's rollouts provides (verl's vLLM server
-            may provide more), so nothing is sent that the server would have to cut short.
-        chat_template_kwargs: ``data.apply_chat_template_kwargs``, which verl renders the rollouts' prompts with (e.g.
-            Qwen3's ``enable_thinking``); revision prompts get them too.
-    """
-
-    generate: GenerateFn
-    score: Callable[..., float]
-    tokenizer: Any
-    settings: RRedCoTSettings
-    max_prompt_length: int
-    max_response_length: int
-    seed: int
-    max_model_length: int | None = None
-    chat_template_kwargs: dict = field(default_factory=dict)
-
-    def engine_length(self) -> int:
-        """The context a request (prompt + generated tokens) may fill."""
-        if self.max_model_length is None:
-            return self.max_prompt_length + self.max_response_length
-        return self.max_model_length
-
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of a chat prompt as verl's agent loop renders a rollout's (``ContinuousTokenBuilder.
-        render_prompt``: verl's ``apply_chat_template`` with the dataset's kwargs, then ``normalize_token_ids``)."""
-        return normalize_token_ids(
-            apply_chat_template(
-                self.tokenizer, messages, tokenize=True, add_generation_prompt=True, **self.chat_template_kwargs
-            )
-        )
 
 
 def engine_max_model_length(config) -> int:

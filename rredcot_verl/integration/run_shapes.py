@@ -8,14 +8,18 @@ matrix (``benchmarks/support_matrix.py``, docs/usage.md) records each shape's ou
 
 from __future__ import annotations
 
+import copy
+import os
 from collections.abc import Callable
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from rredcot_verl.core.model_support import value_pass_refusal
 from rredcot_verl.core.settings import settings_from_config
-from rredcot_verl.integration.estimators import EngineUse
+from rredcot_verl.integration.estimators import generates
 from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE
+from rredcot_verl.integration.estimators.segment_mc import CONTINUATION_STAGE
 
 # verl's agent loop for plain single-turn generation; any other loop (tool_agent, a custom one) returns multi-turn
 # trajectories whose response_mask has holes over the tool output and template tokens between turns.
@@ -43,43 +47,58 @@ def megatron(config: DictConfig, spec, hf_config) -> str | None:
     return None
 
 
-def attention_kind(config: DictConfig, spec, hf_config) -> str | None:
-    """The value pass scores probes with its own packed attention mask: full causal attention without logit
-    softcapping, which sliding-window / hybrid-attention layers and softcapped logits are not."""
+def value_pass_model(config: DictConfig, spec, hf_config) -> str | None:
+    """A model the value pass cannot score exactly (``core.model_support.value_pass_refusal``, the predicate the value
+    pass itself checks before scoring), read from the model's config with verl's ``override_config`` applied."""
     if not spec.uses_value_pass or hf_config is None:
         return None
-    model_type = getattr(hf_config, "model_type", "?")
-    layer_types = getattr(hf_config, "layer_types", None)
-    other = sorted({str(kind) for kind in layer_types or () if str(kind) != "full_attention"})
-    # Where a config lists its layer types, those say which layers use sliding_window; older configs say it globally.
-    windowed = (
-        layer_types is None
-        and getattr(hf_config, "sliding_window", None) is not None
-        and getattr(hf_config, "use_sliding_window", True)
-    )
-    if other or windowed:
-        kinds = ", ".join(other) if other else f"sliding_window={hf_config.sliding_window}"
+    from verl.utils.model import update_model_config
+
+    overrides = _get(config, "actor_rollout_ref.model.override_config", {})
+    if isinstance(overrides, DictConfig):
+        overrides = OmegaConf.to_container(overrides, resolve=True)
+    hf_config = copy.deepcopy(hf_config)
+    # As verl's HFModelConfig applies them to the actor's config (workers/config/model.py).
+    update_model_config(hf_config, overrides.get("model_config", overrides))
+    refusal = value_pass_refusal(hf_config)
+    if refusal is not None:
         return (
-            f"actor_rollout_ref.model.path is a {model_type} model with {kinds} attention layers, which the segment "
-            f"value pass of algorithm.adv_estimator={spec.name} does not support (full causal attention only); use "
-            "adv_estimator=ibpo or a full-attention model"
-        )
-    capped = [name for name in ("attn_logit_softcapping", "final_logit_softcapping") if getattr(hf_config, name, None)]
-    if capped:
-        return (
-            f"actor_rollout_ref.model.path is a {model_type} model with {' and '.join(capped)}, which the segment "
-            f"value pass of algorithm.adv_estimator={spec.name} does not apply; use adv_estimator=ibpo or another model"
+            f"actor_rollout_ref.model.path is a {getattr(hf_config, 'model_type', '?')} model with {refusal}: the "
+            f"segment value pass of algorithm.adv_estimator={spec.name} cannot score it exactly; use "
+            "adv_estimator=ibpo or another model"
         )
     return None
 
 
+def training_agent_loops(config: DictConfig) -> set[str]:
+    """The agent loops verl 0.9.1 runs for the training rows: a file with an ``agent_name`` column runs each row's
+    own loop, one without it ``agent.default_agent_loop`` (verl's agent-loop worker). The whole column of every local
+    training file (one column of a parquet file: cheap); a remote file, which verl copies at start, counts as the
+    default."""
+    import pyarrow.parquet as pq
+
+    default = str(_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", SINGLE_TURN_AGENT_LOOP))
+    files = _get(config, "data.train_files", [])
+    loops: set[str] = set()
+    for file in [files] if isinstance(files, str) else list(files):
+        local = "://" not in str(file) and os.path.isfile(str(file))
+        if not local or "agent_name" not in pq.read_schema(file).names:
+            loops.add(default)
+            continue
+        loops |= {str(name) for name in pq.read_table(file, columns=["agent_name"]).column(0).to_pylist()}
+    return loops or {default}
+
+
 def multi_turn_key(config: DictConfig) -> str | None:
-    """The setting that makes rollouts multi-turn (verl's tool agent loop), as ``key=value``; None for single-turn."""
-    agent_loop = str(_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", SINGLE_TURN_AGENT_LOOP))
-    if bool(_get(config, "actor_rollout_ref.rollout.multi_turn.enable", False)):
-        return "actor_rollout_ref.rollout.multi_turn.enable=true"
-    if agent_loop != SINGLE_TURN_AGENT_LOOP:
-        return f"actor_rollout_ref.rollout.agent.default_agent_loop={agent_loop}"
+    """The setting that makes rollouts multi-turn (an agent loop other than the single-turn one, chosen by the config
+    or by the training rows as verl chooses it), as ``key=value``; None for single-turn. verl's V1 trainer never reads
+    ``rollout.multi_turn.enable`` (only its legacy trainer does, refused here), so that flag alone changes nothing."""
+    default = str(_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", SINGLE_TURN_AGENT_LOOP))
+    loops = training_agent_loops(config) - {SINGLE_TURN_AGENT_LOOP}
+    if default in loops:
+        return f"actor_rollout_ref.rollout.agent.default_agent_loop={default}"
+    if loops:
+        return f"data.train_files rows with agent_name={sorted(loops)[0]}"
     if _get(config, "actor_rollout_ref.rollout.agent.agent_loop_config_path"):
         return "actor_rollout_ref.rollout.agent.agent_loop_config_path"
     return None
@@ -96,7 +115,7 @@ def multi_turn(config: DictConfig, spec, hf_config) -> str | None:
         return None
     settings = settings_from_config(_get(config, "algorithm"))
     stages = spec.stages(settings)
-    if any(stage.engine_use is not EngineUse.NONE for stage in stages):
+    if generates(stages):
         generated = "IBPO's repairs" if REPAIR_STAGE in stages else "Monte-Carlo continuations"
         source = settings.candidates.source
         estimator = (f"{spec.name} and algorithm.rredcot.candidates.source={source}" if spec.name == "rredcot"
@@ -115,6 +134,42 @@ def multi_turn(config: DictConfig, spec, hf_config) -> str | None:
             "GRPO); use probe.value_source=exit_probe"
         )
     return None
+
+
+def sampling(config: DictConfig, spec, hf_config) -> str | None:
+    """Values and extra generations of another policy than the rollouts': the value pass scores probes under
+    softmax(logits / rollout temperature) over the whole vocabulary, and IBPO's repairs and ``segment_mc``'s
+    continuations sample at their own temperature with neither top-p nor top-k. A temperature that differs from the
+    rollout's, or a rollout that truncates its distribution (top_p < 1, top_k > 0), would make every value one of
+    another policy."""
+    rollout = "actor_rollout_ref.rollout"
+    temperature = float(_get(config, f"{rollout}.temperature", 1.0))
+    settings = settings_from_config(_get(config, "algorithm"))
+    stages = spec.stages(settings)
+    own_temperatures = []
+    if REPAIR_STAGE in stages:
+        own_temperatures.append(("ibpo.revision_temperature", settings.ibpo.revision_temperature, "IBPO's repairs"))
+    if CONTINUATION_STAGE in stages:
+        own_temperatures.append(("segment_mc.temperature", settings.segment_mc.temperature, "the continuations"))
+    for key, value, generated in own_temperatures:
+        if float(value) != temperature:
+            return (
+                f"algorithm.rredcot.{key}={value:g} differs from {rollout}.temperature={temperature:g}: {generated} "
+                f"would sample another policy than the rollouts; set algorithm.rredcot.{key}={temperature:g} (or "
+                f"${{{rollout}.temperature}})"
+            )
+    top_p, top_k = float(_get(config, f"{rollout}.top_p", 1.0)), int(_get(config, f"{rollout}.top_k", -1))
+    truncation = f"{rollout}.top_p={top_p:g}" if top_p < 1.0 else (f"{rollout}.top_k={top_k}" if top_k > 0 else None)
+    if truncation is None:
+        return None
+    uses = (("the value pass's probes", spec.uses_value_pass), ("IBPO's repairs", REPAIR_STAGE in stages),
+            ("the Monte-Carlo continuations", CONTINUATION_STAGE in stages))
+    readers = [name for name, used in uses if used]
+    return (
+        f"{truncation} is not supported with algorithm.adv_estimator={spec.name}: {' and '.join(readers)} use the "
+        f"policy's whole distribution at the rollout temperature, not the truncated one the rollouts sample; set "
+        f"{rollout}.top_p=1 and {rollout}.top_k=-1"
+    )
 
 
 def bypass_mode(config: DictConfig, spec, hf_config) -> str | None:
@@ -159,6 +214,27 @@ def kl_in_reward(config: DictConfig, spec, hf_config) -> str | None:
     return None
 
 
+def overlong_penalty(config: DictConfig, spec, hf_config) -> str | None:
+    """DAPO's reward manager subtracts a penalty from responses that run into its overlong buffer: a right answer then
+    scores below the top of ``reward_range`` (not correct) and a wrong one below its bottom (a fallback), exactly as
+    KL in the reward moves outcomes off the scale. verl reads it from ``reward.reward_kwargs`` (or the legacy
+    ``reward_model.reward_kwargs``, which it moves there) with the ``dapo`` reward manager."""
+    manager = _get(config, "reward.reward_manager.name", "naive")
+    legacy_manager = _get(config, "reward_model.reward_manager", None)
+    kwargs_key = "reward.reward_kwargs"
+    if _get(config, "reward_model.reward_kwargs", None) is not None:  # verl moves the legacy kwargs over the new ones
+        kwargs_key = "reward_model.reward_kwargs"
+    if str(legacy_manager or manager) != "dapo" or not bool(_get(config, f"{kwargs_key}.overlong_buffer_cfg.enable",
+                                                                  False)):  # fmt: skip
+        return None
+    return (
+        f"{kwargs_key}.overlong_buffer_cfg.enable=true (DAPO's overlong penalty) is not supported with "
+        f"algorithm.adv_estimator={spec.name}: it moves the outcomes it redistributes off "
+        "algorithm.rredcot.reward_range, as KL in the reward would; set it to false (data.max_response_length still "
+        "bounds the responses)"
+    )
+
+
 def critic(config: DictConfig, spec, hf_config) -> str | None:
     """The estimators write advantages directly; a critic's values and GAE would be trained and then unused."""
     if bool(_get(config, "critic.enable", False)):
@@ -182,8 +258,38 @@ def reward_model(config: DictConfig, spec, hf_config) -> str | None:
 
 # In the order a user meets them (trainer, rollout, reward, model); the launcher raises the first refusal.
 SHAPE_CHECKS: tuple[Callable[[DictConfig, Any, Any], str | None], ...] = (
-    legacy_trainer, bypass_mode, critic, group_size, multi_turn, kl_in_reward, reward_model, megatron, attention_kind,
+    legacy_trainer, bypass_mode, critic, group_size, multi_turn, sampling, kl_in_reward, overlong_penalty, reward_model,
+    megatron, value_pass_model,
 )  # fmt: skip
+
+
+def micro_batches(config: DictConfig) -> str | None:
+    """verl splits each rank's traces into micro batches without a remainder when it does not balance them by length
+    (``use_dynamic_bsz`` off): its log-prob pass and its update assert it after the first rollouts. Checked here for
+    every estimator, verl's included, so that a step's trace count (prompts x ``rollout.n``) that does not split
+    stops before Ray starts."""
+    n = int(_get(config, "actor_rollout_ref.rollout.n", 1))
+    ranks = int(_get(config, "trainer.n_gpus_per_node", 1)) * int(_get(config, "trainer.nnodes", 1))
+    data_parallel = max(ranks // int(_get(config, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1)), 1)
+    passes = (
+        ("data.train_batch_size", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+         "actor_rollout_ref.actor.use_dynamic_bsz"),
+    )
+    for prompts_key, micro_key, dynamic_key in passes:
+        prompts, micro = _get(config, prompts_key), _get(config, micro_key)
+        if prompts is None or micro is None or _get(config, dynamic_key, False):
+            continue
+        traces = int(prompts) * n
+        if traces % data_parallel == 0 and (traces // data_parallel) % int(micro) != 0:
+            per_rank = traces // data_parallel
+            return (
+                f"{micro_key}={micro} does not divide the {per_rank} traces a rank gets ({prompts_key}={prompts} x "
+                f"actor_rollout_ref.rollout.n={n} over {data_parallel} data-parallel ranks): verl would stop at the "
+                f"first log-prob pass or update; choose a divisor of {per_rank} or set {dynamic_key}=true"
+            )
+    return None
 
 
 def shape_refusal(config: DictConfig, spec, hf_config) -> str | None:

@@ -3,8 +3,8 @@
 Registered as ``trainer.v1.trainer_mode=rredcot`` (the launcher selects it); to verl's base class it is a sync trainer
 (sync replay buffer, the configured ``data.gen_batch_size``, sync checkpoints and resume). Compared with verl's
 ``PPOTrainerSync``:
-- the actor worker class gains ``compute_segment_data`` (``workers.py``);
-- the estimator's stages (its ``SPEC`` in ``estimators/``) write its per-trace fields, given the step's
+- the actor worker class gains ``value_pass`` (``workers.py``);
+- the estimator's stages (its ``SPEC`` in ``estimators/``) write its per-trace inputs, given the step's
   ``StepContext``: ``rredcot`` plans probes from the whole batch after verl's old-log-prob pass and scores them on the
   actor; ``ibpo`` generates repairs through the rollout engine before that pass; ``rredcot_ibpo`` (and ``rredcot``
   with a repair-filled bank) does both, in that order; ``segment_mc`` needs the pass's entropies for its boundaries,
@@ -13,9 +13,10 @@ Registered as ``trainer.v1.trainer_mode=rredcot`` (the launcher selects it); to 
   (``EngineUse``);
 - every step counts the groups that verl's agent loop lost to an exception and stops the run past
   ``algorithm.rredcot.max_failed_group_share`` (``failures.py``);
-- the advantage step passes those fields to the registered estimator (``estimators.estimator_inputs``), with the
-  value gate's window of recent batches (``core.concordance.ConcordanceWindow``), which is saved with verl's
-  checkpoints (``value_gate.json`` in each ``global_step_*`` folder) and restored on resume.
+- the advantage step builds the step's ``AdvantageBatch`` (outcomes, mask, uids, the stages' inputs and the value
+  gate's window of recent batches, ``core.concordance.ConcordanceWindow``) and calls the estimator's advantage
+  function on it; the window is saved with verl's checkpoints (``value_gate.json`` in each ``global_step_*`` folder)
+  and restored on resume.
 For ``grpo`` and every other estimator (no entry in ``ESTIMATORS``) it behaves exactly like ``PPOTrainerSync``.
 """
 
@@ -32,17 +33,23 @@ import ray
 import torch
 import transfer_queue as tq
 from tensordict import TensorDict
+from verl import DataProto
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
+from verl.workers.utils.padding import response_to_nested
 
 from rredcot_verl.compat import REPLAY_POLL_INTERVAL_S, cpu_mode_requested
 from rredcot_verl.core.concordance import ConcordanceWindow
+from rredcot_verl.core.outcomes import first_batch_scale_refusal
+from rredcot_verl.core.planning import records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration import failures, rollouts
-from rredcot_verl.core.planning import records_from_arrays
-from rredcot_verl.integration.estimators import ESTIMATORS, EngineUse, Stage, StepContext, StepTraces, estimator_inputs
+from rredcot_verl.integration.estimators import (
+    ESTIMATORS, AdvantageBatch, AdvantageResult, EngineUse, Stage, StepContext, StepTraces, generates,
+)
 from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
 from rredcot_verl.tasks import resolve_task
 
@@ -73,16 +80,59 @@ def _non_tensor(data: TensorDict, key: str):
     return list(value.tolist() if hasattr(value, "tolist") and not isinstance(value, list) else value)
 
 
-# The registered name selects this class (``trainer.v1.trainer_mode=rredcot``, set by the launcher); inside verl's base
-# class the trainer presents itself as "sync" (``SYNC_MODE``).
+def step_traces(data, with_entropy: bool) -> StepTraces:
+    """The step's traces (``StepTraces``) from the fields TransferQueue holds for them (ragged tensors, read without
+    padding them; non-tensor lists), with the log-prob pass's ``entropy`` when ``with_entropy``."""
+    masks = [mask.bool() for mask in _rows(data["response_mask"])]
+    lengths = _response_lengths(masks, ragged=bool(getattr(data["response_mask"], "is_nested", False)))
+    # Rows stay whole: a multi-turn response keeps its tool output and template tokens (mask 0), the context the
+    # policy saw, and carries its mask; a response without holes carries none and reads as before.
+    # Each trace owns its tensors: a row of a batch tensor is a view of the whole batch's storage, and a view
+    # pickles that whole storage, so the value pass's request (every plan's tensors) grew as the batch squared.
+    masks = [mask[:length].clone() for mask, length in zip(masks, lengths)]
+    cut = lambda rows: [row[:length].clone() for row, length in zip(rows, lengths)]  # noqa: E731
+    records = records_from_arrays(
+        prompts=[row.clone() for row in _rows(data["prompts"])],
+        responses=cut(_rows(data["responses"])),
+        entropies=[row.float() for row in cut(_rows(data["entropy"]))] if with_entropy else None,
+        response_masks=[None if mask.all() else mask for mask in masks],
+        outcomes=[float(row.float().sum()) for row in _rows(data["rm_scores"])],
+        groups=_non_tensor(data, "uid"),
+        reward_models=_non_tensor(data, "reward_model"),
+        extra_infos=_non_tensor(data, "extra_info"),
+        raw_prompts=_non_tensor(data, "raw_prompt"),
+        data_sources=_non_tensor(data, "data_source"),
+    )
+    responses = data["responses"]
+    width = max((row.numel() for row in _rows(responses)), default=0) if responses.is_nested else responses.size(1)
+    return StepTraces(records, response_width=width)
+
+
+# The registered name selects this class (``trainer.v1.trainer_mode=rredcot``, set by the launcher); once built, the
+# trainer's config names verl's "sync" mode (``SYNC_MODE``), which is what it is to verl.
 TRAINER_NAME = "rredcot"
 SYNC_MODE = "sync"
 VALUE_GATE_FILE = "value_gate.json"
 
 
+class RewardScaleError(ValueError):
+    """The first batch's outcomes are on another scale than ``algorithm.rredcot.reward_range``."""
+
+
 @register_trainer(TRAINER_NAME)
 class SegmentCreditTrainer(PPOTrainerSync):
     def __init__(self, config):
+        # The registered name selected this class (verl's TaskRunner reads trainer.v1.trainer_mode before building
+        # it); from here on the mode is "sync" for verl: its base class takes its async paths (ReplayBufferAsync,
+        # data.gen_batch_size forced to 1, prompts persisted in TransferQueue and TransferQueue checkpoints) for any
+        # other name, and reads trainer.v1.<mode> sections by it. tests/test_trainer_mode_on_cpu.py checks that verl
+        # reads the mode nowhere else.
+        mode = str(config.trainer.v1.trainer_mode)
+        if mode != TRAINER_NAME:
+            raise ValueError(
+                f"SegmentCreditTrainer is selected by trainer.v1.trainer_mode={TRAINER_NAME}, got {mode!r}"
+            )
+        config.trainer.v1.trainer_mode = SYNC_MODE
         self.estimator = str(config.algorithm.adv_estimator)
         self.spec = ESTIMATORS.get(self.estimator)
         self.settings = settings_from_config(config.algorithm)
@@ -90,81 +140,24 @@ class SegmentCreditTrainer(PPOTrainerSync):
         self.task = resolve_task(self.settings.task)
         self.value_window = ConcordanceWindow(self.settings.redistribution.concordance_window)
         self.value_gate_open = True
-        self.sampled_groups: failures.GroupCount | None = None  # the last training batch's, set by the replay buffer
+        self.outcome_scale_checked = False
         super().__init__(config)
 
-    # Overrides of verl's PPOTrainer / PPOTrainerSync methods: each says which one it replaces and why; everything
-    # else is verl's own.
-
-    # Replaces the ``trainer_mode`` attribute PPOTrainer.__init__ assigns from ``trainer.v1.trainer_mode`` (our
-    # registered name): verl takes its async paths for anything but "sync" (ReplayBufferAsync, data.gen_batch_size
-    # forced to 1, prompts persisted in TransferQueue and TransferQueue checkpoints on save/resume). This trainer is
-    # verl's sync trainer plus hooks, so the base class must see "sync"; ``trainer.v1.sync`` is then also the config
-    # section it reads (parameter_sync_step), as for PPOTrainerSync. tests/test_trainer_mode_on_cpu.py fails when verl
-    # starts reading the mode some other way.
-    @property
-    def trainer_mode(self) -> str:
-        return SYNC_MODE
-
-    @trainer_mode.setter
-    def trainer_mode(self, name: str) -> None:
-        # PPOTrainer.__init__ assigns the configured mode; only our own name can select this class.
-        if name != TRAINER_NAME:
-            raise ValueError(f"SegmentCreditTrainer is selected by trainer.v1.trainer_mode={TRAINER_NAME}, got {name!r}")
+    # Overrides of verl's PPOTrainer / PPOTrainerSync members, each with why it must be there; everything else is
+    # verl's own.
 
     def _build_replay_buffer(self):
-        """verl's ``PPOTrainer._build_replay_buffer``, wrapped: the sampled batch's keys count the prompt groups
-        verl's agent loop lost (``_check_rollout_failures``), and on CPU the poll interval is shortened."""
+        """verl's ``PPOTrainer._build_replay_buffer``; in CPU mode it polls for finished rollouts every
+        ``REPLAY_POLL_INTERVAL_S`` (steps of seconds on CPU: verl's 2 s poll would round them up, compat/cpu.py)."""
         replay_buffer = super()._build_replay_buffer()
-        if cpu_mode_requested():  # steps of seconds on CPU: verl's 2 s poll would round them up (compat/cpu.py)
+        if cpu_mode_requested():
             replay_buffer.poll_interval = REPLAY_POLL_INTERVAL_S
-        sample = replay_buffer.sample
-
-        def sample_and_count(global_steps: int, partition_id: str, batch_size: int):
-            batch, metrics = sample(global_steps=global_steps, partition_id=partition_id, batch_size=batch_size)
-            if partition_id == "train":
-                self.sampled_groups = failures.count_groups(
-                    batch.keys, batch_size, int(self.config.actor_rollout_ref.rollout.n)
-                )
-            return batch, metrics
-
-        replay_buffer.sample = sample_and_count
         return replay_buffer
 
-    def _init_dataloader(self):
-        """verl's ``PPOTrainer._init_dataloader``, with an empty dataset's failure named (torch's message does not)."""
-        try:
-            super()._init_dataloader()
-        except ValueError as error:
-            # An empty dataset fails in torch's RandomSampler ("num_samples=0") with nothing naming the cause.
-            for split in ("train", "val"):
-                dataset = getattr(self, f"{split}_dataset", None)
-                if dataset is not None and len(dataset) == 0:
-                    raise ValueError(
-                        f"the {split} dataset is empty after verl's filtering: every prompt is longer than "
-                        f"data.max_prompt_length={self.config.data.max_prompt_length} tokens with the chat template "
-                        "(raise data.max_prompt_length, or set data.filter_overlong_prompts=false to truncate)"
-                    ) from error
-            raise
-
-    def _init_tokenizer(self):
-        """verl's ``PPOTrainer._init_tokenizer``, plus the segmentation's token tables the stages need."""
-        super()._init_tokenizer()
-        # The tokenizer exists from here on (verl loads it in init(), not in __init__).
-        self.boundary_vocab = self.settings.boundary_vocab(self.tokenizer)
-
-    def step_context(self) -> StepContext:
-        """What the estimator's stages get from this step (one context per step: it carries between them)."""
-        return StepContext(
-            settings=self.settings,
-            tokenizer=self.tokenizer,
-            task=self.task,
-            boundary_vocab=self.boundary_vocab,
-            step=int(self.global_steps),
-            temperature=float(self.config.actor_rollout_ref.rollout.temperature),
-            rollout=self.rollout_context,
-            value_pass=self.actor_rollout_wg.compute_segment_data,
-        )
+    @functools.cached_property
+    def boundary_vocab(self):
+        """The segmentation's token tables for the policy's tokenizer (verl loads it in ``init()``)."""
+        return self.settings.boundary_vocab(self.tokenizer)
 
     @functools.cached_property
     def engine_max_model_length(self) -> int:
@@ -172,21 +165,36 @@ class SegmentCreditTrainer(PPOTrainerSync):
         # (or a cache lookup) that must not repeat every step.
         return rollouts.engine_max_model_length(self.config)
 
-    def rollout_context(self) -> rollouts.RolloutContext:
-        return rollouts.RolloutContext(
-            generate=rollouts.server_generate(self.get_llm_client()),
-            score=rollouts.reward_function(self.config),
-            tokenizer=self.tokenizer,
+    @functools.cached_property
+    def reward_score(self):
+        """The rollouts' reward, for the extra generations (``rollouts.reward_function``)."""
+        return rollouts.reward_function(self.config)
+
+    def step_context(self) -> StepContext:
+        """What the estimator's stages get from this step (one context per step: it carries between them). The rollout
+        engine, the reward and the engine's context only where a stage generates: the reward needs
+        ``reward.custom_reward_function``, which the launcher asks for only then (the same ``generates``)."""
+        context = StepContext(
             settings=self.settings,
+            tokenizer=self.tokenizer,
+            step=int(self.global_steps),
+            temperature=float(self.config.actor_rollout_ref.rollout.temperature),
+            task=self.task,
+            boundary_vocab=self.boundary_vocab,
+            value_pass=self.actor_rollout_wg.value_pass,
             max_prompt_length=int(self.config.data.max_prompt_length),
             max_response_length=int(self.config.data.max_response_length),
-            seed=int(self.global_steps),
-            max_model_length=self.engine_max_model_length,
             chat_template_kwargs=dict(self.config.data.get("apply_chat_template_kwargs", None) or {}),
         )
+        if generates(self.stages):
+            context.generate = rollouts.server_generate(self.get_llm_client())
+            context.score = self.reward_score
+            context.max_model_length = self.engine_max_model_length
+        return context
 
     def _init_resource_pool_mgr(self):
-        """verl's ``PPOTrainer._init_resource_pool_mgr``, with the actor worker class that has the value pass."""
+        """verl's ``PPOTrainer._init_resource_pool_mgr``, with the actor worker class that has the value pass (verl
+        builds the workers from ``role_worker_mapping``, which only this hook sees before they start)."""
         super()._init_resource_pool_mgr()
         for role in (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef):
             if role in self.role_worker_mapping:
@@ -198,7 +206,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
 
     def on_sample_end(self):
         """``PPOTrainerSync.on_sample_end`` (the replicas sleep), deferred when a stage generates before the log-prob
-        pass."""
+        pass (verl's step calls it right after sampling, before any hook of ours)."""
         # A stage that generates before the log-prob pass needs the replicas awake until it is done; they are put
         # to sleep in _compute_old_log_prob, before the actor's first forward.
         if not self._stages((EngineUse.BEFORE_LOG_PROB_PASS,)):
@@ -207,54 +215,38 @@ class SegmentCreditTrainer(PPOTrainerSync):
     def _fetch(self, batch, fields) -> TensorDict:
         return tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(fields))
 
-    def _put(self, batch, tensors: dict[str, torch.Tensor]) -> None:
-        tq.kv_batch_put(
+    def _put(self, batch, tensors: dict[str, torch.Tensor]):
+        """Write ``tensors`` to the batch's rows; returns TransferQueue's batch metadata with them."""
+        return tq.kv_batch_put(
             keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(tensors, batch_size=len(batch))
         )
 
     def _trace_batch(self, batch, with_entropy: bool) -> StepTraces:
-        """The step's traces (``StepTraces``), read once from TransferQueue's ragged tensors without padding them;
-        with the log-prob pass's entropies when ``with_entropy``."""
+        """The step's traces, read once from TransferQueue (``step_traces``); with the log-prob pass's entropies when
+        ``with_entropy``."""
         fields = ["prompts", "responses", "response_mask", "rm_scores", "uid", "reward_model", "extra_info",
                   "data_source", "raw_prompt"]  # fmt: skip
-        data = self._fetch(batch, [*fields, "entropy"] if with_entropy else fields)
-        masks = [mask.bool() for mask in _rows(data["response_mask"])]
-        lengths = _response_lengths(masks, ragged=bool(getattr(data["response_mask"], "is_nested", False)))
-        # Rows stay whole: a multi-turn response keeps its tool output and template tokens (mask 0), the context the
-        # policy saw, and carries its mask; a response without holes carries none and reads as before.
-        masks = [mask[:length] for mask, length in zip(masks, lengths)]
-        cut = lambda rows: [row[:length] for row, length in zip(rows, lengths)]  # noqa: E731
-        records = records_from_arrays(
-            prompts=_rows(data["prompts"]),
-            responses=cut(_rows(data["responses"])),
-            entropies=[row.float() for row in cut(_rows(data["entropy"]))] if with_entropy else None,
-            response_masks=[None if mask.all() else mask for mask in masks],
-            outcomes=[float(row.float().sum()) for row in _rows(data["rm_scores"])],
-            groups=_non_tensor(data, "uid"),
-            reward_models=_non_tensor(data, "reward_model"),
-            extra_infos=_non_tensor(data, "extra_info"),
-            raw_prompts=_non_tensor(data, "raw_prompt"),
-            data_sources=_non_tensor(data, "data_source"),
-        )
-        responses = data["responses"]
-        width = max((row.numel() for row in _rows(responses)), default=0) if responses.is_nested else responses.size(1)
-        return StepTraces(records, response_width=width)
+        return step_traces(self._fetch(batch, [*fields, "entropy"] if with_entropy else fields), with_entropy)
 
     def _produce(self, stage: Stage, context: StepContext, batch, metrics: dict, with_entropy: bool) -> None:
-        """Run one stage on the step's traces and write its fields of the estimator to the batch."""
+        """Run one stage on the step's traces and write its inputs of the estimator to the batch, under their batch
+        keys (``AdvantageBatch.BATCH_KEYS``)."""
         with marked_timer(f"{self.estimator}_inputs", self.timing_raw, color="purple"):
             started = time.perf_counter()
-            tensors, extra_metrics = stage.produce(context, self._trace_batch(batch, with_entropy))
-            self._put(batch, {key: tensors[key] for key in self.spec.fields if key in tensors})
+            inputs, extra_metrics = stage.produce(context, self._trace_batch(batch, with_entropy))
+            keys = AdvantageBatch.BATCH_KEYS
+            self._put(batch, {keys[name]: inputs[name] for name in self.spec.inputs if name in inputs})
             key = f"{self.estimator}/inputs_time_s"
             extra_metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - started
             metrics.update(extra_metrics)
 
-    def _check_rollout_failures(self, metrics: dict) -> None:
-        """Log the groups verl's agent loop lost this step; stop the run when they pass the configured share."""
-        count = self.sampled_groups
-        if count is None:
-            return
+    def _check_rollout_failures(self, batch, metrics: dict) -> None:
+        """Log the groups verl's agent loop lost in the sampled batch; stop the run when they pass the configured
+        share. The batch holds the traces the replay buffer sampled (verl's ``_balance_batch`` adds padding rows,
+        tagged ``is_padding``) for ``train_batch_size // parameter_sync_step`` prompts, as verl's ``step`` asks."""
+        keys = [key for key, tag in zip(batch.keys, batch.tags) if not tag.get("is_padding", False)]
+        requested = int(self.config.data.train_batch_size) // self.parameter_sync_step
+        count = failures.count_groups(keys, requested, int(self.config.actor_rollout_ref.rollout.n))
         metrics["rollout/failed_groups"] = float(count.failed)
         metrics["rollout/failed_group_share"] = count.share
         metrics["rollout/missing_traces"] = float(count.missing_traces)
@@ -266,14 +258,27 @@ class SegmentCreditTrainer(PPOTrainerSync):
                 f"First error:\n{failures.first_error() or '(not recorded; see Error in _run_prompt in the log)'}"
             )
 
+    def _check_first_outcome_scale(self, batch) -> None:
+        """Stop the run at its first batch when the outcomes lie mostly outside ``algorithm.rredcot.reward_range``
+        (a reward on another scale), before any extra generation or value pass is paid for; later outliers are the
+        estimators' counted fallbacks."""
+        if self.outcome_scale_checked:
+            return
+        self.outcome_scale_checked = True
+        outcomes = [float(row.float().sum()) for row in _rows(self._fetch(batch, ["rm_scores"])["rm_scores"])]
+        refusal = first_batch_scale_refusal(outcomes, self.settings.reward_range)
+        if refusal:
+            raise RewardScaleError(f"step {self.global_steps}: {refusal}")
+
     def _compute_old_log_prob(self, batch, metrics: dict):
         """verl's ``PPOTrainer._compute_old_log_prob`` (step 4, old log-probs), with the estimator's stages before and
         after it (``EngineUse``): the stages write the estimator's inputs, and only this step sees the engine awake
-        and the pass's entropies."""
+        and the pass's entropies (verl has no hook between sampling and the actor's first forward)."""
         # 1. the groups verl's agent loop lost this step: logged, and the run stopped past the configured share
-        self._check_rollout_failures(metrics)
+        self._check_rollout_failures(batch, metrics)
         if self.spec is None:
             return super()._compute_old_log_prob(batch, metrics)
+        self._check_first_outcome_scale(batch)
         context = self.step_context()
         # 2. stages that need only outcomes generate while the engine is still awake, then the engine sleeps
         before = self._stages((EngineUse.BEFORE_LOG_PROB_PASS,))
@@ -295,22 +300,62 @@ class SegmentCreditTrainer(PPOTrainerSync):
         return batch
 
     def _compute_advantage(self, batch, metrics: dict):
-        """verl's ``PPOTrainer._compute_advantage``, run inside ``estimator_inputs``: verl passes a registered
-        estimator only rewards, mask and uids, so the estimator's inputs and the value gate's window travel beside
-        it; its metrics, the window and the snapshot are taken from the record after."""
-        fields = self.spec.fields if self.spec is not None else ()
-        data = self._fetch(batch, ["uid", *fields])
-        uid = np.array(_non_tensor(data, "uid"), dtype=object)
-        tensors = {key: _padded(data[key]) for key in fields}
-        with estimator_inputs(uid, tensors, self.value_window.pooled()) as record:
+        """verl's ``PPOTrainer._compute_advantage`` for verl's estimators. For this package's, the same steps with the
+        estimator's advantage function called here on the step's ``AdvantageBatch`` (verl would pass a registered
+        estimator only rewards, mask and uids); its metrics, the value gate's window and the snapshot are taken from
+        its result."""
+        if self.spec is None:
             batch = super()._compute_advantage(batch, metrics)
-        metrics.update(record.metrics)
-        if "concordance" in record.details:
-            self.value_window.push(record.details["concordance"])
-            self._report_value_gate(record.metrics)
+            if self.settings.snapshot_due(self.global_steps):
+                self._write_snapshot(batch)
+            return batch
+        data = self._fetch(batch, ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs"])
+        ragged_mask = data["response_mask"]
+        step = DataProto.from_dict(
+            tensors={key: _padded(data[key]) for key in data.keys() if key != "uid"},
+            non_tensors={"uid": np.array(_non_tensor(data, "uid"), dtype=object)},
+        )
+        # 1. KL penalty in the reward: refused at launch for these estimators (run_shapes.kl_in_reward).
+        # 2. rollout correction (IS weights, rejection sampling on the mask), as verl applies it; its bypass mode is
+        #    refused at launch (run_shapes.bypass_mode).
+        correction = self.config.algorithm.get("rollout_correction", None)
+        corrected = correction is not None and "rollout_log_probs" in step.batch.keys()
+        if corrected:
+            step, correction_metrics = compute_rollout_correction_and_add_to_batch(step, correction)
+            metrics.update(correction_metrics)
+        # 3. the estimator, on the step's batch with the inputs its stages wrote
+        advantage_batch = self._advantage_batch(batch, step)
+        result = self.spec.advantage(advantage_batch, self.settings)
+        # 4. advantages and returns back to TransferQueue, ragged (with the corrected mask and weights, as verl)
+        outputs = {"advantages": result.advantages, "returns": result.returns}
+        if corrected:
+            outputs["response_mask"] = step.batch["response_mask"]
+            if "rollout_is_weights" in step.batch.keys():
+                outputs["rollout_is_weights"] = step.batch["rollout_is_weights"]
+        batch = self._put(batch, {key: response_to_nested(value, ragged_mask) for key, value in outputs.items()})
+        metrics.update(result.metrics)
+        if result.concordance is not None:
+            self.value_window.push(result.concordance)
+            self._report_value_gate(result.metrics)
         if self.settings.snapshot_due(self.global_steps):
-            self._write_snapshot(batch, tensors, record.details)
+            self._write_snapshot(batch, advantage_batch, result)
         return batch
+
+    def _advantage_batch(self, batch, step: DataProto) -> AdvantageBatch:
+        """The step's ``AdvantageBatch``: outcomes, mask and uids from verl's padded fields, the estimator's inputs
+        read back from their batch keys (rows checked against the uids), the value gate's window."""
+        uid = step.non_tensor_batch["uid"]
+        keys = self.spec.batch_keys
+        data = self._fetch(batch, ["uid", *keys])
+        if not np.array_equal(np.array(_non_tensor(data, "uid"), dtype=object), uid):
+            raise ValueError(f"adv_estimator={self.estimator!r}: its inputs' rows do not match the batch's uid order")
+        return AdvantageBatch(
+            scores=step.batch["rm_scores"].sum(dim=-1),
+            response_mask=step.batch["response_mask"],
+            index=uid,
+            prior_concordance=self.value_window.pooled(),
+            **{name: _padded(data[key]) for name, key in zip(self.spec.inputs, keys)},
+        )
 
     def _report_value_gate(self, step_metrics: dict) -> None:
         """Say in the log when the value gate closes or opens again (the metrics carry it every step)."""
@@ -352,15 +397,24 @@ class SegmentCreditTrainer(PPOTrainerSync):
         else:
             logger.warning("no %s in %s: the value gate's window starts empty", VALUE_GATE_FILE, folder)
 
-    def _write_snapshot(self, batch, tensors: dict, details: dict) -> None:
-        """The step's traces with segment data and token advantages, for the credit report (at most
-        ``snapshot_max_traces``: whole prompt groups, the same rows as the step's ``_plans.pt``)."""
+    def _write_snapshot(
+        self, batch, inputs: AdvantageBatch | None = None, result: AdvantageResult | None = None
+    ) -> None:
+        """The step's traces with the estimator's inputs (under their batch keys), its per-trace details and the token
+        advantages, for the credit report (at most ``snapshot_max_traces``: whole prompt groups, the same rows as the
+        step's ``_plans.pt``)."""
         data = self._fetch(batch, ["prompts", "responses", "advantages", "rm_scores", "uid", "extra_info"])
         decode = self.tokenizer.decode
         prompts, responses = list(data["prompts"].unbind(0)), list(data["responses"].unbind(0))
         advantages, scores = list(data["advantages"].unbind(0)), list(data["rm_scores"].unbind(0))
         extra = _non_tensor(data, "extra_info") or [None] * len(batch)
         uids = _non_tensor(data, "uid")
+        per_trace = {}
+        if inputs is not None:
+            per_trace.update({AdvantageBatch.BATCH_KEYS[name]: getattr(inputs, name) for name in self.spec.inputs})
+        for key in ("values", "segment_rewards"):
+            if result is not None and getattr(result, key) is not None:
+                per_trace[key] = getattr(result, key)
         rows = []
         for i in self.settings.snapshot_rows(uids):
             response = responses[i].tolist()
@@ -373,11 +427,7 @@ class SegmentCreditTrainer(PPOTrainerSync):
                 "token_advantages": advantages[i].float().tolist()[: len(response)],
                 "extra_info": extra[i] if isinstance(extra[i], dict) else None,
             }
-            for key, tensor in tensors.items():
-                row[key] = tensor[i].tolist()
-            for key in ("values", "segment_rewards"):
-                if key in details:
-                    row[key] = details[key][i].tolist()
+            row.update({key: tensor[i].tolist() for key, tensor in per_trace.items()})
             rows.append(row)
         from rredcot_verl.report import write_snapshot  # lazy: `python -m rredcot_verl.report` imports this package
 

@@ -1,10 +1,10 @@
 """Actor-worker extension: probe plans scored on the actor, with the old (rollout) weights.
 
-``SegmentActorRolloutRefWorker`` is verl's ``ActorRolloutRefWorker`` plus one method, ``compute_segment_data``, called
-by the trainer right after verl's own log-prob pass and before the actor update, so the weights are the ones that
-produced ``old_log_probs``. The plans (boundaries and probes of each trace) are built by the trainer from the whole
-batch (``core.planning``), so a group split across ranks values the same; this worker only scores
-(``core.values.score_plans``).
+``SegmentActorRolloutRefWorker`` is verl's ``ActorRolloutRefWorker`` plus one method, ``value_pass``, called by the
+trainer (``rredcot``'s ``probe_values`` stage) right after verl's own log-prob pass and before the actor update, so the
+weights are the ones that produced ``old_log_probs``. The plans (boundaries and probes of each trace) are built by the
+trainer from the whole batch (``core.planning``), so a group split across ranks values the same; this worker only
+scores (``core.values.score_plans``).
 
 Batch contract (the one place it is written down). Input ``DataProto``:
 
@@ -17,11 +17,13 @@ key                    shape / kind                 meaning
 ``meta_info``          ``value_pass``                ``algorithm.rredcot.value_pass`` as a dict
 =====================  ===========================  ==========================================================
 
-Output ``DataProto`` fields (written to verl's TransferQueue by the trainer under the same names, and read by the
-``rredcot``/``segment_mc`` estimators): ``seg_ends`` (bs, Kmax) int64, exclusive segment ends into the response,
--1 padded; ``seg_raw_values`` (bs, Kmax+1) float32, v̂_0..v̂_K with column K = ζ, NaN padded. ``meta_info['metrics']``
-carries the pass's diagnostics. These two keys exist only when ``algorithm.adv_estimator`` is ``rredcot`` or
-``segment_mc``; ``require_keys`` names the switch when they are missing.
+Output ``DataProto`` tensors, named as the ``AdvantageBatch`` fields they become: ``segment_ends`` (bs, Kmax) int64,
+exclusive segment ends into the response, -1 padded; ``raw_values`` (bs, Kmax+1) float32, v̂_0..v̂_K with column K =
+ζ, NaN padded. ``meta_info['metrics']`` carries the pass's diagnostics. The trainer keeps them in verl's batch
+(TransferQueue) under ``seg_ends`` / ``seg_raw_values`` (``AdvantageBatch.BATCH_KEYS``, with IBPO's ``ibpo_phi`` and
+``ibpo_edited_mask``) until the advantage step reads them back into the step's ``AdvantageBatch``. These keys exist
+only when ``algorithm.adv_estimator`` is one of this package's estimators whose stages write them;
+``require_keys`` names the switch when the pass's inputs are missing.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from rredcot_verl.core.scoring import ValuePassSettings
 from rredcot_verl.core.values import score_plans
 from rredcot_verl.integration.estimators import ESTIMATORS
-from rredcot_verl.integration.estimators.rredcot import SegmentInputs
 
 INPUT_KEYS = ("outcome",)
 # The estimators whose producer calls this worker's value pass.
@@ -53,7 +54,7 @@ def require_keys(available, keys, producer: str) -> None:
 
 class SegmentActorRolloutRefWorker(ActorRolloutRefWorker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def compute_segment_data(self, data: DataProto) -> DataProto:
+    def value_pass(self, data: DataProto) -> DataProto:
         require_keys(data.batch.keys(), INPUT_KEYS, "the rredcot trainer's old-log-prob step")
         require_keys(data.non_tensor_batch.keys(), ("plan",), "the rredcot trainer's old-log-prob step")
         value_pass = ValuePassSettings(**data.meta_info["value_pass"])
@@ -70,6 +71,6 @@ class SegmentActorRolloutRefWorker(ActorRolloutRefWorker):
                 max_token_len=value_pass.max_token_len,
             )
         return DataProto.from_dict(
-            tensors=SegmentInputs(ends=values.segment_ends, raw_values=values.raw_values).to_batch(),
+            tensors={"segment_ends": values.segment_ends, "raw_values": values.raw_values},
             meta_info={"metrics": values.metrics},
         )

@@ -1,6 +1,8 @@
 """Token alignment of a trace against its repair (rapidfuzz Levenshtein): which trace tokens the repair changed.
 
-Knows nothing of IBPO's settings; :mod:`rredcot_verl.core.ibpo.evaluation` decides what an alignment means.
+Knows nothing of IBPO's settings; :mod:`rredcot_verl.core.ibpo.evaluation` decides what an alignment means. Two
+cheaper questions are answered without aligning: where the first edit falls (:func:`kept_prefix_length`, from the
+common prefix) and whether the distance exceeds a bound (:func:`distance_exceeds`, computed no further than it).
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from rapidfuzz.distance import Levenshtein
+from rapidfuzz.distance import Levenshtein, Prefix
 
-__all__ = ["AlignmentResult", "align_tokens", "as_id_list"]
+__all__ = ["AlignmentResult", "align_tokens", "as_id_list", "kept_prefix_length", "distance_exceeds"]
 
 
 @dataclass(frozen=True)
@@ -71,3 +73,27 @@ def align_tokens(trace_ids: Sequence[int] | torch.Tensor, repair_ids: Sequence[i
         distance=distance,
         kept_prefix=int(first_edit[0]) if first_edit.numel() else len(trace),
     )
+
+
+def kept_prefix_length(trace: Sequence[int], repair: Sequence[int]) -> int:
+    """``align_tokens(trace, repair).kept_prefix`` without aligning, in O(shared prefix).
+
+    rapidfuzz matches the common prefix before aligning, and the first trace token after it is replaced, deleted or
+    preceded by an insertion: the first edit is there. When the repair extends the whole trace, the appended tokens
+    are an insertion at the end, which marks the trace's last token (the rule of :func:`align_tokens`).
+    """
+    shared = int(Prefix.similarity(trace, repair))
+    if shared < len(trace) or len(repair) == len(trace):
+        return shared
+    return max(len(trace) - 1, 0)
+
+
+def distance_exceeds(trace: Sequence[int], repair: Sequence[int], bound: int) -> bool:
+    """Whether the token Levenshtein distance of ``align_tokens`` exceeds ``bound`` (>= 0), computed no further than
+    ``bound + 1`` (rapidfuzz's ``score_cutoff``: a band around the diagonal, abandoned once every cell exceeds it):
+    for two 25k-token sequences that part early, ~7 ms at half their length instead of ~70 ms for the alignment."""
+    if bound < 0:
+        raise ValueError(f"bound must be >= 0, got {bound}")
+    if bound >= max(len(trace), len(repair)):  # no distance exceeds the longer length
+        return False
+    return Levenshtein.distance(trace, repair, score_cutoff=bound) > bound

@@ -1,24 +1,33 @@
 """Judging repairs and turning them into what the advantage needs.
 
-:func:`evaluate_repair` decides whether a repair counts (failures, the rewrite guard) and aligns it with its trace;
-:func:`repair_signal` aggregates a trace's judged repairs into φ, :func:`localisation_mask` picks its edited-token
-mask and :func:`stack_edited_masks` lays the masks out as a batch; :func:`repair_metrics` logs the repairs of a step.
+:func:`evaluate_repair` decides whether a repair counts (failures, the rewrite guard) and aligns a local one with its
+trace; :func:`repair_signal` aggregates a trace's judged repairs into φ, :func:`localisation_mask` picks its
+edited-token mask and :func:`stack_edited_masks` lays the masks out as a batch; :func:`repair_metrics` logs the repairs
+of a step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from rredcot_verl.core.ibpo.alignment import AlignmentResult, as_id_list, align_tokens
+from rredcot_verl.core.ibpo.alignment import (
+    AlignmentResult,
+    align_tokens,
+    as_id_list,
+    distance_exceeds,
+    kept_prefix_length,
+)
 from rredcot_verl.core.ibpo.revisions import revision_budget
 from rredcot_verl.core.ibpo.settings import IBPOSettings
 
 __all__ = [
     "RepairEvaluation",
     "evaluate_repair",
+    "repair_failure",
     "repair_signal",
     "localisation_mask",
     "stack_edited_masks",
@@ -36,22 +45,42 @@ class RepairEvaluation:
             and less than ``min_kept_prefix`` of the trace kept verbatim as its prefix (see :class:`IBPOSettings`).
             False for a repair that is not correct.
         failure: why an unusable repair failed ("empty", "truncated", "too_long"), else None.
-        alignment: the trace-vs-repair alignment of a correct repair; None for the others, which nothing reads (only
-            correct repairs earn Δ, localise, or enter the ratios of :func:`repair_metrics`). Aligning two 25k-token
-            sequences that part early takes ~0.1–0.2 s, and most repairs of a step fail.
+        alignment: the trace-vs-repair alignment of a correct local repair, the only kind whose mask and distance
+            anything reads (it localises, :func:`localisation_mask`); None for the others. A rewrite's distance is
+            computed only as far as the guard's bound (``max_edit_ratio · L``), ~7 ms for two 25k-token sequences
+            that part early where their alignment takes ~70 ms, and most verified repairs of long traces are
+            rewrites.
+        kept_prefix: leading trace tokens a correct repair reproduces before its first edit (``alignment.kept_prefix``
+            where there is an alignment); None for the others.
+        trace_length: L, the trace's tokens.
     """
 
     correct: bool
     rewrite: bool
     failure: Optional[str]
     alignment: Optional[AlignmentResult]
+    kept_prefix: Optional[int] = None
+    trace_length: int = 0
 
 
-def _is_rewrite(alignment: AlignmentResult, trace_length: int, cfg: IBPOSettings) -> bool:
+def _rewrite_bound(trace_length: int, cfg: IBPOSettings) -> Optional[int]:
+    """The largest distance whose edit ratio ``distance / max(L, 1)`` is not above ``max_edit_ratio`` (in the float
+    arithmetic of :class:`AlignmentResult`'s ratio); None when no distance a repair can have is (``math.inf``)."""
+    length = max(trace_length, 1)
+    if not math.isfinite(cfg.max_edit_ratio):
+        return None
+    bound = math.floor(cfg.max_edit_ratio * length)
+    while (bound + 1) / length <= cfg.max_edit_ratio:
+        bound += 1
+    while bound / length > cfg.max_edit_ratio:
+        bound -= 1
+    return bound
+
+
+def _keeps_prefix(kept_prefix: int, trace_length: int, cfg: IBPOSettings) -> bool:
     # A kept prefix of zero tokens is never "kept", so an empty trace or a repair that changes the first token can
     # only be local through a small edit ratio.
-    kept = alignment.kept_prefix > 0 and alignment.kept_prefix >= cfg.min_kept_prefix * trace_length
-    return alignment.edit_ratio > cfg.max_edit_ratio and not kept
+    return kept_prefix > 0 and kept_prefix >= cfg.min_kept_prefix * trace_length
 
 
 def evaluate_repair(
@@ -62,15 +91,18 @@ def evaluate_repair(
     cfg: IBPOSettings,
     max_repair_tokens: Optional[int] = None,
 ) -> RepairEvaluation:
-    """Judge one repair: decide whether it may count and, if it does, align it with the trace.
+    """Judge one repair: decide whether it may count and, if it is a local repair, align it with the trace.
 
     An empty repair, one the engine truncated (``truncated``: stopped at its token budget without an end of
     sequence) or one longer than ``max_repair_tokens`` is a failure whatever the verifier said: an answer the
     repair did not finish, or finished past its budget, is not evidence that the trace was close to right.
 
-    A resumed repair is judged whole, kept prefix included: it equals the trace on its first ``k`` tokens, so the
-    alignment edits nothing before ``k`` (rapidfuzz drops the common prefix before aligning) and its kept prefix is
-    at least ``k``.
+    A correct repair is a rewrite when it keeps less than ``min_kept_prefix`` of the trace (its kept prefix, the
+    first edit of the alignment, follows from the common prefix alone: :func:`kept_prefix_length`) and its distance
+    exceeds ``max_edit_ratio · L`` (computed no further than that: :func:`distance_exceeds`); only the others, local
+    repairs, are aligned in full, since only their masks are read. A resumed repair is judged whole, kept prefix
+    included: it equals the trace on its first ``k`` tokens, so the alignment edits nothing before ``k`` (rapidfuzz
+    drops the common prefix before aligning) and its kept prefix is at least ``k``.
 
     Args:
         trace_ids: (L,) token ids of the incorrect trace.
@@ -84,23 +116,31 @@ def evaluate_repair(
     """
     trace = as_id_list(trace_ids, "trace_ids")
     repair = as_id_list(repair_ids, "repair_ids")
-    limit = revision_budget(len(trace), cfg) if max_repair_tokens is None else max_repair_tokens
-    if not repair:
-        failure = "empty"
-    elif truncated:
-        failure = "truncated"
-    elif len(repair) > limit:
-        failure = "too_long"
-    else:
-        failure = None
-    correct = bool(verified_correct) and failure is None
-    alignment = align_tokens(trace, repair) if correct else None
-    return RepairEvaluation(
-        correct=correct,
-        rewrite=correct and _is_rewrite(alignment, len(trace), cfg),
-        failure=failure,
-        alignment=alignment,
-    )
+    failure = repair_failure(len(trace), len(repair), truncated, cfg, max_repair_tokens)
+    if not (verified_correct and failure is None):
+        return RepairEvaluation(correct=False, rewrite=False, failure=failure, alignment=None,
+                                trace_length=len(trace))
+    kept_prefix = kept_prefix_length(trace, repair)
+    bound = _rewrite_bound(len(trace), cfg)
+    rewrite = (not _keeps_prefix(kept_prefix, len(trace), cfg) and bound is not None
+               and distance_exceeds(trace, repair, bound))
+    return RepairEvaluation(correct=True, rewrite=rewrite, failure=None,
+                            alignment=None if rewrite else align_tokens(trace, repair), kept_prefix=kept_prefix,
+                            trace_length=len(trace))
+
+
+def repair_failure(trace_length: int, repair_length: int, truncated: bool, cfg: IBPOSettings,
+                   max_repair_tokens: Optional[int] = None) -> Optional[str]:
+    """Why a repair is unusable whatever the verifier says (:func:`evaluate_repair`'s failures), or None: a repair
+    that fails need not be decoded nor judged."""
+    limit = revision_budget(trace_length, cfg) if max_repair_tokens is None else max_repair_tokens
+    if not repair_length:
+        return "empty"
+    if truncated:
+        return "truncated"
+    if repair_length > limit:
+        return "too_long"
+    return None
 
 
 def repair_signal(trace_correct: bool, evaluations: Sequence[RepairEvaluation], cfg: IBPOSettings) -> float:
@@ -157,23 +197,22 @@ def repair_metrics(evaluations: Sequence[RepairEvaluation]) -> dict[str, float]:
     """Step-level repair statistics for logging; finite floats, 0 when undefined.
 
     ``repair_success_rate``: verified and usable repairs / revisions; ``local_repair_rate``: those that are also no
-    rewrite / revisions; ``rewrite_frac``, ``edit_ratio_mean`` and ``kept_prefix_frac_mean`` are over the verified
-    repairs (a local-repair check: many rewrites, or a kept prefix near 0, mean the model copies the reference or
-    solves afresh instead of repairing).
+    rewrite / revisions; ``rewrite_frac`` and ``kept_prefix_frac_mean`` are over the verified repairs (a local-repair
+    check: many rewrites, or a kept prefix near 0, mean the model copies the reference or solves afresh instead of
+    repairing); ``local_edit_ratio_mean`` is over the local ones (a rewrite's distance is known only to exceed
+    ``max_edit_ratio · L``).
     """
     n = len(evaluations)
     verified = [e for e in evaluations if e.correct]
-
-    def kept_frac(e: RepairEvaluation) -> float:
-        return e.alignment.kept_prefix / max(e.alignment.edited_mask.numel(), 1)
-
+    local = [e for e in verified if not e.rewrite]
     return {
         "ibpo/revisions": float(n),
         "ibpo/repair_success_rate": len(verified) / n if n else 0.0,
-        "ibpo/local_repair_rate": sum(not e.rewrite for e in verified) / n if n else 0.0,
+        "ibpo/local_repair_rate": len(local) / n if n else 0.0,
         "ibpo/rewrite_frac": sum(e.rewrite for e in verified) / len(verified) if verified else 0.0,
-        "ibpo/edit_ratio_mean": sum(e.alignment.edit_ratio for e in verified) / len(verified) if verified else 0.0,
-        "ibpo/kept_prefix_frac_mean": sum(map(kept_frac, verified)) / len(verified) if verified else 0.0,
+        "ibpo/local_edit_ratio_mean": sum(e.alignment.edit_ratio for e in local) / len(local) if local else 0.0,
+        "ibpo/kept_prefix_frac_mean": (sum(e.kept_prefix / max(e.trace_length, 1) for e in verified) / len(verified)
+                                       if verified else 0.0),
         "ibpo/failed_empty": float(sum(e.failure == "empty" for e in evaluations)),
         "ibpo/failed_truncated": float(sum(e.failure == "truncated" for e in evaluations)),
         "ibpo/failed_too_long": float(sum(e.failure == "too_long" for e in evaluations)),

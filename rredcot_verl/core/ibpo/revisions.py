@@ -27,6 +27,7 @@ __all__ = [
     "revision_budget",
     "fits_engine",
     "engine_context_need",
+    "largest_response_length",
     "DEFAULT_REVISION_TEMPLATE",
     "EMBEDDED_TASK_TEMPLATE",
     "build_revision_prompt",
@@ -225,6 +226,19 @@ def engine_context_need(max_prompt_length: int, max_response_length: int, cfg: I
     if cfg.repair_operator == "resume":
         return max_prompt_length + max_response_length
     return max_prompt_length + 2 * max_response_length + revision_budget(max_response_length, cfg)
+
+
+def largest_response_length(max_prompt_length: int, max_model_length: int, cfg: IBPOSettings) -> int:
+    """The longest ``max_response_length`` whose repairs :func:`engine_context_need` fits in ``max_model_length``
+    tokens of engine context (0 where none does: the prompt alone leaves no room)."""
+    low, high = 0, max(0, max_model_length - max_prompt_length)  # the need grows with the response length
+    while low < high:
+        middle = (low + high + 1) // 2
+        if engine_context_need(max_prompt_length, middle, cfg) <= max_model_length:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,31 +1,105 @@
-"""What every estimator module shares: its spec, the step context its producer gets, and the channel to verl.
+"""What every estimator module shares: the batch an advantage function reads and what it returns, the step context
+its stages get, and its spec.
 
-verl's ``compute_advantage`` passes a registered estimator only ``token_level_rewards``, ``response_mask``, ``index``
-and ``config``; the per-trace segment or repair data that these estimators need travels beside that call in
-``estimator_inputs`` (a context manager the trainer opens around verl's own ``_compute_advantage``). Rows are checked
-against ``index`` so a reordering inside verl cannot silently misalign them. State that outlives a step (the value
-gate's window of recent batches) stays with the trainer: it goes in as ``prior_concordance`` and this batch's counts
-come back in the record's ``details`` (``StepRecord``).
+An estimator is a function of one batch: ``advantage(batch: AdvantageBatch, settings: RRedCoTSettings) ->
+AdvantageResult``. The trainer builds the ``AdvantageBatch`` from the step's batch and calls the function itself
+(``SegmentCreditTrainer._compute_advantage``); the benchmarks and the tests call the same function on batches of
+their own. verl's ``compute_advantage`` passes a registered estimator only ``token_level_rewards``, ``response_mask``,
+``index`` and ``config``, too little for these estimators, so what is registered with verl under each name is one
+generic function that refuses to run outside the rredcot trainer (``register``).
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import enum
-from collections.abc import Callable, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from verl import DataProto
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, register_adv_est
+from verl.utils.tokenizer import normalize_token_ids
+from verl.utils.tokenizer.chat_template import apply_chat_template
 
 from rredcot_verl.core.concordance import ConcordanceCounts
 from rredcot_verl.core.planning import TraceRecord
-from rredcot_verl.core.settings import RRedCoTSettings, settings_from_config
+from rredcot_verl.core.settings import RRedCoTSettings
+from rredcot_verl.integration.rollouts import GenerateFn
+
+
+@dataclass(frozen=True, eq=False)
+class AdvantageBatch:
+    """One training batch as an advantage function reads it: bs traces, T the padded response width, Kmax segment
+    columns. The per-trace inputs are present when the estimator's stages produced them (``EstimatorSpec.inputs``).
+
+    Attributes:
+        scores: (bs,) float, each trace's outcome ζ on ``algorithm.rredcot.reward_range`` (the sum of verl's
+            ``token_level_rewards``, i.e. of ``rm_scores``).
+        response_mask: (bs, T) 0/1, verl's ``response_mask`` (0 on padding and on a multi-turn response's tool output).
+        index: (bs,) object array, each trace's prompt group (verl's ``uid``).
+        segment_ends: (bs, Kmax) int64, exclusive segment ends in positions of the full response, -1 padded
+            (``rredcot``, ``segment_mc``, ``rredcot_ibpo``).
+        raw_values: (bs, Kmax + 1) float32, the values v̂_0..v̂_K of the states S_0..S_K (column K = ζ), NaN padded.
+        phi: (bs,) float32, each trace's repair signal φ (``core.ibpo.repair_signal``; ``ibpo``, ``rredcot_ibpo``).
+        edited_mask: (bs, T) bool, the trace tokens its verified repairs changed (where blame lands).
+        prior_concordance: the value gate's window of the previous batches (``ConcordanceWindow.pooled``); empty for
+            a batch on its own.
+    """
+
+    scores: torch.Tensor
+    response_mask: torch.Tensor
+    index: np.ndarray
+    segment_ends: torch.Tensor | None = None
+    raw_values: torch.Tensor | None = None
+    phi: torch.Tensor | None = None
+    edited_mask: torch.Tensor | None = None
+    prior_concordance: ConcordanceCounts = ConcordanceCounts()
+
+    # Each per-trace input's key in verl's batch (TransferQueue), where the stages leave it for the advantage step,
+    # and in the credit report's snapshot rows (``report.py`` reads them).
+    BATCH_KEYS: ClassVar[dict[str, str]] = {
+        "segment_ends": "seg_ends", "raw_values": "seg_raw_values", "phi": "ibpo_phi",
+        "edited_mask": "ibpo_edited_mask",
+    }  # fmt: skip
+
+    def require(self, estimator: str, *names: str) -> tuple[torch.Tensor, ...]:
+        """The per-trace inputs ``names``, refused by name when one is missing."""
+        missing = [name for name in names if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"adv_estimator={estimator!r} needs the batch's {missing}, which its stages produce")
+        return tuple(getattr(self, name) for name in names)
+
+
+@dataclass(frozen=True, eq=False)
+class AdvantageResult:
+    """What an advantage function returns for one ``AdvantageBatch``.
+
+    Attributes:
+        advantages: (bs, T) token advantages, 0 outside ``response_mask``.
+        returns: (bs, T) the returns verl stores beside them (the advantages, as for verl's GRPO).
+        metrics: step metrics, under ``<estimator>/`` (IBPO's under ``ibpo/``).
+        values: (bs, Kmax + 1) V_0..V_K on the outcome scale, NaN beyond K and on traces whose values decided
+            nothing; None for an estimator without segment values.
+        segment_rewards: (bs, Kmax) R_1..R_K, NaN likewise; None likewise.
+        fallback: (bs,) bool, traces whose values decided nothing (they kept the fallback advantage); None likewise.
+        concordance: this batch's value-outcome comparisons, for the value gate's window; None likewise.
+    """
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    metrics: dict[str, float]
+    values: torch.Tensor | None = None
+    segment_rewards: torch.Tensor | None = None
+    fallback: torch.Tensor | None = None
+    concordance: ConcordanceCounts | None = None
+
+
+# (AdvantageBatch, algorithm.rredcot settings) -> AdvantageResult.
+AdvantageFn = Callable[[AdvantageBatch, RRedCoTSettings], AdvantageResult]
+_INPUTS = tuple(AdvantageBatch.BATCH_KEYS)
 
 
 class EngineUse(enum.Enum):
@@ -45,13 +119,13 @@ class EngineUse(enum.Enum):
 
 @dataclass
 class StepTraces:
-    """A training step's traces as every producer takes them, built once from verl's ragged tensors.
+    """A training step's traces as every stage takes them, built once from verl's ragged tensors.
 
     Attributes:
         records: per trace, in batch order (``core.planning.TraceRecord``: tokens without padding, a multi-turn
             response whole with its ``response_mask``, outcome, prompt group, dataset fields; entropies when built
             after the log-prob pass).
-        response_width: R, the batch's padded response width, the width of per-token fields a producer writes.
+        response_width: R, the batch's padded response width, the width of per-token inputs a stage writes.
     """
 
     records: list[TraceRecord]
@@ -68,59 +142,66 @@ class StepTraces:
 
 @dataclass
 class StepContext:
-    """What a producer gets from the training step (rather than the trainer).
+    """What a stage gets from the training step (rather than the trainer): for every stage the settings and the
+    tokenizer; for the value pass the task, the boundary tables and the actor workers; for a stage that generates
+    the rollout engine, the rollouts' reward and the length budgets (``integration.rollouts`` builds them).
 
     Attributes:
-        settings: ``algorithm.rredcot``; tokenizer: the policy's; task: ``settings.task`` resolved.
-        boundary_vocab: the segmentation's token tables for this tokenizer.
-        step: the training step (seeds IBPO's choice of references).
+        settings: ``algorithm.rredcot``; tokenizer: the policy's.
+        step: the training step (it seeds IBPO's choice of references).
         temperature: ``actor_rollout_ref.rollout.temperature``, the sampling distribution probes score under.
-        rollout: builds the generation context (``rollouts.RolloutContext``: the engine's client, the rule reward,
-            length budgets) for producers that generate.
-        value_pass: the actor workers' ``compute_segment_data`` (``workers.py``), for producers that score probes.
+        task: ``settings.task`` resolved (``tasks.resolve_task``); boundary_vocab: the segmentation's token tables
+            for this tokenizer (``RRedCoTSettings.boundary_vocab``).
+        value_pass: the actor workers' ``value_pass`` (``workers.py``), for a stage that scores probes.
+        generate: runs every (prompt ids, sampling params) request on the rollout engine; returns outputs with
+            ``token_ids`` (the trainer's runs over verl's ``LLMServerClient``, ``rollouts.server_generate``).
+        score: the rollouts' reward ``score(data_source, solution_str, ground_truth, extra_info) -> float``
+            (``rollouts.reward_function``).
+        max_prompt_length / max_response_length: ``data.max_prompt_length`` / ``data.max_response_length``.
+        max_model_length: the rollout engine's context (prompt + generation) in tokens
+            (``rollouts.engine_max_model_length``). It bounds IBPO's revision prompts, which hold a whole trace and a
+            reference and so cannot live within ``data.max_prompt_length``. None: ``max_prompt_length +
+            max_response_length``, a context every engine serving the step's rollouts provides (verl's vLLM server
+            may provide more), so nothing is sent that the server would have to cut short.
+        chat_template_kwargs: ``data.apply_chat_template_kwargs``, which verl renders the rollouts' prompts with (e.g.
+            Qwen3's ``enable_thinking``); revision prompts get them too.
         carry: what one stage of this step leaves for a later one (e.g. ``VERIFIED_REPAIRS``), empty at the start
             of every step.
     """
 
     settings: RRedCoTSettings
     tokenizer: Any
-    task: Any
-    boundary_vocab: Any
     step: int
-    temperature: float
-    rollout: Callable[[], Any]
-    value_pass: Callable[[DataProto], DataProto]
+    temperature: float = 1.0
+    task: Any = None
+    boundary_vocab: Any = None
+    value_pass: Callable[[DataProto], DataProto] | None = None
+    generate: GenerateFn | None = None
+    score: Callable[..., float] | None = None
+    max_prompt_length: int | None = None
+    max_response_length: int | None = None
+    max_model_length: int | None = None
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     carry: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    def engine_length(self) -> int:
+        """The context a request (prompt + generated tokens) may fill."""
+        if self.max_model_length is None:
+            return self.max_prompt_length + self.max_response_length
+        return self.max_model_length
 
-_Inputs = TypeVar("_Inputs", bound="StepInputs")
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """Per-trace tensors (rows in batch order) a producer hands to an advantage function: a subclass per estimator
-    input, whose batch keys are ``PREFIX`` + its field names, so the names are written once.
-
-    They travel through verl's batch (``to_batch``, written by the trainer) and come back in the advantage step
-    (``from_batch``).
-    """
-
-    PREFIX: ClassVar[str]
-
-    @classmethod
-    def keys(cls) -> tuple[str, ...]:
-        return tuple(cls.PREFIX + field.name for field in dataclasses.fields(cls))
-
-    def to_batch(self) -> dict[str, torch.Tensor]:
-        return {self.PREFIX + field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-
-    @classmethod
-    def from_batch(cls: type[_Inputs], tensors: Mapping[str, torch.Tensor]) -> _Inputs:
-        return cls(**{field.name: tensors[cls.PREFIX + field.name] for field in dataclasses.fields(cls)})
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat prompt as verl's agent loop renders a rollout's (``ContinuousTokenBuilder.
+        render_prompt``: verl's ``apply_chat_template`` with the dataset's kwargs, then ``normalize_token_ids``)."""
+        return normalize_token_ids(
+            apply_chat_template(
+                self.tokenizer, messages, tokenize=True, add_generation_prompt=True, **self.chat_template_kwargs
+            )
+        )
 
 
-# A producer returns its ``StepInputs`` as batch tensors (``to_batch``; the trainer keeps those among the spec's
-# ``fields``) and step metrics.
+# A stage returns per-trace inputs of the advantage (``AdvantageBatch`` fields by name; the trainer keeps those among
+# the spec's ``inputs``) and step metrics.
 Producer = Callable[[StepContext, StepTraces], tuple[dict[str, torch.Tensor], dict[str, float]]]
 
 
@@ -132,8 +213,10 @@ class Stage:
     engine_use: EngineUse
 
 
-# verl's advantage-function signature: (token_level_rewards, response_mask, index, config) -> (advantages, returns).
-AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+def generates(stages: tuple[Stage, ...]) -> bool:
+    """Some stage generates with the rollout engine: the step needs the engine, the rollouts' reward to judge what it
+    generates, and the engine's context."""
+    return any(stage.engine_use is not EngineUse.NONE for stage in stages)
 
 
 @dataclass(frozen=True)
@@ -142,11 +225,11 @@ class EstimatorSpec:
 
     Attributes:
         name: ``algorithm.adv_estimator``.
-        inputs: the kinds of per-trace inputs its stages write and its advantage function reads.
+        inputs: the per-trace ``AdvantageBatch`` fields its stages write and its advantage function reads.
         stages: its producers for given ``algorithm.rredcot`` settings, in the order they run (each on the step's
             ``StepTraces`` with the step's ``StepContext``). Stages before verl's old-log-prob pass come first; a
             stage after the pass may read the pass's ``entropy`` (the trace batch carries it then).
-        advantage: registered with verl under ``name``.
+        advantage: the advantage function, called by the trainer on the step's ``AdvantageBatch``.
         uses_value_pass: a stage scores probes on the actor workers (``StepContext.value_pass``).
         whole_traces_per_rank: its inputs are computed on whole traces (segment boundaries, the actor's value pass),
             so Ulysses sequence parallelism is refused at launch.
@@ -154,84 +237,38 @@ class EstimatorSpec:
     """
 
     name: str
-    inputs: tuple[type[StepInputs], ...]
+    inputs: tuple[str, ...]
     stages: Callable[[RRedCoTSettings], tuple[Stage, ...]]
     advantage: AdvantageFn
     uses_value_pass: bool
     whole_traces_per_rank: bool
     fallback_advantage: str = "GRPO's advantage"
 
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.inputs if name not in _INPUTS]
+        if unknown:
+            raise ValueError(f"estimator {self.name!r}: inputs {unknown} are not AdvantageBatch inputs {_INPUTS}")
+
     @property
-    def fields(self) -> tuple[str, ...]:
-        """The batch keys of its ``inputs``."""
-        return tuple(key for kind in self.inputs for key in kind.keys())
+    def batch_keys(self) -> tuple[str, ...]:
+        """The keys of its ``inputs`` in verl's batch."""
+        return tuple(AdvantageBatch.BATCH_KEYS[name] for name in self.inputs)
 
 
 def register(spec: EstimatorSpec) -> None:
-    """Register the spec's advantage function with verl; importing twice (the plugin hook and a user import) must
-    not trip verl's duplicate-name check."""
-    if ADV_ESTIMATOR_REGISTRY.get(spec.name) is None:
-        register_adv_est(spec.name)(spec.advantage)
+    """Register the estimator's name with verl (``algorithm.adv_estimator`` must name a registered estimator): one
+    generic function per name, which refuses to run, since verl's ``compute_advantage`` cannot give it the batch's
+    inputs; the rredcot trainer calls ``spec.advantage`` itself. Importing twice (the plugin hook and a user import)
+    must not trip verl's duplicate-name check."""
 
-
-@dataclass
-class StepRecord:
-    """What ``estimator_inputs`` makes visible to the advantage step, and what the estimators leave in it.
-
-    Attributes:
-        uid: (bs,) the batch's prompt-group ids, the row order of ``tensors``.
-        tensors: the estimator's batch keys (``StepInputs.keys``) to their padded tensors.
-        prior_concordance: the value gate's window of recent batches.
-        metrics: step metrics the estimators add.
-        details: per-trace outputs for the trainer (``values``, ``segment_rewards``, ``fallback``) and this batch's
-            ``concordance`` for the value gate's window.
-    """
-
-    uid: np.ndarray
-    tensors: dict[str, torch.Tensor]
-    prior_concordance: ConcordanceCounts
-    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-    details: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-_INPUTS: contextvars.ContextVar[StepRecord | None] = contextvars.ContextVar("rredcot_estimator_inputs", default=None)
-
-
-@contextmanager
-def estimator_inputs(
-    uid: np.ndarray, tensors: dict[str, torch.Tensor], prior_concordance: ConcordanceCounts = ConcordanceCounts()
-):
-    """Make per-trace inputs (rows aligned with ``uid``) and the value gate's window (``prior_concordance``)
-    visible to the estimators; collects their metrics and details."""
-    record = StepRecord(np.asarray(uid, dtype=object), tensors, prior_concordance)
-    token = _INPUTS.set(record)
-    try:
-        yield record
-    finally:
-        _INPUTS.reset(token)
-
-
-def step_inputs(name: str, kinds: tuple[type[StepInputs], ...], index) -> StepRecord:
-    """The record ``estimator_inputs`` opened for this step, checked to hold the batch keys of ``kinds`` in
-    ``index``'s row order."""
-    keys = [key for kind in kinds for key in kind.keys()]
-    record = _INPUTS.get()
-    missing = keys if record is None else [k for k in keys if k not in record.tensors]
-    if missing:
-        raise KeyError(
-            f"adv_estimator={name!r} needs batch keys {missing}, which only the rredcot trainer provides: launch "
-            "through `python -m rredcot_verl.main` (it sets trainer.v1.trainer_mode=rredcot)"
+    def outside_the_rredcot_trainer(token_level_rewards, response_mask, index=None, config=None, **kwargs):
+        raise RuntimeError(
+            f"adv_estimator={spec.name!r} reads inputs that only the rredcot trainer produces ({list(spec.inputs)}): "
+            "launch through `python -m rredcot_verl.main` (it sets trainer.v1.trainer_mode=rredcot)"
         )
-    if index is not None and not np.array_equal(np.asarray(index, dtype=object), record.uid):
-        raise ValueError(f"adv_estimator={name!r}: segment data rows do not match the batch's uid order")
-    return record
 
-
-def settings_for(config) -> tuple[RRedCoTSettings, Any]:
-    """``algorithm.rredcot`` and its redistribution section with verl's ``norm_adv_by_std_in_grpo``."""
-    settings = settings_from_config(config)
-    norm = config.get("norm_adv_by_std_in_grpo", True) if config is not None else True
-    return settings, dataclasses.replace(settings.redistribution, norm_adv_by_std=bool(norm))
+    if ADV_ESTIMATOR_REGISTRY.get(spec.name) is None:
+        register_adv_est(spec.name)(outside_the_rredcot_trainer)
 
 
 def object_array(values: list) -> np.ndarray:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,36 +11,18 @@ import torch
 
 from rredcot_verl.core import ibpo as core_ibpo
 from rredcot_verl.core import outcomes
-from rredcot_verl.core.ibpo import IBPOSettings, shaped_advantages
+from rredcot_verl.core.ibpo import shaped_advantages
 from rredcot_verl.core.planning import TraceRecord
+from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration import rollouts
 from rredcot_verl.integration.estimators.base import (
-    EngineUse,
-    EstimatorSpec,
-    Stage,
-    StepContext,
-    StepInputs,
-    StepTraces,
-    settings_for,
-    step_inputs,
+    AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces,
 )
 
 # StepContext.carry key: per prompt group, the token ids of its verified repairs (for a repair-filled value bank).
 VERIFIED_REPAIRS = "verified_repairs"
-
-
-@dataclass(frozen=True)
-class IBPOInputs(StepInputs):
-    """What the repairs leave for the advantage, under batch keys ``ibpo_phi`` and ``ibpo_edited_mask``.
-
-    Attributes:
-        phi: (bs,) float32, each trace's repair signal φ (``core.ibpo.repair_signal``).
-        edited_mask: (bs, R) bool, the trace tokens its verified repairs changed (where blame lands).
-    """
-
-    PREFIX = "ibpo_"
-    phi: torch.Tensor
-    edited_mask: torch.Tensor
+# The AdvantageBatch inputs the repairs fill.
+REPAIR_INPUTS = ("phi", "edited_mask")
 
 
 def _question(record: TraceRecord, i: int) -> str:
@@ -61,10 +42,9 @@ class _RepairRequest:
     max_new_tokens: int
 
 
-def ibpo_repairs(
-    ctx: rollouts.RolloutContext, traces: StepTraces
-) -> tuple[IBPOInputs, dict[str, float], dict[Any, list[list[int]]]]:
-    """For each incorrect trace, repairs guided by sibling references, judged and aligned against the trace.
+def ibpo_repairs(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """For each incorrect trace, repairs guided by sibling references, judged and aligned against the trace. Repairs
+    need only the traces and their outcomes: generated while the engine is still awake from the rollouts.
 
     A trace is incorrect, and a repair verified, when its outcome falls short of / reaches the top of
     ``settings.reward_range``. Requests by ``ibpo.repair_operator``:
@@ -85,9 +65,10 @@ def ibpo_repairs(
         traces: the step's traces (each record's tokens, outcome, prompt group, question and reward inputs).
 
     Returns:
-        ``IBPOInputs`` (``edited_mask`` R wide, the batch's response width), metrics,
-        and per prompt group the token ids of its verified repairs (rewrites included: a correct solution of the
-        prompt, whatever it kept of the trace), for a reference bank (``candidates.source: group_and_repairs``).
+        ``phi`` and ``edited_mask`` (``AdvantageBatch``; the mask R wide, the batch's response width) and metrics.
+        Per prompt group, the token ids of its verified repairs (rewrites included: a correct solution of the
+        prompt, whatever it kept of the trace) are left in ``ctx.carry[VERIFIED_REPAIRS]``, for a later stage's
+        reference bank (``candidates.source: group_and_repairs``).
     """
     cfg = ctx.settings.ibpo
     tokenizer, reward_range = ctx.tokenizer, ctx.settings.reward_range
@@ -119,7 +100,7 @@ def ibpo_repairs(
         return core_ibpo.fits_engine(len(planned.prompt_ids), planned.max_new_tokens, engine_length)
 
     plan = core_ibpo.plan_revisions(
-        correct, [record.group for record in records], cfg, np.random.default_rng(ctx.seed), responses, usable=fits
+        correct, [record.group for record in records], cfg, np.random.default_rng(ctx.step), responses, usable=fits
     )
     planned = [requests_by_pair[pair] for pair in plan.pairs]
     outputs = ctx.generate(
@@ -131,17 +112,31 @@ def ibpo_repairs(
     per_trace: dict[int, list[core_ibpo.RepairEvaluation]] = {}
     verified: dict[Any, list[list[int]]] = {}
     generated_tokens = 0
+    repairs, truncations, judged, reward_inputs = [], [], [], []
     for (i, _), r, output in zip(plan.pairs, planned, outputs):
-        truth, extra, source = rollouts.reward_inputs(records[i])
+        reward_inputs.append(rollouts.reward_inputs(records[i]))
         generated = list(output.token_ids)
         generated_tokens += len(generated)
-        repair = responses[i][: r.kept] + generated
-        reward = ctx.score(source, tokenizer.decode(repair, skip_special_tokens=True), truth, extra)
-        truncated = rollouts.generation_truncated(output, r.max_new_tokens, tokenizer.eos_token_id)
+        repairs.append(responses[i][: r.kept] + generated)
+        truncations.append(rollouts.generation_truncated(output, r.max_new_tokens, tokenizer.eos_token_id))
+        # A repair that fails (empty, truncated, too long) counts for nothing whatever its answer: not judged.
+        failure = core_ibpo.repair_failure(len(responses[i]), len(repairs[-1]), truncations[-1], cfg,
+                                           r.kept + r.max_new_tokens)
+        judged.append(failure is None)
+    to_judge = [repair for repair, judge in zip(repairs, judged) if judge]
+    # As arrays: a tokenizer checks a list's ids one by one in Python before decoding it, an array's not at all.
+    texts_to_judge = iter(tokenizer.batch_decode([np.asarray(repair) for repair in to_judge], skip_special_tokens=True)
+                          if to_judge else [])
+    for (i, _), r, repair, truncated, judge, (truth, extra, source) in zip(
+        plan.pairs, planned, repairs, truncations, judged, reward_inputs
+    ):
+        verified_correct = False
+        if judge:
+            reward = ctx.score(source, next(texts_to_judge), truth, extra)
+            verified_correct = outcomes.is_correct(reward, reward_range)
         evaluation = core_ibpo.evaluate_repair(
-            responses[i], repair, outcomes.is_correct(reward, reward_range), truncated, cfg,
-            max_repair_tokens=r.kept + r.max_new_tokens,
-        )  # fmt: skip
+            responses[i], repair, verified_correct, truncated, cfg, max_repair_tokens=r.kept + r.max_new_tokens
+        )
         per_trace.setdefault(i, []).append(evaluation)
         if evaluation.correct:
             verified.setdefault(records[i].group, []).append(repair)
@@ -170,60 +165,31 @@ def ibpo_repairs(
         # How far into the trace the repairs start: near 0, they are fresh solves (the rewrite guard's business).
         kept_fracs = [r.kept / max(len(responses[i]), 1) for (i, _), r in zip(plan.pairs, planned)]
         metrics["ibpo/resume_kept_frac_mean"] = sum(kept_fracs) / len(kept_fracs) if kept_fracs else 0.0
-    return IBPOInputs(phi, core_ibpo.stack_edited_masks(masks, width)), metrics, verified
-
-
-def repairs(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Repairs need only the traces and their outcomes: generated while the engine is still awake from the rollouts.
-    The verified ones are left in ``ctx.carry`` for a later stage's reference bank."""
-    inputs, metrics, verified = ibpo_repairs(ctx.rollout(), traces)
     ctx.carry[VERIFIED_REPAIRS] = verified
-    return inputs.to_batch(), metrics
+    return {"phi": phi, "edited_mask": core_ibpo.stack_edited_masks(masks, width)}, metrics
 
 
-REPAIR_STAGE = Stage(repairs, EngineUse.BEFORE_LOG_PROB_PASS)
+REPAIR_STAGE = Stage(ibpo_repairs, EngineUse.BEFORE_LOG_PROB_PASS)
 
 
-def ibpo_settings(config) -> tuple[Any, Any, IBPOSettings]:
-    """``algorithm.rredcot``, its redistribution and IBPO sections, both with verl's ``norm_adv_by_std_in_grpo``."""
-    settings, redistribution = settings_for(config)
-    return settings, redistribution, dataclasses.replace(settings.ibpo, norm_adv_by_std=redistribution.norm_adv_by_std)
-
-
-def compute_ibpo_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None, config: Any = None, **kwargs
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """IBPO: repair-shaped reward R + λφ(high − R) before group normalisation, advantage masked to the edited tokens.
-
-    ``high`` and the correctness threshold come from ``algorithm.rredcot.reward_range``, the scale the repairs were
-    judged on.
-
-    Args:
-        token_level_rewards: (bs, T); response_mask: (bs, T); index: (bs,) uids; config: verl's ``algorithm``.
-    Returns:
-        advantages (bs, T), returns (bs, T).
-    """
-    record = step_inputs("ibpo", (IBPOInputs,), index)
-    inputs = IBPOInputs.from_batch(record.tensors)
-    settings, _, cfg = ibpo_settings(config)
+def ibpo_advantage(batch: AdvantageBatch, settings: RRedCoTSettings) -> AdvantageResult:
+    """IBPO: repair-shaped reward R + λφ(high − R) before group normalisation, advantage masked to the edited
+    tokens. ``high`` and the correctness threshold come from ``algorithm.rredcot.reward_range``, the scale the repairs
+    were judged on."""
+    phi, edited_mask = batch.require("ibpo", *REPAIR_INPUTS)
+    cfg = settings.ibpo
     result = shaped_advantages(
-        token_level_rewards.sum(dim=-1),
-        response_mask,
-        index,
-        inputs.phi,
-        inputs.edited_mask.bool() if cfg.use_mask else None,
-        cfg,
+        batch.scores, batch.response_mask, batch.index, phi, edited_mask.bool() if cfg.use_mask else None, cfg,
         reward_range=settings.reward_range,
-    )
-    record.metrics.update(result.metrics)
-    return result.advantages, result.advantages
+    )  # fmt: skip
+    return AdvantageResult(advantages=result.advantages, returns=result.advantages, metrics=result.metrics)
 
 
 SPEC = EstimatorSpec(
     name="ibpo",
-    inputs=(IBPOInputs,),
+    inputs=REPAIR_INPUTS,
     stages=lambda settings: (REPAIR_STAGE,),
-    advantage=compute_ibpo_advantage,
+    advantage=ibpo_advantage,
     uses_value_pass=False,
     whole_traces_per_rank=False,
 )

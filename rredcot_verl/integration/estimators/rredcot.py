@@ -1,5 +1,5 @@
-"""``rredcot``: the policy values each segment boundary (probes scored on the actor, no generation), and the outcome
-is redistributed as differences of consecutive values (``core.redistribution``). With ``candidates.source:
+"""``rredcot``: segment values from probes planned on the driver and scored by the actor workers (``probe_values``),
+redistributed as differences of consecutive values (``core.redistribution``). With ``candidates.source:
 group_and_repairs`` IBPO's repairs are generated first (``ibpo.REPAIR_STAGE``) and the verified ones fill the
 reference bank of every group without a correct trace."""
 
@@ -7,54 +7,31 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from verl import DataProto
 from verl.utils.metric import reduce_metrics
 
 from rredcot_verl.core.planning import bank_metrics, plan_traces
-from rredcot_verl.core.redistribution import redistribute
+from rredcot_verl.core.redistribution import RedistributionResult, redistribute
 from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration.estimators.base import (
-    EngineUse,
-    EstimatorSpec,
-    Stage,
-    StepContext,
-    StepInputs,
-    StepRecord,
-    StepTraces,
-    object_array,
-    settings_for,
-    step_inputs,
+    AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces, object_array,
 )
 from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE, VERIFIED_REPAIRS
 
-
-@dataclass(frozen=True)
-class SegmentInputs(StepInputs):
-    """Segment values, written by the actor's value pass (``workers.py``) or by ``segment_mc``'s continuations and
-    read by the redistribution, under batch keys ``seg_ends`` and ``seg_raw_values``.
-
-    Attributes:
-        ends: (bs, Kmax) int64, each trace's segment ends in positions of the full response (a multi-turn one's
-            tool output included), padded past its K.
-        raw_values: (bs, Kmax + 1) float32, the values of S_0..S_K, padded past them.
-    """
-
-    PREFIX = "seg_"
-    ends: torch.Tensor
-    raw_values: torch.Tensor
+# The AdvantageBatch inputs segment values fill (the value pass's and segment_mc's).
+SEGMENT_INPUTS = ("segment_ends", "raw_values")
 
 
-
-def segment_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def probe_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Probes planned here from the whole batch (groups intact, whatever rank a trace lands on), scored by the actor
-    workers with the old weights.
+    workers with the old weights (``workers.py``).
 
     Args:
         traces: the step's traces, with the log-prob pass's entropies.
+    Returns:
+        ``segment_ends`` and ``raw_values`` (``AdvantageBatch``), and metrics.
     """
     plans = plan_traces(
         traces.records, ctx.settings, ctx.tokenizer, ctx.task, vocab=ctx.boundary_vocab, temperature=ctx.temperature,
@@ -79,10 +56,10 @@ def segment_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torc
     # verl's concat turns each rank's metrics dict into a dict of lists; average over ranks.
     metrics = reduce_metrics(output.meta_info.get("metrics", {}))
     metrics.update(bank_metrics(plans, [record.group for record in traces.records]))
-    return SegmentInputs.from_batch(output.batch).to_batch(), metrics
+    return {name: output.batch[name] for name in SEGMENT_INPUTS}, metrics
 
 
-VALUE_STAGE = Stage(segment_values, EngineUse.NONE)
+VALUE_STAGE = Stage(probe_values, EngineUse.NONE)
 
 
 def value_stages(settings: RRedCoTSettings) -> tuple[Stage, ...]:
@@ -90,53 +67,41 @@ def value_stages(settings: RRedCoTSettings) -> tuple[Stage, ...]:
     return (REPAIR_STAGE, VALUE_STAGE) if settings.candidates.uses_repairs else (VALUE_STAGE,)
 
 
-def redistributed_advantage(name: str, token_level_rewards, response_mask, index, config):
-    """Segment values (``SegmentInputs``) redistributed into token advantages; metrics and details to the record."""
-    record = step_inputs(name, (SegmentInputs,), index)
-    segments = SegmentInputs.from_batch(record.tensors)
-    settings, redistribution = settings_for(config)
-    result = redistribute(
-        token_level_rewards.sum(dim=-1),
-        response_mask,
-        index,
-        segments.ends,
-        segments.raw_values,
-        redistribution,
-        reward_range=settings.reward_range,
-        prior_concordance=record.prior_concordance,
-    )
-    record_redistribution(name, record, result, result.metrics)
-    return result.advantages, result.returns
-
-
-def record_redistribution(name: str, record: StepRecord, result, metrics: dict[str, float]) -> None:
-    """A redistribution's metrics (under ``name/``) and per-trace details (the credit report, the value gate's
-    window) into the step record."""
-    record.metrics.update({f"{name}/{k}": v for k, v in metrics.items()})
-    record.details.update(
-        values=result.values, segment_rewards=result.segment_rewards, fallback=result.fallback,
-        concordance=result.concordance,
+def redistribution_result(
+    redistribution: RedistributionResult, advantages: torch.Tensor, metrics: dict[str, float]
+) -> AdvantageResult:
+    """An ``AdvantageResult`` with a redistribution's per-trace details."""
+    return AdvantageResult(
+        advantages=advantages, returns=advantages, metrics=metrics, values=redistribution.values,
+        segment_rewards=redistribution.segment_rewards, fallback=redistribution.fallback,
+        concordance=redistribution.concordance,
     )  # fmt: skip
 
 
-def compute_rredcot_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None, config: Any = None, **kwargs
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RREDCoT: exit-probe (or reference-continuation) segment values redistributed into token advantages.
+def prefixed(name: str, metrics: dict[str, float]) -> dict[str, float]:
+    return {f"{name}/{key}": value for key, value in metrics.items()}
 
-    Args:
-        token_level_rewards: (bs, T); response_mask: (bs, T); index: (bs,) uids; config: verl's ``algorithm``.
-    Returns:
-        advantages (bs, T), returns (bs, T).
-    """
-    return redistributed_advantage("rredcot", token_level_rewards, response_mask, index, config)
+
+def redistributed_advantage(name: str, batch: AdvantageBatch, settings: RRedCoTSettings) -> AdvantageResult:
+    """The batch's segment values redistributed into token advantages (``core.redistribution.redistribute``)."""
+    segment_ends, raw_values = batch.require(name, *SEGMENT_INPUTS)
+    result = redistribute(
+        batch.scores, batch.response_mask, batch.index, segment_ends, raw_values, settings.redistribution,
+        reward_range=settings.reward_range, prior_concordance=batch.prior_concordance,
+    )  # fmt: skip
+    return redistribution_result(result, result.advantages, prefixed(name, result.metrics))
+
+
+def rredcot_advantage(batch: AdvantageBatch, settings: RRedCoTSettings) -> AdvantageResult:
+    """RREDCoT: exit-probe (or reference-continuation) segment values redistributed into token advantages."""
+    return redistributed_advantage("rredcot", batch, settings)
 
 
 SPEC = EstimatorSpec(
     name="rredcot",
-    inputs=(SegmentInputs,),
+    inputs=SEGMENT_INPUTS,
     stages=value_stages,
-    advantage=compute_rredcot_advantage,
+    advantage=rredcot_advantage,
     uses_value_pass=True,
     whole_traces_per_rank=True,
 )

@@ -4,56 +4,33 @@ the actor's value pass on the bank (``candidates.source``; ``group_and_repairs``
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
 from rredcot_verl.core.fused import fused_advantages
-from rredcot_verl.integration.estimators.base import EstimatorSpec, step_inputs
-from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE, IBPOInputs, ibpo_settings
-from rredcot_verl.integration.estimators.rredcot import VALUE_STAGE, SegmentInputs, record_redistribution
+from rredcot_verl.core.settings import RRedCoTSettings
+from rredcot_verl.integration.estimators.base import AdvantageBatch, AdvantageResult, EstimatorSpec
+from rredcot_verl.integration.estimators.ibpo import REPAIR_INPUTS, REPAIR_STAGE
+from rredcot_verl.integration.estimators.rredcot import SEGMENT_INPUTS, VALUE_STAGE, prefixed, redistribution_result
 
 NAME = "rredcot_ibpo"
-INPUTS = (IBPOInputs, SegmentInputs)
 
 
-def compute_rredcot_ibpo_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None, config: Any = None, **kwargs
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """IBPO's shaped advantage per trace, placed on its segments by the values (IBPO's row where they decide nothing).
-
-    Args:
-        token_level_rewards: (bs, T); response_mask: (bs, T); index: (bs,) uids; config: verl's ``algorithm``.
-    Returns:
-        advantages (bs, T), returns (bs, T).
-    """
-    record = step_inputs(NAME, INPUTS, index)
-    repairs, segments = IBPOInputs.from_batch(record.tensors), SegmentInputs.from_batch(record.tensors)
-    settings, redistribution, ibpo_cfg = ibpo_settings(config)
+def rredcot_ibpo_advantage(batch: AdvantageBatch, settings: RRedCoTSettings) -> AdvantageResult:
+    """IBPO's shaped advantage per trace, placed on its segments by the values (IBPO's row where they decide
+    nothing); IBPO's metrics under ``ibpo/``, the redistribution's under ``rredcot_ibpo/``."""
+    phi, edited_mask, segment_ends, raw_values = batch.require(NAME, *REPAIR_INPUTS, *SEGMENT_INPUTS)
     result = fused_advantages(
-        token_level_rewards.sum(dim=-1),
-        response_mask,
-        index,
-        segments.ends,
-        segments.raw_values,
-        repairs.phi,
-        repairs.edited_mask.bool() if ibpo_cfg.use_mask else None,
-        ibpo_cfg,
-        redistribution,
-        settings.rredcot_ibpo,
-        reward_range=settings.reward_range,
-        prior_concordance=record.prior_concordance,
-    )
-    record.metrics.update(result.ibpo.metrics)
-    record_redistribution(NAME, record, result.redistribution, result.metrics)
-    return result.advantages, result.advantages
+        batch.scores, batch.response_mask, batch.index, segment_ends, raw_values, phi,
+        edited_mask.bool() if settings.ibpo.use_mask else None, settings.ibpo, settings.redistribution,
+        settings.rredcot_ibpo, reward_range=settings.reward_range, prior_concordance=batch.prior_concordance,
+    )  # fmt: skip
+    metrics = {**result.ibpo.metrics, **prefixed(NAME, result.metrics)}
+    return redistribution_result(result.redistribution, result.advantages, metrics)
 
 
 SPEC = EstimatorSpec(
     name=NAME,
-    inputs=INPUTS,
+    inputs=(*REPAIR_INPUTS, *SEGMENT_INPUTS),
     stages=lambda settings: (REPAIR_STAGE, VALUE_STAGE),
-    advantage=compute_rredcot_ibpo_advantage,
+    advantage=rredcot_ibpo_advantage,
     uses_value_pass=True,
     whole_traces_per_rank=True,
     fallback_advantage="IBPO's advantage",

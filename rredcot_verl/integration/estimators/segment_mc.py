@@ -4,35 +4,36 @@ against."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from rredcot_verl.core import montecarlo
 from rredcot_verl.core.segmentation import segment_response
+from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration import rollouts
-from rredcot_verl.integration.estimators.base import EngineUse, EstimatorSpec, Stage, StepContext, StepTraces
-from rredcot_verl.integration.estimators.rredcot import SegmentInputs, redistributed_advantage
+from rredcot_verl.integration.estimators.base import (
+    AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces,
+)
+from rredcot_verl.integration.estimators.rredcot import SEGMENT_INPUTS, redistributed_advantage
 
 
-def monte_carlo_values(
-    ctx: rollouts.RolloutContext, traces: StepTraces
-) -> tuple[SegmentInputs, dict[str, float]]:
-    """Values of S_0..S_{K-1} as the mean reward of K sampled continuations from each boundary prefix.
+def monte_carlo_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Values of S_0..S_{K-1} as the mean reward of K sampled continuations from each boundary prefix; the boundaries
+    come from the log-prob pass's entropies.
 
     A continuation may fill ``data.max_prompt_length + data.max_response_length`` (the length a training rollout may
     have), so a state whose prefix leaves no room gets no continuations and a NaN value; a truncated continuation
     scores 0. Rewards are read on the probability scale, ``(reward − low) / (high − low)`` of ``reward_range``.
 
     Args:
-        ctx: generation, reward, tokenizer, settings (``segment_mc``, ``segmentation``, ``reward_range``).
+        ctx: generation, reward, tokenizer, boundary tables, settings (``segment_mc``, ``segmentation``,
+            ``reward_range``).
         traces: the step's traces, with the log-prob pass's entropies.
 
     Returns:
-        ``SegmentInputs`` (see ``montecarlo.monte_carlo_values``) and metrics.
+        ``segment_ends`` and ``raw_values`` (``AdvantageBatch``; see ``montecarlo.values_from_continuations``) and
+        metrics.
     """
-    mc, tokenizer = ctx.settings.segment_mc, ctx.tokenizer
-    vocab = ctx.settings.boundary_vocab(tokenizer)
+    mc, tokenizer, vocab = ctx.settings.segment_mc, ctx.tokenizer, ctx.boundary_vocab
     records = traces.records
     ends = [
         segment_response(
@@ -45,6 +46,7 @@ def monte_carlo_values(
     ]
     prompts = [record.prompt_ids.tolist() for record in records]
     responses = [record.response_ids.tolist() for record in records]
+
     def judge(i: int, response_ids: list[int]) -> float:
         # On the probability scale of the other value sources: 1 = the top of the reward range.
         truth, extra, source = rollouts.reward_inputs(records[i])
@@ -70,30 +72,22 @@ def monte_carlo_values(
         ]
         tally.add(responses, requests, continuations, judge)
     seg_ends, raw_values, metrics = tally.values(ends, [record.outcome for record in records])
-    return SegmentInputs(seg_ends, raw_values), metrics
+    return {"segment_ends": seg_ends, "raw_values": raw_values}, metrics
 
 
-def continuation_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Boundaries from the log-prob pass's entropies, values from sampled continuations."""
-    inputs, metrics = monte_carlo_values(ctx.rollout(), traces)
-    return inputs.to_batch(), metrics
-
-
-def compute_segment_mc_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None, config: Any = None, **kwargs
-) -> tuple[torch.Tensor, torch.Tensor]:
+def segment_mc_advantage(batch: AdvantageBatch, settings: RRedCoTSettings) -> AdvantageResult:
     """Monte-Carlo segment values (K continuations per boundary) through the same redistribution as ``rredcot``."""
-    return redistributed_advantage("segment_mc", token_level_rewards, response_mask, index, config)
+    return redistributed_advantage("segment_mc", batch, settings)
 
 
 # Its boundaries need the pass's entropies: the engine is woken after the pass.
-CONTINUATION_STAGE = Stage(continuation_values, EngineUse.AFTER_LOG_PROB_PASS)
+CONTINUATION_STAGE = Stage(monte_carlo_values, EngineUse.AFTER_LOG_PROB_PASS)
 
 SPEC = EstimatorSpec(
     name="segment_mc",
-    inputs=(SegmentInputs,),
+    inputs=SEGMENT_INPUTS,
     stages=lambda settings: (CONTINUATION_STAGE,),
-    advantage=compute_segment_mc_advantage,
+    advantage=segment_mc_advantage,
     uses_value_pass=False,
     whole_traces_per_rank=True,
 )

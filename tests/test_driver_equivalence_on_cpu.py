@@ -1,0 +1,231 @@
+"""The driver's fast paths give what the straightforward ones gave: IBPO's rewrite guard without a full alignment,
+probe planning's per-turn thinking end and short probe contexts, segmentation's vectorised layout.
+
+Real inputs are `benchmarks/driver_share.py`'s step: the shipped problems' solutions tokenised by the miniature
+Qwen3-family tokenizer, resumed repairs that leave the trace at its divergence point (the benchmark's stand-in
+engine), local repairs that keep most of it. Each oracle below is the code the fast path replaced, kept here only.
+"""
+
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from omegaconf import OmegaConf
+
+from benchmarks import driver_share
+from rredcot_verl.core.ibpo import (
+    IBPOSettings,
+    align_tokens,
+    divergence_point,
+    evaluate_repair,
+    localisation_mask,
+    repair_metrics,
+    repair_signal,
+    revision_budget,
+)
+from rredcot_verl.core.planning import _Planner
+from rredcot_verl.core.segmentation import _Layout, turn_spans
+from rredcot_verl.core.settings import settings_from_config
+from rredcot_verl.tasks import resolve_task
+
+torch.set_num_threads(1)
+
+
+# ------------------------------------------------------------------ oracles: the replaced code
+def judged_by_full_alignment(trace, repair, verified, truncated, cfg, max_repair_tokens=None):
+    """(correct, rewrite, failure, alignment) as evaluate_repair judged before its guard was cut off at its bound:
+    every correct repair aligned in full and the guard read from the alignment."""
+    limit = revision_budget(len(trace), cfg) if max_repair_tokens is None else max_repair_tokens
+    failure = "empty" if not repair else "truncated" if truncated else "too_long" if len(repair) > limit else None
+    if not (verified and failure is None):
+        return False, False, failure, None
+    alignment = align_tokens(trace, repair)
+    kept = alignment.kept_prefix > 0 and alignment.kept_prefix >= cfg.min_kept_prefix * len(trace)
+    return True, alignment.edit_ratio > cfg.max_edit_ratio and not kept, None, alignment
+
+
+def thinking_end_per_state(think_end_id, response, turns, start):
+    """The thinking end a state's probe was given, computed at every state."""
+    turn_start, turn_stop = next(((a, b) for a, b in turns if a <= start < b), (start, len(response)))
+    if think_end_id is not None and think_end_id in response[turn_start:turn_stop]:
+        return response.index(think_end_id, turn_start, turn_stop)
+    return len(response)
+
+
+def turn_spans_by_loop(trained):
+    turns, start = [], None
+    for p, is_trained in enumerate([*trained, False]):
+        if is_trained and start is None:
+            start = p
+        elif not is_trained and start is not None:
+            turns.append((start, p))
+            start = None
+    return turns
+
+
+def assert_same_judgement(evaluation, oracle, trace_length):
+    correct, rewrite, failure, alignment = oracle
+    assert (evaluation.correct, evaluation.rewrite, evaluation.failure) == (correct, rewrite, failure)
+    assert evaluation.trace_length == trace_length
+    if not correct:
+        assert evaluation.alignment is None and evaluation.kept_prefix is None
+        return
+    assert evaluation.kept_prefix == alignment.kept_prefix
+    if rewrite:
+        assert evaluation.alignment is None  # nothing reads a rewrite's mask
+    else:
+        assert evaluation.alignment.distance == alignment.distance
+        assert evaluation.alignment.edit_ratio == alignment.edit_ratio
+        assert evaluation.alignment.kept_prefix == alignment.kept_prefix
+        assert torch.equal(evaluation.alignment.edited_mask, alignment.edited_mask)
+
+
+# ------------------------------------------------------------------ IBPO: randomized cases
+@settings(max_examples=400, deadline=None)
+@given(
+    trace=st.lists(st.integers(0, 3), max_size=30),
+    repair=st.lists(st.integers(0, 3), max_size=36),
+    shared=st.integers(0, 30),
+    max_edit_ratio=st.sampled_from([0.05, 0.25, 0.5, 1 / 3, 0.7, 1.0, 2.0, math.inf, "exact"]),
+    min_kept_prefix=st.sampled_from([0.0, 0.1, 0.25, 0.9, 2.0]),
+    verified=st.booleans(),
+    truncated=st.booleans(),
+)
+def test_the_rewrite_guard_without_alignment_judges_as_the_full_alignment(trace, repair, shared, max_edit_ratio,
+                                                                          min_kept_prefix, verified, truncated):
+    # A small vocabulary makes many equally cheap alignments; "exact": δ equal to the repair's own edit ratio, the
+    # bound's edge, where the distance must not count as above it.
+    repair = trace[:shared] + repair
+    if max_edit_ratio == "exact":
+        max_edit_ratio = max(align_tokens(trace, repair).edit_ratio, 1e-9)
+    cfg = IBPOSettings(max_edit_ratio=max_edit_ratio, min_kept_prefix=min_kept_prefix)
+    evaluation = evaluate_repair(trace, repair, verified, truncated and verified, cfg, max_repair_tokens=60)
+    oracle = judged_by_full_alignment(trace, repair, verified, truncated and verified, cfg, max_repair_tokens=60)
+    assert_same_judgement(evaluation, oracle, len(trace))
+
+
+# ------------------------------------------------------------------ IBPO and planning: driver_share's step
+@pytest.fixture(scope="module")
+def step():
+    recipe = OmegaConf.load(driver_share.PAPER_RECIPE)
+    tokenizer, problems = driver_share.qwen3_tokenizer()
+    shape = driver_share.recipe_shape(recipe, 8, 3000)
+    return tokenizer, driver_share.synthetic_step(tokenizer, problems, shape, seed=0), settings_from_config(
+        recipe.algorithm)
+
+
+def repairs_of(traces, i, rng):
+    """A trace's repairs of the kinds a step holds: resumed at the divergence point from each sibling with another
+    trace's body (a fresh solve), a deep local edit, a cut-short continuation, a copy of a sibling, the trace
+    extended."""
+    trace = traces[i]["response"]
+    siblings = [t for j, t in enumerate(traces) if t["group"] == traces[i]["group"] and j != i]
+    others = [t for t in traces if t["group"] != traces[i]["group"]]
+    repairs = []
+    for sibling in siblings:
+        k = divergence_point(trace, sibling["response"])
+        repairs.append(trace[:k] + rng.choice(others)["body"][k:])
+        repairs.append(sibling["response"])
+    for cut in (0.1, 0.3, 0.6, 0.95):
+        k = int(cut * len(trace))
+        edited = list(trace)
+        for position in rng.sample(range(k, len(trace)), 5):
+            edited[position] = rng.randrange(1000)
+        repairs.append(edited)
+        repairs.append(trace[:k] + rng.choice(others)["body"][: len(trace) - k])
+    repairs.append(trace + trace[-20:])
+    return repairs
+
+
+@pytest.mark.parametrize("cfg", [IBPOSettings(), IBPOSettings(max_edit_ratio=0.05, min_kept_prefix=0.5),
+                                 IBPOSettings(max_edit_ratio=math.inf), IBPOSettings(rewrite_counts_as_repair=True)])
+def test_repairs_of_real_traces_are_judged_as_by_full_alignment(step, cfg):
+    _, traces, _ = step
+    rng = random.Random(0)
+    wrong = [i for i, t in enumerate(traces) if not t["outcome"]]
+    fast, oracle = [], []
+    for i in wrong:
+        trace = traces[i]["response"]
+        evaluations, oracles = [], []
+        for n, repair in enumerate(repairs_of(traces, i, rng)):
+            verified = n % 5 != 4  # some wrong answers among them
+            evaluations.append(evaluate_repair(trace, repair, verified, False, cfg, max_repair_tokens=25_000))
+            oracles.append(judged_by_full_alignment(trace, repair, verified, False, cfg, max_repair_tokens=25_000))
+            assert_same_judgement(evaluations[-1], oracles[-1], len(trace))
+        # φ and the mask, from judgements that agree field by field, are the same as the oracle's.
+        oracle_local = [o for o in oracles if o[0] and not o[1]]
+        oracle_mask = (min(oracle_local, key=lambda o: o[3].distance)[3].edited_mask if oracle_local
+                       else torch.zeros(len(trace), dtype=torch.bool))
+        assert torch.equal(localisation_mask(evaluations, len(trace)), oracle_mask)
+        deltas = [cfg.repair_bonus if o[0] and (cfg.rewrite_counts_as_repair or not o[1]) else 0.0 for o in oracles]
+        assert repair_signal(False, evaluations, cfg) == pytest.approx(sum(deltas) / len(deltas))
+        fast += evaluations
+        oracle += oracles
+    # The step has both kinds, so both paths ran.
+    assert any(o[0] and o[1] for o in oracle) and any(o[0] and not o[1] for o in oracle) or cfg.max_edit_ratio == math.inf
+    metrics = repair_metrics(fast)
+    verified = [o for o in oracle if o[0]]
+    assert metrics["ibpo/kept_prefix_frac_mean"] == pytest.approx(
+        sum(o[3].kept_prefix / o[3].edited_mask.numel() for o in verified) / len(verified))
+    assert metrics["ibpo/rewrite_frac"] == pytest.approx(sum(o[1] for o in verified) / len(verified))
+
+
+def test_probe_contexts_and_thinking_ends_are_those_of_the_whole_trace(step):
+    tokenizer, traces, recipe_settings = step
+    planner = _Planner(recipe_settings, tokenizer, resolve_task(recipe_settings.task))
+    rng = random.Random(1)
+    exit_text = planner.profile.exit_text
+    for trace in traces:
+        prompt, response = list(trace["prompt"]), list(trace["response"])
+        turns = [(0, len(response))]
+        for start in [0, 1, 5, 6, 7, *rng.sample(range(len(response)), 30), len(response)]:
+            whole = planner.probe_tokenizer.continuation(prompt + response[:start], exit_text, exit_line=True)
+            short = planner.probe_tokenizer.continuation(planner.context(prompt, response, start), exit_text,
+                                                         exit_line=True)
+            assert short == whole
+            span = next(((a, b) for a, b in turns if a <= start < b), (start, len(response)))
+            assert planner.thinking_end(response, span) == thinking_end_per_state(
+                planner.think_end_id, response, turns, start)
+    # several turns: a state's thinking ends in its own turn
+    response = [5] * 10 + [planner.think_end_id] + [6] * 9 + [7] * 10 + [planner.think_end_id] + [8] * 5
+    turns = [(0, 20), (25, 36)]
+    for start in range(len(response)):
+        span = next(((a, b) for a, b in turns if a <= start < b), (start, len(response)))
+        assert planner.thinking_end(response, span) == thinking_end_per_state(
+            planner.think_end_id, response, turns, start)
+
+
+# ------------------------------------------------------------------ segmentation's layout
+@settings(max_examples=200, deadline=None)
+@given(trained=st.lists(st.booleans(), max_size=60))
+def test_vectorised_turns_and_layout_match_the_loops(trained):
+    assert turn_spans(trained) == turn_spans(torch.tensor(trained, dtype=torch.bool)) == turn_spans_by_loop(trained)
+    if not any(trained):
+        return
+    recipe_settings = settings_from_config(OmegaConf.load(driver_share.PAPER_RECIPE).algorithm)
+    vocab = dataclasses.make_dataclass("Vocab", ["think_end_id"])(None)
+    layout = _Layout([1] * len(trained), torch.tensor(trained, dtype=torch.bool), vocab, recipe_settings.segmentation)
+    rank = [0]
+    for is_trained in trained:
+        rank.append(rank[-1] + is_trained)
+    assert layout.rank == rank and layout.rank_tensor.tolist() == rank
+    assert layout.policy_positions == [p for p, is_trained in enumerate(trained) if is_trained]
+    assert layout.trained == trained and layout.turns == turn_spans_by_loop(trained)
+
+
+def test_the_rewrite_bound_is_the_ratio_test_in_float_arithmetic():
+    # floor(δ·L) misses by one where δ·L rounds below an integer (δ = 15/11: (15/11)·11 < 15); the guard's bound is
+    # the largest distance d with d / L <= δ as the full alignment's ratio test computes it.
+    from rredcot_verl.core.ibpo.evaluation import _rewrite_bound
+
+    for length in range(1, 120):
+        for distance in range(0, 3 * length):
+            cfg = IBPOSettings(max_edit_ratio=max(distance / length, 1e-9))
+            bound = _rewrite_bound(length, cfg)
+            assert bound / length <= cfg.max_edit_ratio < (bound + 1) / length
+    assert _rewrite_bound(10, IBPOSettings(max_edit_ratio=math.inf)) is None
+    assert _rewrite_bound(0, IBPOSettings(max_edit_ratio=0.5)) == 0  # an empty trace: ratio = distance
