@@ -155,12 +155,22 @@ def test_choice_table_footnotes_are_the_json():
 
 def test_status_lines_are_the_json():
     text = FLAT
-    best = max((m for m in DEFAULT["methods"] if m != "grpo"),
-               key=lambda m: DEFAULT["methods"][m]["paired_with_grpo"]["auc_difference"])
-    paired = DEFAULT["methods"][best]["paired_with_grpo"]
-    assert f"the best, `{best}`, is at AUC {interval(paired['auc_difference'], paired['auc_difference_ci95'])}" in text
-    exit_probe = AGAINST_GRPO["rredcot_exit_probe"]
-    assert f"(AUC {paired_interval(exit_probe)}, Holm p {exit_probe['paired']['p_holm']:.2f})" in text
+    # The first line: the registered verdict (results/verdict.json), its seeds, its primary comparison and value quality.
+    verdict = json.loads((RESULTS / "verdict.json").read_text())
+    primary = verdict["comparisons"][verdict["registration"]["reference"]]["rredcot_exit_probe"]
+    seeds = {tuple(arm["seeds"]) for arm in verdict["arms"].values()}
+    assert len(seeds) == 1
+    (run,) = seeds
+    registered = verdict["registration"]["seeds"]
+    complete = run == tuple(registered)
+    assert (f"registered study ({'' if complete else 'incomplete: '}seeds {run[0]}-{run[-1]} of {len(registered)})"
+            in text.replace("**", ""))
+    assert primary["decision"] == ("incomplete" if not complete else primary["decision"])
+    assert f"is level with GRPO at equal compute (AUC {paired_interval(primary)}, Holm p " \
+           f"{primary['paired']['p_holm']:.2f}), not shown to beat it" in text.replace("**", "")
+    assert primary["decision"] != "beats"
+    early = json.loads((RESULTS / "value_quality_early.json").read_text())
+    assert f"(Spearman {early['goals']['exit_selfnorm']['spearman']:.2f} with Monte-Carlo values)" in text
     leaders = [AGAINST_GRPO[row_runs()[label]]["paired"] for label in "ABC"]
     bare = text.replace("**", "").replace("≥", ">=")
     assert (f"lead GRPO by {signed(min(t['difference'] for t in leaders))} to "
