@@ -77,6 +77,9 @@ def _untrained_build(shape_name: str, out: Path) -> Path:
     return out
 
 
+# verl's own config check imports vLLM for some cells at run time (no import here for conftest to see): off the
+# pinned tier, which has no vLLM
+@pytest.mark.vllm
 def test_the_launcher_still_answers_each_cell_as_recorded(build, tmp_path_factory):
     """Entry-point cells are left to tests/test_run_shapes_on_cpu.py (one process start each)."""
     own_builds = {shape.name: _untrained_build(shape.name, tmp_path_factory.mktemp(shape.name))
