@@ -1,8 +1,10 @@
 """The benchmarks' library: what every benchmark script shares, so that each script is one question.
 
-* Records and CLI: paths, the task build, ``write_result`` (the one JSON writer), ``parser`` / ``out_path``.
+* Records and CLI: paths, the task build, ``parser``; from ``benchmarks.output`` (re-exported) ``write_result`` (the
+  one JSON writer), ``print_table`` (the one table printer), ``out_path``.
 * Statistics (scipy): t intervals, paired differences, Pearson / Spearman, binomial intervals, curve areas.
-* Training runs: the task settings and their data, ``launch_run`` (``recipes/tiny_cpu/run.sh``), verl's metrics.
+* Training runs: the task settings and their data, ``launch_run`` (``recipes/tiny_cpu/run.sh``); ``median_step_s``,
+  the one step-time statistic, on rows of the package's metrics reader (``rredcot_verl.runs.load_metrics``).
 * Sampling: problems and traces of the embedded task, the one left-padded ``generate`` loop, and Monte-Carlo values
   through the package's own ``core.montecarlo`` (planning and tallying of continuations).
 * Methods: ``METHODS``, the one table of estimator variants (a recipe and hydra overrides), by name.
@@ -17,17 +19,26 @@ import dataclasses
 import json
 import math
 import os
-import platform
+import statistics
 import subprocess
-import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 from scipy import stats
 
+from benchmarks.output import (  # noqa: F401  (the library's light half, re-exported)
+    RESULTS_DIR,
+    ROOT,
+    fmt,
+    machine_meta,
+    out_path,
+    print_table,
+    relative_to_repository,
+    write_result,
+)
 from rredcot_verl.core import montecarlo
 from rredcot_verl.core.profiles import PROFILE_PRESETS
 from rredcot_verl.core.segmentation import SegmentationSettings
@@ -36,8 +47,6 @@ from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, EARLY_TASK, LONG_TASK, PRE
 from rredcot_verl.tasks.model import chat_prompt_ids
 from rredcot_verl.tasks.reward import compute_score
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = ROOT / "benchmarks" / "results"
 BUILD_DIR = ROOT / "outputs" / "tiny_cpu" / "build"
 BUILD_DIRS = {"default": BUILD_DIR, "long": ROOT / "outputs" / "tiny_cpu" / "build_long",
               "early": ROOT / "outputs" / "tiny_cpu" / "build_early"}  # per build preset
@@ -59,41 +68,6 @@ def local_tensor(tensor):
     return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).double()
 
 
-def machine_meta() -> dict:
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "machine": platform.machine(),
-            "python": platform.python_version()}
-
-
-def relative_to_repository(value):
-    """``value`` with every absolute path inside the repository written relative to it (recursively through dicts
-    and lists): a committed result must not carry the paths of the machine that ran it."""
-    if isinstance(value, dict):
-        return {key: relative_to_repository(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [relative_to_repository(item) for item in value]
-    if isinstance(value, str) and value.startswith("/"):
-        path = Path(value)
-        return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else value
-    return value
-
-
-def write_result(result: dict, out: Path, say: bool = True) -> dict:
-    """Write a benchmark's JSON to ``out`` (folders made, written whole or not at all; paths inside the repository
-    made relative to it), say where (unless not ``say``), and return the result with its path."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".tmp")
-    partial.write_text(json.dumps(relative_to_repository(result), indent=2, default=float) + "\n")
-    partial.replace(out)
-    if say:
-        print(f"wrote {out}")
-    return {**result, "out": str(out)}
-
-
-def fmt(value, width: int = 8, digits: int = 2) -> str:
-    """A number right-aligned, or '-' for None."""
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
-
-
 def parser(doc: str, results_path: Path, smoke: str, build: bool = True) -> argparse.ArgumentParser:
     """A script's parser: its docstring's first paragraph, ``--smoke`` (what it does: ``smoke``), ``--out`` (default
     ``results_path``; a temp file with --smoke) and, with ``build``, ``--build`` (the task build folder)."""
@@ -105,13 +79,6 @@ def parser(doc: str, results_path: Path, smoke: str, build: bool = True) -> argp
         cli.add_argument("--build", type=Path, default=BUILD_DIR,
                          help="task build folder (created with rredcot_verl.tasks.build if missing)")
     return cli
-
-
-def out_path(args: argparse.Namespace, results_path: Path) -> Path:
-    """``--out``, else a temp file named as ``results_path`` with --smoke, else ``results_path``."""
-    if args.out is not None:
-        return args.out
-    return Path(tempfile.mkdtemp()) / results_path.name if args.smoke else results_path
 
 
 # ----------------------------------------------------------------------------------------------------- statistics
@@ -235,6 +202,17 @@ def step_seconds(rows: list[dict], phase: str = "step") -> list[float]:
     return [row[key] for row in rows if row["step"] >= 2 and key in row]
 
 
+def median_step_s(rows: list[dict]) -> float | None:
+    """The benchmarks' one step-time statistic: the median ``timing_s/step`` of steps ≥ 2; None without any."""
+    seconds = step_seconds(rows)
+    return statistics.median(seconds) if seconds else None
+
+
+def step_cost(rows: list[dict]) -> dict:
+    """A run's step time as the cost tables report it: ``median_step_s`` and the steps it is the median of."""
+    return {"median_step_s": median_step_s(rows), "steps_used": len(step_seconds(rows))}
+
+
 def phase_medians(rows: list[dict]) -> dict[str, float]:
     """Median seconds of every ``timing_s/*`` phase verl logs (nested phases included, so they do not add up)."""
     phases = sorted({key.removeprefix("timing_s/") for row in rows for key in row if key.startswith("timing_s/")})
@@ -249,22 +227,6 @@ def with_step_ratios(entries: dict[str, dict]) -> dict[str, dict]:
         if grpo and entry.get("median_step_s"):
             entry["over_grpo"] = entry["median_step_s"] / grpo
     return entries
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """verl FileLogger lines ``{"step": n, "data": {...}}`` → list of ``{"step": n, **data}``, in file order; a last
-    line cut short by a killed run is dropped (a broken line elsewhere raises)."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    rows = []
-    for number, line in enumerate(lines):
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines) - 1:
-                break
-            raise
-        rows.append({"step": entry["step"], **entry["data"]})
-    return rows
 
 
 def localisation_hit(segment_rewards: list, holder: int | None) -> tuple[float, float] | None:
@@ -423,6 +385,264 @@ def holder_segment(tokenizer, trace: Trace, ends: list[int]) -> int | None:
             return j
     think_len = thinking_length(tokenizer, ids)
     return next((j for j, end in enumerate(ends) if end > think_len), len(ends) - 1)
+
+
+# ------------------------------------------------------------------------------------------------ gradient protocol
+# gradient_quality.py and turn_credit.py: g* over a pool of rollouts, batches drawn from it, the cosine of each
+# estimator's batch gradient with g*, and GRPO's cosine curve against batch size (effective sample sizes).
+ROLLOUT_TEMPERATURE = 1.0  # base.yaml actor_rollout_ref.rollout.temperature
+
+
+def forward_log_probs(model, prompts: list[list[int]], responses: list[list[int]], pad: int, with_entropy=False,
+                      response_masks: list[list[int]] | None = None):
+    """log π(o_t) (B, T) with grad, response mask (B, T), and optionally per-token entropy (detached); all three 0
+    outside the mask. ``response_masks``: per response, 1 on the model's tokens and 0 on a multi-turn response's tool
+    output and template tokens (context the policy read, not actions); None: every response token is the model's."""
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    width = max(len(s) for s in seqs)
+    horizon = max(max(len(r) for r in responses), 1)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    targets = torch.full((len(seqs), horizon), pad, dtype=torch.long)
+    positions = torch.zeros((len(seqs), horizon), dtype=torch.long)
+    mask = torch.zeros((len(seqs), horizon), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, : len(seqs[i])] = torch.tensor(seqs[i])
+        attention[i, : len(seqs[i])] = 1
+        if r:
+            targets[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1.0 if response_masks is None else torch.tensor(response_masks[i], dtype=torch.float32)
+        positions[i] = (len(p) - 1 + torch.arange(horizon)).clamp(max=width - 1)
+    logits = model(input_ids=ids, attention_mask=attention).logits.float() / ROLLOUT_TEMPERATURE
+    picked = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    log_probs = picked.log_softmax(-1)
+    token_logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(log_probs.exp() * log_probs).sum(-1) * mask
+    return token_logp, mask, entropy
+
+
+def flat_grad(loss, params, retain=True) -> torch.Tensor:
+    grads = torch.autograd.grad(loss, params, retain_graph=retain, allow_unused=True)
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).double()
+                      for g, p in zip(grads, params)])
+
+
+def loo_advantages(scores: torch.Tensor) -> torch.Tensor:
+    """(P, R) rewards → r_i − mean_{j≠i} r_j within each row."""
+    n = scores.shape[1]
+    return scores - (scores.sum(1, keepdim=True) - scores) / (n - 1)
+
+
+def compute_gstar(model, pool: dict, pad: int, chunk_prompts: int) -> dict:
+    """Σ_i A_i ∇Σ_t log π over the pool (and over each half), pool token count, per-trace entropies; t runs over the
+    model's tokens (``pool["response_masks"]`` where the pool has them)."""
+    params = [p for p in model.parameters()]
+    scores = pool["scores"]
+    num_prompts, rollouts = scores.shape
+    half = rollouts // 2
+    advantage = loo_advantages(scores)
+    halves = torch.cat([loo_advantages(scores[:, :half]), loo_advantages(scores[:, half:])], dim=1)
+    in_first = torch.arange(rollouts) < half
+    total = first = second = None
+    tokens = 0
+    entropies = [[None] * rollouts for _ in range(num_prompts)]
+    for start in range(0, num_prompts, chunk_prompts):
+        chunk = range(start, min(start + chunk_prompts, num_prompts))
+        items = [(p, r) for p in chunk for r in range(rollouts)]
+        masks = pool.get("response_masks")
+        logp, mask, entropy = forward_log_probs(
+            model, [pool["prompts"][p]["prompt_ids"] for p, _ in items], [pool["responses"][p][r] for p, r in items],
+            pad, with_entropy=True, response_masks=None if masks is None else [masks[p][r] for p, r in items])
+        seq_logp = logp.sum(1)
+        a = torch.stack([advantage[p, r] for p, r in items])
+        h = torch.stack([halves[p, r] for p, r in items])
+        f = torch.stack([in_first[r] for _, r in items]).float()
+        parts = [flat_grad(-(a * seq_logp).sum(), params), flat_grad(-(h * f * seq_logp).sum(), params),
+                 flat_grad(-(h * (1 - f) * seq_logp).sum(), params, retain=False)]
+        total = parts[0] if total is None else total + parts[0]
+        first = parts[1] if first is None else first + parts[1]
+        second = parts[2] if second is None else second + parts[2]
+        tokens += int(mask.sum())
+        for row, (p, r) in enumerate(items):
+            entropies[p][r] = entropy[row, : len(pool["responses"][p][r])].clone()
+    split_half = cosine(first, second)
+    return {"sum": total, "tokens": tokens, "entropy": entropies, "split_half_cosine": split_half,
+            "spearman_brown_cosine": math.sqrt(max(2 * split_half / (1 + split_half), 0.0))}
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.dot(a, b) / (a.norm() * b.norm()).clamp(min=1e-300))
+
+
+def draw_batch(seed: int, num_prompts: int, rollouts: int, batch_prompts: int, group: int, b: int):
+    rng = np.random.default_rng([seed, batch_prompts, group, b])
+    picked = rng.choice(num_prompts, size=batch_prompts, replace=False)
+    return [(int(p), int(r)) for p in picked for r in rng.choice(rollouts, size=group, replace=False)]
+
+
+def fit_inverse_square(sizes, cosines):
+    """Least squares of 1/cos² = α + β/n; None when fewer than 2 sizes or a mean cosine is not positive."""
+    if len(sizes) < 2 or min(cosines) <= 0:
+        return None
+    x = 1.0 / np.asarray(sizes, dtype=float)
+    y = 1.0 / np.asarray(cosines, dtype=float) ** 2
+    beta, alpha = np.polyfit(x, y, 1)
+    return float(alpha), float(beta)
+
+
+def matched_rollouts(fit, cos: float) -> float | None:
+    """GRPO rollouts whose fitted mean cosine equals ``cos`` (None: not reachable by any GRPO batch size)."""
+    if fit is None or cos <= 0:
+        return None
+    alpha, beta = fit
+    gap = 1.0 / cos**2 - alpha
+    if beta <= 0 or gap <= 0:
+        return None
+    return beta / gap
+
+
+def summarise(records: dict, methods, sizes, grpo_sizes, group: int, headline: int, boot: int, seed: int) -> dict:
+    """records: {method: {size: {b: result}}} → the JSON's ``methods`` block and the GRPO fit."""
+    out = {}
+    for method in methods:
+        entry = {"batches": {}}
+        for size in (sizes + grpo_sizes if method == "grpo" else sizes):
+            rows = records.get(method, {}).get(str(size), {})
+            if not rows:
+                continue
+            column = lambda key: [r[key] for r in rows.values()]  # noqa: E731
+            stats = {"n_batches": len(rows), "cosine_mean": float(np.mean(column("cosine"))),
+                     "cosine_ci95": t_interval(column("cosine")),
+                     "rel_error_mean": float(np.mean(column("rel_error"))),
+                     "rel_error_ci95": t_interval(column("rel_error")),
+                     "norm_ratio_mean": float(np.mean(column("norm_ratio"))),
+                     "zero_advantage_token_frac": float(np.mean(column("zero_advantage_frac"))),
+                     "seconds_per_batch": float(np.mean(column("seconds")))}
+            cosines = lambda name: {b: r["cosine"] for b, r in records.get(name, {}).get(str(size), {}).items()}  # noqa: E731
+            paired = paired_differences(cosines(method), cosines("grpo"))  # the same batches
+            if method != "grpo" and paired:
+                stats["cosine_minus_grpo_mean"] = float(np.mean(paired))
+                stats["cosine_minus_grpo_ci95"] = t_interval(paired)
+            entry["batches"][str(size * group)] = stats
+        out[method] = entry
+    # GRPO curve and effective sample sizes at the headline size.
+    grpo = records.get("grpo", {})
+    curve_sizes = [s for s in sorted(set(sizes + grpo_sizes)) if grpo.get(str(s))]
+    fit = fit_inverse_square([s * group for s in curve_sizes],
+                             [np.mean([r["cosine"] for r in grpo[str(s)].values()]) for s in curve_sizes])
+    rng = np.random.default_rng(seed)
+    for method in methods:
+        rows = records.get(method, {}).get(str(headline), {})
+        entry = out[method]
+        entry["ess_over_grpo_at_32"] = entry["ess_over_grpo_ci95"] = None
+        if fit is None or not rows:
+            continue
+        cos = float(np.mean([r["cosine"] for r in rows.values()]))
+        rollouts = matched_rollouts(fit, cos)
+        entry["matched_grpo_rollouts"] = rollouts
+        entry["ess_over_grpo_at_32"] = None if rollouts is None else rollouts / (headline * group)
+        entry["ess_beyond_fitted_range"] = (rollouts is None or not
+                                            (curve_sizes[0] * group <= rollouts <= curve_sizes[-1] * group))
+        # Bootstrap over batches; at the headline size the method and GRPO share batches, resampled together.
+        samples, shared = [], sorted(rows)
+        for _ in range(boot):
+            picked = rng.choice(len(shared), size=len(shared))
+            means = []
+            for s in curve_sizes:
+                batches = grpo[str(s)]
+                if s == headline and all(shared[k] in batches for k in picked):
+                    means.append(np.mean([batches[shared[k]]["cosine"] for k in picked]))
+                else:
+                    keys = sorted(batches)
+                    means.append(np.mean([batches[keys[k]]["cosine"] for k in rng.choice(len(keys), len(keys))]))
+            boot_fit = fit_inverse_square([s * group for s in curve_sizes], means)
+            matched = matched_rollouts(boot_fit, float(np.mean([rows[shared[k]]["cosine"] for k in picked])))
+            samples.append(np.inf if matched is None else matched / (headline * group))
+        if samples:
+            low, high = np.percentile(samples, [2.5, 97.5])
+            entry["ess_over_grpo_ci95"] = [float(low), None if not np.isfinite(high) else float(high)]
+    fit_block = None
+    if fit is not None:
+        fit_block = {"model": "1/cos^2 = alpha + beta/n (n = batch rollouts)", "alpha": fit[0], "beta": fit[1],
+                     "asymptotic_cosine": 1 / math.sqrt(fit[0]) if fit[0] > 0 else None,
+                     "sizes_rollouts": [s * group for s in curve_sizes],
+                     "measured_cosines": [float(np.mean([r["cosine"] for r in grpo[str(s)].values()]))
+                                          for s in curve_sizes],
+                     "fitted_cosines": [1 / math.sqrt(fit[0] + fit[1] / (s * group))
+                                        if fit[0] + fit[1] / (s * group) > 0 else None for s in curve_sizes]}
+    return {"methods": out, "grpo_fit": fit_block}
+
+
+def print_gradient_table(result: dict, group: int) -> None:
+    gq = result["settings"]["gstar"]
+    print(f"g*: {gq['pool_rollouts']} rollouts, split-half cosine {gq['split_half_cosine']:.3f}, "
+          f"est. cos(g*, E g*) {gq['spearman_brown_cosine']:.3f}; fit {result.get('grpo_fit')}")
+    sizes = sorted({int(k) for e in result["methods"].values() for k in e["batches"]})
+    print(f"{'method':<27}" + "".join(f"{'cos@' + str(s):>17}" for s in sizes) + f"{'relerr@128':>11}{'ESS/grpo':>9}"
+          f"{'ESS ci95':>16}")
+    for method, e in result["methods"].items():
+        cells = []
+        for s in sizes:
+            b = e["batches"].get(str(s))
+            half = (b["cosine_ci95"][1] - b["cosine_mean"]) if b and b["cosine_ci95"] else 0.0
+            cells.append(f"{'-':>17}" if b is None else f"{b['cosine_mean']:>8.3f}±{half:<5.3f}({b['n_batches']:>2})")
+        rel = e["batches"].get(str(32 * group), {}).get("rel_error_mean")
+        ci = e.get("ess_over_grpo_ci95")
+        ci_text = "-" if ci is None else f"[{fmt(ci[0], 0)}, {fmt(ci[1], 0) if ci[1] is not None else 'inf'}]"
+        print(f"{method:<27}" + "".join(cells) + f"{fmt(rel, 11)}{fmt(e.get('ess_over_grpo_at_32'), 9)}{ci_text:>16}")
+
+
+def cached_pool(cache: Path, fingerprint: dict, make, gstar_of) -> tuple[dict, dict, dict, Path]:
+    """The pool, its g* and the per-batch records kept under ``cache``, each made once and reused on a rerun.
+
+    ``make()`` samples the pool and ``gstar_of(pool)`` computes g*; both are timed (``seconds``) and saved. The pool
+    and the batch records carry ``fingerprint``: a cache made with other settings is refused, not mixed in.
+    Returns (pool, g*, records with their ``results``, the records' path).
+    """
+    pool_path, gstar_path, batches_path = cache / "pool.pt", cache / "gstar.pt", cache / "batches.json"
+    pool = torch.load(pool_path, weights_only=False) if pool_path.exists() else None
+    if pool is not None and pool.get("fingerprint") != fingerprint:
+        raise SystemExit(f"{pool_path} was made with {pool.get('fingerprint')}, not {fingerprint}: use another --cache")
+    if pool is None:
+        started = time.perf_counter()
+        pool = make()
+        pool["fingerprint"], pool["seconds"] = fingerprint, time.perf_counter() - started
+        cache.mkdir(parents=True, exist_ok=True)
+        torch.save(pool, pool_path)
+    if gstar_path.exists():
+        gstar = torch.load(gstar_path, weights_only=False)
+    else:
+        started = time.perf_counter()
+        gstar = gstar_of(pool)
+        gstar["seconds"] = time.perf_counter() - started
+        torch.save(gstar, gstar_path)
+    records = json.loads(batches_path.read_text()) if batches_path.exists() else {}
+    if records and records.get("fingerprint") != fingerprint:
+        raise SystemExit(f"{batches_path} belongs to another pool; use another --cache")
+    records["fingerprint"] = fingerprint
+    records.setdefault("results", {})
+    return pool, gstar, records, batches_path
+
+
+def correlations(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+    """Pooled and mean-within-trace Spearman/Pearson over (estimate, MC) series; NaN estimates are dropped."""
+    pooled_x, pooled_y, within_s, within_p = [], [], [], []
+    for estimate, truth in pairs:
+        keep = ~np.isnan(estimate)
+        pooled_x += list(estimate[keep])
+        pooled_y += list(truth[keep])
+        s = spearman(estimate[keep], truth[keep])
+        if s is not None:
+            within_s.append(s)
+            within_p.append(pearson(estimate[keep], truth[keep]))
+    return {
+        "n_points": len(pooled_x), "spearman": spearman(pooled_x, pooled_y), "pearson": pearson(pooled_x, pooled_y),
+        "within_spearman": float(np.mean(within_s)) if within_s else None,
+        "within_pearson": float(np.mean(within_p)) if within_p else None, "within_n": len(within_s),
+    }
 
 
 # -------------------------------------------------------------------------------------------------------- methods

@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # ``python benchmarks/gpu_projection.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
+from rredcot_verl.runs import load_metrics  # noqa: E402
 
 RESULTS_PATH = common.RESULTS_DIR / "gpu_projection.json"
 LONG_RESULTS_PATH = common.RESULTS_DIR / "long_step_cost.json"
@@ -284,7 +285,7 @@ def extract_stage_medians(runs_dir: Path) -> dict:
     """``timing_s/*`` medians (steps ≥ 2) and mean response length of every ``runs_dir/<run>/metrics.jsonl``."""
     runs = {}
     for metrics in sorted(runs_dir.glob("*/metrics.jsonl")):
-        rows = common.read_metrics(metrics)
+        rows = load_metrics(metrics)
         lengths = [row["response_length/mean"] for row in rows if "response_length/mean" in row]
         runs[metrics.parent.name] = {"phase_median_s": common.phase_medians(rows), "steps": len(rows),
                                      "response_length_median": statistics.median(lengths) if lengths else None}

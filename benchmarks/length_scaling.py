@@ -23,13 +23,13 @@ committed default and hard results of the repair-filled bank measured the rewrit
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 from benchmarks import common
 from benchmarks.common import SETTINGS, fmt
+from rredcot_verl.runs import load_metrics
 
 RESULTS_PATH = common.RESULTS_DIR / "length_scaling.json"
 RUNS_DIR = common.ROOT / "outputs" / "length_scaling"
@@ -92,11 +92,7 @@ def length_build(length: str) -> tuple[Path, tuple[str, ...]]:
 
 def cost_entry(out: Path) -> dict:
     """Median seconds of a run's steps >= 2 (step 1 carries the warm-up), from its metrics."""
-    metrics = out / "metrics.jsonl"
-    rows = common.read_metrics(metrics) if metrics.exists() else []
-    seconds = common.step_seconds(rows)
-    return {"median_step_s": statistics.median(seconds) if seconds else None, "steps_used": len(seconds),
-            "run": str(out)}
+    return {**common.step_cost(load_metrics(out / "metrics.jsonl")), "run": str(out)}
 
 
 def measure_cost(length: str, steps: int, seed: int) -> dict:
@@ -105,8 +101,7 @@ def measure_cost(length: str, steps: int, seed: int) -> dict:
     rows = {}
     for role, method in ROLES.items():
         out = RUNS_DIR / length / role
-        metrics = out / "metrics.jsonl"
-        if not (metrics.exists() and len(common.read_metrics(metrics)) >= steps):
+        if len(load_metrics(out / "metrics.jsonl")) < steps:
             spec = common.METHODS[method]
             code = common.launch_run(spec.recipe, out, steps, seed, build, (*spec.overrides, *overrides),
                                      preset=SETTINGS[length].preset)

@@ -1,8 +1,8 @@
 """Reference scorers, slow and simple, that the packed scoring (``rredcot_verl.core.scoring``) is tested and
 benchmarked against: one forward per probe, and verl's plain log-prob pass over one trace; and the Qwen3 shapes and
-synthetic trace sizes of the value-pass benchmarks (``value_pass_scale.py``, ``gpu_check.py``).
+synthetic trace sizes of the value-pass benchmarks (``value_pass.py`` scale and gpu).
 
-Imports torch and the package's core only (``benchmarks/gpu_check.py`` runs where verl is not installed).
+Imports torch and the package's core only (``benchmarks/value_pass.py gpu`` runs where verl is not installed).
 """
 
 from __future__ import annotations

@@ -49,9 +49,9 @@ from benchmarks.common import (
     area_under_curve,
     fmt,
     localisation_hit,
-    read_metrics,
     t_interval,
 )
+from rredcot_verl.runs import load_metrics
 from rredcot_verl.tasks import TASKS, load_model_dir
 from rredcot_verl.tasks.model import PAD_TOKEN, chat_prompt_ids, response_ids
 
@@ -173,7 +173,7 @@ def merge_launches(launches: list[list[dict]]) -> list[dict]:
 
 
 def read_run(out: Path) -> list[dict]:
-    return merge_launches([read_metrics(path) for path in launch_files(out)])
+    return merge_launches([load_metrics(path) for path in launch_files(out)])
 
 
 def run_complete(out: Path, spec: RunSpec) -> bool:
@@ -426,12 +426,11 @@ def summarise_run(out: Path) -> dict:
     ranges = [row["critic/advantages/max"] - row["critic/advantages/min"] for row in rows
               if "critic/advantages/max" in row and "critic/advantages/min" in row]
     grad_norms = [row["actor/grad_norm"] for row in rows if "actor/grad_norm" in row]
-    step_times = common.step_seconds(rows)
     points = [{"step": step, "seconds": elapsed.get(step, 0.0), "accuracy": accuracy} for step, accuracy in validation]
     return {
         "validation": points,
         "auc": area_under_curve(points),
-        "median_step_s": statistics.median(step_times) if step_times else None,
+        "median_step_s": common.median_step_s(rows),
         "advantage_range_mean": float(np.mean(ranges)) if ranges else None,
         "token_advantage_variance": snapshot_advantage_variance(snapshots),
         "grad_norm_mean": float(np.mean(grad_norms)) if grad_norms else None,

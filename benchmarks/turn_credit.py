@@ -57,14 +57,25 @@ if __package__ in (None, ""):  # ``python benchmarks/turn_credit.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common
-from benchmarks.common import fmt, localisation_hit
-from benchmarks.gradient_quality import (cached_pool, compute_gstar, cosine, draw_batch, flat_grad,
-                                         forward_log_probs, loo_advantages, print_table, summarise)
-from benchmarks.value_quality import correlations
+from benchmarks.common import (
+    cached_pool,
+    compute_gstar,
+    correlations,
+    cosine,
+    draw_batch,
+    flat_grad,
+    fmt,
+    forward_log_probs,
+    localisation_hit,
+    loo_advantages,
+    print_gradient_table,
+    summarise,
+)
 from rredcot_verl.core.outcomes import group_outcome_advantage
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.values import compute_segment_values
 from rredcot_verl.integration.estimators import ESTIMATORS, AdvantageBatch
+from rredcot_verl.runs import load_metrics
 from rredcot_verl.tasks import calculator
 from rredcot_verl.tasks import calculator_miniature as cm
 from rredcot_verl.tasks.arithmetic import make_problem
@@ -376,7 +387,7 @@ def step_cost(build: Path, args, cache: Path) -> dict:
         overrides = METHODS[name]
         out = cache / "runs" / name
         metrics = out / "metrics.jsonl"
-        if not (metrics.exists() and len(common.read_metrics(metrics)) >= args.cost_steps):
+        if len(load_metrics(metrics)) < args.cost_steps:
             out.mkdir(parents=True, exist_ok=True)
             metrics.unlink(missing_ok=True)
             env = {**os.environ, "RREDCOT_BUILD": str(build), "VERL_FILE_LOGGER_PATH": str(metrics)}
@@ -389,14 +400,13 @@ def step_cost(build: Path, args, cache: Path) -> dict:
                 code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT).returncode
             if code != 0:
                 raise SystemExit(f"{name}: the launch exited {code}; see {out / 'train.log'}")
-        steps = [r for r in common.read_metrics(metrics) if r["step"] >= 2]
-        rows[name] = {"median_step_s": statistics.median(r["timing_s/step"] for r in steps),
+        logged = load_metrics(metrics)
+        steps = [r for r in logged if r["step"] >= 2]
+        rows[name] = {"median_step_s": common.median_step_s(logged),
                       "median_adv_s": statistics.median(r.get("timing_s/adv", float("nan")) for r in steps),
                       "steps": len(steps), "mean_score": float(np.mean([r["critic/score/mean"] for r in steps])),
                       "failed_groups": int(sum(r["rollout/failed_groups"] for r in steps))}
-    for row in rows.values():
-        row["over_grpo"] = row["median_step_s"] / rows["grpo"]["median_step_s"]
-    return rows
+    return common.with_step_ratios(rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------- run
@@ -404,7 +414,7 @@ def print_tables(result: dict) -> None:
     gq = result["gradient_quality"]
     print(f"GRADIENT QUALITY ({gq['settings']['pool_prompts']}x{gq['settings']['pool_rollouts_per_prompt']} pool, "
           f"accuracy {gq['settings']['pool_accuracy']:.3f})")
-    print_table({**gq, "settings": {"gstar": {**gq["settings"]["gstar"], "pool_rollouts":
+    print_gradient_table({**gq, "settings": {"gstar": {**gq["settings"]["gstar"], "pool_rollouts":
                                               gq["settings"]["gstar"]["pool_trajectories"]}}},
                 gq["settings"]["group_size"])
     headline = str(gq["settings"]["headline_prompts"] * gq["settings"]["group_size"])

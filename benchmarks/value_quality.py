@@ -36,7 +36,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.attribution import gradient_times_input_attribution, leave_one_out_attribution
-from benchmarks.common import EXIT_TEXT, RECIPE_SEGMENTATION, fmt, pearson, spearman
+from benchmarks.common import EXIT_TEXT, RECIPE_SEGMENTATION, correlations, fmt, spearman
 from benchmarks.reference_scorers import trace_log_probs_and_entropy
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.probes import ProbeSettings
@@ -141,24 +141,6 @@ def attributions(model, tokenizer, trace, ends: list[int]) -> dict[str, np.ndarr
             answer_ids)
     return {"loo": leave_one_out_attribution(*args).numpy().astype(float),
             "grad_x_input": gradient_times_input_attribution(*args).numpy().astype(float)}
-
-
-def correlations(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
-    """Pooled and mean-within-trace Spearman/Pearson over (estimate, MC) series; NaN estimates are dropped."""
-    pooled_x, pooled_y, within_s, within_p = [], [], [], []
-    for estimate, truth in pairs:
-        keep = ~np.isnan(estimate)
-        pooled_x += list(estimate[keep])
-        pooled_y += list(truth[keep])
-        s = spearman(estimate[keep], truth[keep])
-        if s is not None:
-            within_s.append(s)
-            within_p.append(pearson(estimate[keep], truth[keep]))
-    return {
-        "n_points": len(pooled_x), "spearman": spearman(pooled_x, pooled_y), "pearson": pearson(pooled_x, pooled_y),
-        "within_spearman": float(np.mean(within_s)) if within_s else None,
-        "within_pearson": float(np.mean(within_p)) if within_p else None, "within_n": len(within_s),
-    }
 
 
 def analyse(ends, state_values, segment_values, mc_values, holders) -> dict:

@@ -22,15 +22,21 @@ STEP_TIME = "timing_s/step"
 
 
 def load_metrics(path: str | Path) -> list[dict]:
-    """One dict per logged step: ``{"step": n, **metrics}``, in file order; missing file → []."""
+    """One dict per logged step: ``{"step": n, **metrics}``, in file order; missing file → []. A last line cut short
+    (a run killed mid-write, or one still writing) is dropped; a broken line elsewhere raises."""
     path = Path(path)
     if not path.is_file():
         return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
     rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
+    for number, line in enumerate(lines):
+        try:
             record = json.loads(line)
-            rows.append({"step": int(record["step"]), **record["data"]})
+        except json.JSONDecodeError:
+            if number == len(lines) - 1:
+                break
+            raise
+        rows.append({"step": int(record["step"]), **record["data"]})
     return rows
 
 

@@ -10,16 +10,17 @@ from scipy import stats
 
 from benchmarks import (
     common,
-    cost,
     gpu_projection,
     length_scaling,
     sample_efficiency,
     value_gate,
+    value_pass,
     value_quality,
     verdict,
 )
 from benchmarks.common import build_task, continuation_success_rates, spearman
 from rredcot_verl.core.concordance import ConcordanceCounts
+from rredcot_verl.runs import load_metrics
 from rredcot_verl.tasks import compute_score, load_model_dir, parse_prompt, reference_response
 from rredcot_verl.tasks.arithmetic import response_step_lines
 from rredcot_verl.tasks.model import chat_prompt_ids, response_ids
@@ -340,7 +341,7 @@ def test_value_gate_reads_training_snapshots(tmp_path):
 
 
 def test_cost_smoke(build, tmp_path):
-    result = cost.main(["--smoke", "--build", str(build), "--out", str(tmp_path / "cost.json")])
+    result = value_pass.main(["values", "--smoke", "--build", str(build), "--out", str(tmp_path / "cost.json")])
     methods = result["values"]["methods"]
     assert set(methods) == {"packed", "naive", "mc_k9", "recipe_values"}
     assert result["values"]["max_abs_logp_diff_packed_vs_naive"] < 1e-3  # same probes, same scores
@@ -354,7 +355,8 @@ def test_step_times_skip_the_warm_up_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "data": {"timing_s/step": t}}) + "\n"
                             for s, t in [(1, 50.0), (2, 4.0), (3, 6.0)]))
-    assert common.step_seconds(common.read_metrics(path)) == [4.0, 6.0]
+    assert common.step_seconds(load_metrics(path)) == [4.0, 6.0]
+    assert common.median_step_s(load_metrics(path)) == 5.0
 
 
 def test_phase_medians_skip_the_warm_up_step_and_absent_phases(tmp_path):
@@ -362,7 +364,7 @@ def test_phase_medians_skip_the_warm_up_step_and_absent_phases(tmp_path):
     rows = [(1, {"timing_s/step": 50.0, "timing_s/gen": 40.0}), (2, {"timing_s/step": 4.0, "timing_s/gen": 1.0}),
             (3, {"timing_s/step": 6.0, "timing_s/gen": 3.0, "timing_s/testing": 9.0}), (4, {"timing_s/step": 7.0})]
     path.write_text("".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in rows))
-    assert cost.phase_medians(common.read_metrics(path)) == {"gen": 2.0, "step": 6.0, "testing": 9.0}
+    assert common.phase_medians(load_metrics(path)) == {"gen": 2.0, "step": 6.0, "testing": 9.0}
 
 
 def test_sample_efficiency_smoke_reads_synthetic_runs(tmp_path):

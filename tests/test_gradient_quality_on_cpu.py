@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from benchmarks import gradient_quality
+from benchmarks import common, gradient_quality
 from benchmarks.common import method_settings
 
 # One method per code path of evaluate_batch: each estimator, and rredcot on the repair-filled bank.
@@ -58,7 +58,7 @@ def _records(cosines_by_method: dict[str, list[float]], size: int = 32) -> dict:
 def test_summary_pairs_each_method_with_grpo_batch_by_batch():
     grpo = [0.30, 0.10, 0.25, 0.40]
     records = _records({"grpo": grpo, "same": list(grpo), "better": [c + 0.05 for c in grpo]})
-    summary = gradient_quality.summarise(records, ["grpo", "same", "better"], [32], [], 4, 32, 10, 0)["methods"]
+    summary = common.summarise(records, ["grpo", "same", "better"], [32], [], 4, 32, 10, 0)["methods"]
     same, better = summary["same"]["batches"]["128"], summary["better"]["batches"]["128"]
     assert same["cosine_minus_grpo_mean"] == 0.0 and same["cosine_minus_grpo_ci95"] == [0.0, 0.0]
     assert better["cosine_minus_grpo_mean"] == pytest.approx(0.05)
@@ -73,7 +73,7 @@ def test_summary_matches_a_method_to_the_grpo_batch_of_equal_cosine():
     for size in sizes:
         records["grpo"][str(size)] = _records({"grpo": [1 / math.sqrt(alpha + beta / (4 * size))] * 3})["grpo"]["32"]
     records.update(_records({"method": [1 / math.sqrt(alpha + beta / 256)] * 3}))  # GRPO's cosine at 256 rollouts
-    result = gradient_quality.summarise(records, ["grpo", "method"], [32], [8, 16, 64], 4, 32, 20, 0)
+    result = common.summarise(records, ["grpo", "method"], [32], [8, 16, 64], 4, 32, 20, 0)
     assert result["grpo_fit"]["alpha"] == pytest.approx(alpha) and result["grpo_fit"]["beta"] == pytest.approx(beta)
     method = result["methods"]["method"]
     assert method["matched_grpo_rollouts"] == pytest.approx(256)
@@ -113,25 +113,25 @@ def test_methods_are_read_from_their_recipes_with_the_overrides_their_names_say(
 
 def test_cosine_by_hand():
     a = torch.tensor([3.0, 4.0], dtype=torch.float64)
-    assert gradient_quality.cosine(a, torch.tensor([4.0, 3.0], dtype=torch.float64)) == pytest.approx(24 / 25)
-    assert gradient_quality.cosine(a, torch.tensor([-4.0, 3.0], dtype=torch.float64)) == pytest.approx(0.0)
-    assert gradient_quality.cosine(a, -2 * a) == pytest.approx(-1.0)
-    assert gradient_quality.cosine(a, torch.zeros(2, dtype=torch.float64)) == 0.0  # no direction: no agreement
+    assert common.cosine(a, torch.tensor([4.0, 3.0], dtype=torch.float64)) == pytest.approx(24 / 25)
+    assert common.cosine(a, torch.tensor([-4.0, 3.0], dtype=torch.float64)) == pytest.approx(0.0)
+    assert common.cosine(a, -2 * a) == pytest.approx(-1.0)
+    assert common.cosine(a, torch.zeros(2, dtype=torch.float64)) == 0.0  # no direction: no agreement
 
 
 def test_inverse_square_fit_recovers_a_known_curve():
     alpha, beta = 1.5, 200.0  # cos(n) = 1 / sqrt(alpha + beta / n)
     sizes = [32, 64, 128, 256, 512]
-    fit = gradient_quality.fit_inverse_square(sizes, [1 / math.sqrt(alpha + beta / n) for n in sizes])
+    fit = common.fit_inverse_square(sizes, [1 / math.sqrt(alpha + beta / n) for n in sizes])
     assert fit == pytest.approx((alpha, beta))
-    assert gradient_quality.matched_rollouts(fit, 1 / math.sqrt(alpha + beta / 300)) == pytest.approx(300)
-    assert gradient_quality.matched_rollouts(fit, 0.99) is None  # above the asymptote 1/sqrt(1.5)
+    assert common.matched_rollouts(fit, 1 / math.sqrt(alpha + beta / 300)) == pytest.approx(300)
+    assert common.matched_rollouts(fit, 0.99) is None  # above the asymptote 1/sqrt(1.5)
 
 
 def test_leave_one_out_advantages():
     scores = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
     expected = np.array([[1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3]])
-    assert np.allclose(gradient_quality.loo_advantages(scores).numpy(), expected)
+    assert np.allclose(common.loo_advantages(scores).numpy(), expected)
 
 
 def test_policy_from_a_verl_checkpoint_replaces_the_warm_start(tmp_path):

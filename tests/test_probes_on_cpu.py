@@ -1,11 +1,9 @@
 """Probe scoring: the packed path (trace KV cache + one probe-tree pass) against the naive per-probe reference,
 with a real (tiny, random) Qwen2 model; value reducers and builders against direct computations."""
 
-import importlib.util
 import json
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from rredcot_verl.core.probes import (
     values_from_probe_logp,
 )
 from rredcot_verl.core.scoring import build_probe_mask, score_batch_packed, score_probes_packed
+from benchmarks import value_pass
 from benchmarks.reference_scorers import score_probes_naive, trace_log_probs_and_entropy
 
 VOCAB = 64
@@ -290,13 +289,9 @@ def test_own_continuation_values():
 
 
 def test_benchmark_smoke(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "probe_overhead.py"
-    spec = importlib.util.spec_from_file_location("probe_overhead", path)
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
     out = tmp_path / "smoke.json"
 
-    result = benchmark.main(["--smoke", "--out", str(out)])
+    result = value_pass.main(["overhead", "--smoke", "--out", str(out)])
 
     assert json.loads(out.read_text())["rows"] == result["rows"] and result["out"] == str(out)
     # Smoke: L = 64, K = 4 boundaries, |C| = 1 and 2 candidates, probes of a = 6 tokens.

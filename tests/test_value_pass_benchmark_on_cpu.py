@@ -1,15 +1,17 @@
-"""The GPU check runs end to end on CPU at a tiny setting, writes the documented fields without absolute paths, finds
-the fp32 value pass equal to the fp32 reference, and imports nothing that the GPU image lacks."""
+"""``benchmarks/value_pass.py``: its GPU mode runs end to end on CPU at a tiny setting, writes the documented fields
+without absolute paths, finds the fp32 value pass equal to the fp32 reference, and imports nothing that the GPU image
+lacks; its scale mode's smoke run writes the documented row fields. (Its other modes: tests/test_probes_on_cpu.py
+(overhead) and tests/test_benchmarks_on_cpu.py (values).)"""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks import gpu_check
+from benchmarks import value_pass
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+SCRIPT = ROOT / "benchmarks" / "value_pass.py"
 # The project's dependencies beyond torch and transformers: none of them is installed on the GPU image.
 ABSENT_ON_GPU_IMAGE = (
     "verl", "vllm", "ray", "rapidfuzz", "omegaconf", "hydra", "math_verify", "matplotlib", "pandas", "scipy",
@@ -19,11 +21,11 @@ DIFF_FIELDS = [
 ]
 
 
-def test_gpu_check_tiny_cpu_run(tmp_path):
+def test_gpu_mode_tiny_cpu_run(tmp_path):
     out = tmp_path / "gpu_check.json"
 
-    result = gpu_check.main([
-        "--device", "cpu", "--model", "smoke", "--vocab", "256", "--layers", "1", "--accuracy-layers", "1",
+    result = value_pass.main([
+        "gpu", "--device", "cpu", "--model", "smoke", "--vocab", "256", "--layers", "1", "--accuracy-layers", "1",
         "--tokens", "200", "--repeats", "1", "--out", str(out),
     ])
 
@@ -31,7 +33,7 @@ def test_gpu_check_tiny_cpu_run(tmp_path):
     assert result["out"] == str(out) and str(tmp_path) not in text and str(ROOT) not in text
     written = json.loads(text)
     meta = written["meta"]
-    assert meta["script"] == "benchmarks/gpu_check.py" and meta["model_shape"]["vocab_size"] == 256
+    assert meta["script"] == "benchmarks/value_pass.py gpu" and meta["model_shape"]["vocab_size"] == 256
 
     accuracy = written["accuracy"]
     assert accuracy["response_lengths"] == [50, 100, 200] and accuracy["reference_ran"] == ["eager"]
@@ -57,10 +59,31 @@ def test_gpu_check_tiny_cpu_run(tmp_path):
     assert row["peak_over_plain"] is None
 
 
-def test_gpu_check_imports_only_torch_and_transformers():
+def test_gpu_mode_imports_only_torch_and_transformers():
     blocked = "; ".join(f"sys.modules[{name!r}] = None" for name in ABSENT_ON_GPU_IMAGE)
     code = f"import runpy, sys; {blocked}; runpy.run_path({str(SCRIPT)!r}); print('imported')"
 
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
 
     assert run.returncode == 0 and run.stdout.strip() == "imported", run.stderr[-2000:]
+
+
+SCALE_FIELDS = {"model", "device", "length", "boundaries", "candidates", "time_over_plain", "peak_memory_over_plain"}
+
+
+def test_scale_mode_smoke(tmp_path):
+    out = tmp_path / "smoke.json"
+
+    result = value_pass.main(["scale", "--smoke", "--out", str(out)])
+
+    assert json.loads(out.read_text())["rows"] == result["rows"] and result["out"] == str(out)
+    (row,) = result["rows"]
+    assert SCALE_FIELDS <= set(row) and row["boundaries"] == 40 and row["candidates"] == 3
+    assert row["probes"] == 40 * 3 and row["length"] == 96 and row["model"] == "smoke (2 layers)"
+    # The ratios are those of the measurements written beside them.
+    assert row["time_over_plain"] == row["value_pass_cpu_s"] / row["plain_cpu_s"]
+    assert row["peak_memory_over_plain"] == row["value_pass_peak_mib"] / row["plain_peak_mib"]
+    assert row["time_over_bare_forward"] == row["value_pass_cpu_s"] / row["bare_forward_cpu_s"]
+    # Each pass's peak includes what was resident before it (weights, interpreter).
+    for name in ("plain", "value_pass", "bare_forward"):
+        assert row[f"{name}_peak_mib"] >= row[f"{name}_resident_before_mib"]
