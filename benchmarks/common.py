@@ -581,18 +581,15 @@ def print_gradient_table(result: dict, group: int) -> None:
     print(f"g*: {gq['pool_rollouts']} rollouts, split-half cosine {gq['split_half_cosine']:.3f}, "
           f"est. cos(g*, E g*) {gq['spearman_brown_cosine']:.3f}; fit {result.get('grpo_fit')}")
     sizes = sorted({int(k) for e in result["methods"].values() for k in e["batches"]})
-    print(f"{'method':<27}" + "".join(f"{'cos@' + str(s):>17}" for s in sizes) + f"{'relerr@128':>11}{'ESS/grpo':>9}"
-          f"{'ESS ci95':>16}")
-    for method, e in result["methods"].items():
-        cells = []
-        for s in sizes:
-            b = e["batches"].get(str(s))
-            half = (b["cosine_ci95"][1] - b["cosine_mean"]) if b and b["cosine_ci95"] else 0.0
-            cells.append(f"{'-':>17}" if b is None else f"{b['cosine_mean']:>8.3f}±{half:<5.3f}({b['n_batches']:>2})")
-        rel = e["batches"].get(str(32 * group), {}).get("rel_error_mean")
-        ci = e.get("ess_over_grpo_ci95")
-        ci_text = "-" if ci is None else f"[{fmt(ci[0], 0)}, {fmt(ci[1], 0) if ci[1] is not None else 'inf'}]"
-        print(f"{method:<27}" + "".join(cells) + f"{fmt(rel, 11)}{fmt(e.get('ess_over_grpo_at_32'), 9)}{ci_text:>16}")
+    headline = str(32 * group)
+    print_table([{"method": method, **{f"cos@{s}": e["batches"].get(str(s), {}).get("cosine_mean") for s in sizes},
+                  **{f"{key}@{headline}": e["batches"].get(headline, {}).get(key) for key in (
+                      "rel_error_mean", "cosine_minus_grpo_mean", "cosine_minus_grpo_ci95")},
+                  "ess_over_grpo": e.get("ess_over_grpo_at_32"), "ess_ci95": e.get("ess_over_grpo_ci95")}
+                 for method, e in result["methods"].items()],
+                ["method", *(f"cos@{s}" for s in sizes), *(f"{key}@{headline}" for key in (
+                    "rel_error_mean", "cosine_minus_grpo_mean", "cosine_minus_grpo_ci95")), "ess_over_grpo",
+                 "ess_ci95"])
 
 
 def cached_pool(cache: Path, fingerprint: dict, make, gstar_of) -> tuple[dict, dict, dict, Path]:

@@ -401,14 +401,13 @@ def summarise(measured: dict, shape: Shape) -> dict:
 
 
 def print_table(result: dict) -> None:
-    scaled = result["scaled_to_recipe"]
-    print(f"{'phase (CPU s, one core)':<80}{'measured':>10}{f'x{scaled:g}':>10}")
-    for name, value in result["phases_seconds"].items():
-        print(f"{name:<80}{value:>10.2f}{result['phases_seconds_scaled'][name]:>10.2f}")
-    print(f"\n{'estimator':<14}{'driver s/step':>15}{'workers s/step (1 core)':>25}{'per rank':>10}  within 30 s")
-    for name, e in result["estimators"].items():
-        print(f"{name:<14}{e['driver_seconds_scaled']:>15.1f}{e['workers_seconds_one_core_scaled']:>25.1f}"
-              f"{e['workers_seconds_per_rank_scaled']:>10.2f}  {e['within_bar']}")
+    common.print_table([{"phase (CPU s, one core)": name, "measured": value,
+                         f"x{result['scaled_to_recipe']:g}": result["phases_seconds_scaled"][name]}
+                        for name, value in result["phases_seconds"].items()],
+                       ["phase (CPU s, one core)", "measured", f"x{result['scaled_to_recipe']:g}"])
+    common.print_table([{"estimator": name, **e} for name, e in result["estimators"].items()],
+                       ["estimator", "driver_seconds_scaled", "workers_seconds_one_core_scaled",
+                        "workers_seconds_per_rank_scaled", "within_bar"])
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -379,17 +379,14 @@ def long_step_cost(inputs: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------- cli
 def print_tables(projection: dict, long_cost: dict) -> None:
     stages = ("generation", "repairs", "continuations", "old_log_prob", "value_pass", "driver", "update_actor")
-    print(f"Projected step at the paper recipe ({projection['device']}), seconds per stage (central assumptions)")
-    print(f"{'estimator':<22}" + "".join(f"{stage:>14}" for stage in stages) + f"{'step':>10}{'/ GRPO':>9}  range")
-    for name, entry in projection["estimators"].items():
-        low, high = entry["over_grpo_range"]
-        print(f"{name:<22}" + "".join(common.fmt(entry["stages_s"].get(stage), 14, 0) for stage in stages)
-              + f"{entry['step_s']:>10.0f}{entry['over_grpo']:>9.3f}  [{low:.3f}, {high:.3f}]")
-    print(f"\nLong setting (CPU): step over GRPO's, where the extra goes")
-    for name, entry in long_cost["estimators"].items():
-        share = entry.get("estimator_inputs_share_of_extra")
-        print(f"{name:<28}{entry['step_s']:>7.2f} s {entry['over_grpo']:>6.2f}x  extra {entry['extra_s']:>5.2f} s"
-              + (f", estimator inputs {entry['estimator_inputs_s']:.2f} s ({share:.0%})" if share else ""))
+    common.print_table([{"estimator": name, **entry["stages_s"], **entry}
+                        for name, entry in projection["estimators"].items()],
+                       {"estimator": "", **dict.fromkeys((*stages, "step_s"), ".0f"), "over_grpo": ".3f",
+                        "over_grpo_range": ".3f"},
+                       f"Projected step at the paper recipe ({projection['device']}), seconds a stage (central values)")
+    common.print_table([{"estimator": name, **entry} for name, entry in long_cost["estimators"].items()],
+                       ["estimator", "step_s", "over_grpo", "extra_s", "estimator_inputs_s",
+                        "estimator_inputs_share_of_extra"], "Long setting (CPU): step over GRPO's, where the extra is")
     referenced = long_cost["rredcot_dataset_references"]
     print(f"  rredcot's value pass reads {referenced['traces_read_by_the_value_pass']:.1f} traces' worth a trace; its "
           f"inputs take {referenced['estimator_inputs_over_grpo_log_prob']:.1f}x GRPO's log-prob pass")

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks.common import SETTINGS, fmt
+from benchmarks.common import SETTINGS
 from rredcot_verl.runs import load_metrics
 
 RESULTS_PATH = common.RESULTS_DIR / "length_scaling.json"
@@ -113,14 +113,10 @@ def measure_cost(length: str, steps: int, seed: int) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print(f"{'length':<8}{'role':<28}{'cos-GRPO':>9}{'95% CI':>18}{'ESS/GRPO':>9}{'step s':>8}{'/GRPO':>7}")
-    for length, entry in result["lengths"].items():
-        for role in ROLES:
-            gain, cost = entry["gradient"][role], entry["cost"].get(role, {})
-            ci = gain.get("cosine_minus_grpo_ci95")
-            print(f"{length:<8}{role:<28}{fmt(gain.get('cosine_minus_grpo'), 9, 3)}"
-                  f"{'' if ci is None else f'[{ci[0]:+.3f}, {ci[1]:+.3f}]':>18}{fmt(gain.get('ess_over_grpo'), 9)}"
-                  f"{fmt(cost.get('median_step_s'))}{fmt(cost.get('over_grpo'), 7)}")
+    common.print_table([{"length": length, "role": role, **entry["gradient"][role], **entry["cost"].get(role, {})}
+                        for length, entry in result["lengths"].items() for role in ROLES],
+                       ["length", "role", "cosine_minus_grpo", "cosine_minus_grpo_ci95", "ess_over_grpo",
+                        "median_step_s", "over_grpo"])
 
 
 def main(argv: list[str] | None = None) -> dict:

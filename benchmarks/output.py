@@ -60,21 +60,25 @@ def fmt(value, width: int = 8, digits: int = 2) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
 
 
-def print_table(rows: list[dict], columns: dict[str, str], title: str | None = None) -> None:
-    """``rows`` under ``columns`` ({key: format spec, e.g. ".3f"; "" for text}), the keys as headers, each column as
-    wide as its widest cell, the first left-aligned; a missing or None cell shows as '-', a list as its items."""
+def print_table(rows: list[dict], columns, title: str | None = None) -> None:
+    """``rows`` under ``columns``: the keys to show (the headers), or {key: format spec, e.g. ".1e"}; without a spec
+    a float shows with 3 decimals, anything else as text; a missing or None cell as '-', a list as its items. Each
+    column as wide as its widest cell, the first left-aligned."""
+    specs = columns if isinstance(columns, dict) else dict.fromkeys(columns, "")
 
     def cell(value, spec: str) -> str:
         if value is None:
             return "-"
         if isinstance(value, (list, tuple)):
             return "[" + ", ".join(cell(item, spec) for item in value) + "]"
-        return format(value, spec)
+        if spec:
+            return format(value, spec)
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
 
-    cells = [[cell(row.get(key), spec) for key, spec in columns.items()] for row in rows]
-    widths = [max([len(key), *(len(line[i]) for line in cells)]) for i, key in enumerate(columns)]
+    cells = [[cell(row.get(key), spec) for key, spec in specs.items()] for row in rows]
+    widths = [max([len(key), *(len(line[i]) for line in cells)]) for i, key in enumerate(specs)]
     if title:
         print(title)
-    for line in [list(columns), *cells]:
+    for line in [list(specs), *cells]:
         print("  ".join(text.ljust(width) if i == 0 else text.rjust(width)
                         for i, (text, width) in enumerate(zip(line, widths))))

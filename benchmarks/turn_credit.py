@@ -415,25 +415,15 @@ def print_tables(result: dict) -> None:
     print(f"GRADIENT QUALITY ({gq['settings']['pool_prompts']}x{gq['settings']['pool_rollouts_per_prompt']} pool, "
           f"accuracy {gq['settings']['pool_accuracy']:.3f})")
     print_gradient_table({**gq, "settings": {"gstar": {**gq["settings"]["gstar"], "pool_rollouts":
-                                              gq["settings"]["gstar"]["pool_trajectories"]}}},
-                gq["settings"]["group_size"])
-    headline = str(gq["settings"]["headline_prompts"] * gq["settings"]["group_size"])
-    for name, entry in gq["methods"].items():
-        batch = entry["batches"].get(headline, {})
-        if "cosine_minus_grpo_mean" in batch:
-            low, high = batch["cosine_minus_grpo_ci95"]
-            print(f"  {name} - grpo at {headline} rollouts: {batch['cosine_minus_grpo_mean']:+.4f} "
-                  f"[{low:+.4f}, {high:+.4f}]")
+                                                       gq["settings"]["gstar"]["pool_trajectories"]}}},
+                         gq["settings"]["group_size"])
     vq = result["value_quality"]
-    print(f"VALUE QUALITY {vq['traces']}")
-    print(f"{'source':<26}{'spearman':>9}{'pearson':>9}{'within':>9}{'loc':>7}{'n':>4}{'chance':>8}")
-    for name, e in vq["sources"].items():
-        print(f"{name:<26}{fmt(e['spearman'], 9)}{fmt(e['pearson'], 9)}{fmt(e['within_trace_spearman'], 9)}"
-              f"{fmt(e['localisation'], 7)}{e['localisation_n']:>4}{fmt(e['localisation_chance'], 8)}")
+    common.print_table([{"source": name, **e} for name, e in vq["sources"].items()],
+                       ["source", "spearman", "pearson", "within_trace_spearman", "localisation", "localisation_n",
+                        "localisation_chance"], f"VALUE QUALITY {vq['traces']}")
     if result.get("step_cost"):
-        print("STEP COST (median timing_s/step, steps >= 2)")
-        for name, row in result["step_cost"].items():
-            print(f"  {name:<26}{row['median_step_s']:8.2f} s  {row['over_grpo']:.2f}x grpo")
+        common.print_table([{"method": name, **row} for name, row in result["step_cost"].items()],
+                           ["method", "median_step_s", "over_grpo"], "STEP COST (median timing_s/step, steps >= 2)")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from benchmarks import common
-from benchmarks.common import RECIPE_SEGMENTATION, SETTINGS, fmt, mean_interval
+from benchmarks.common import RECIPE_SEGMENTATION, SETTINGS, mean_interval
 from rredcot_verl.core.concordance import ConcordanceCounts, ConcordanceWindow, gate_is_open, value_outcome_concordance
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.probes import ProbeSettings
@@ -210,26 +210,26 @@ def training_run(folder: Path) -> dict | None:
 
 
 def print_tables(result: dict) -> None:
-    t = f"{DEFAULTS.min_value_concordance:g}"
+    t, last = f"{DEFAULTS.min_value_concordance:g}", f"window {WINDOWS[-1]}"
     for setting, part in result["warm_start"].items():
-        print(f"WARM START, {setting}: {part['batches']} batches of {part['prompts_per_batch']}x"
-              f"{part['samples_per_prompt']}, sampled accuracy {part['accuracy']:.2f}")
-        print(f"{'source':<30}{'conc':>8}{'ci lo':>8}{'ci hi':>8}{'sd':>8}{'pairs':>8}{'loc':>8}{'chance':>8}"
-              f"{'open w1':>9}{'open w10':>9}")
-        for name, row in part["sources"].items():
-            c = row["concordance"]
-            lo, hi = c["ci95"] or (None, None)
-            shares = row["gate_open_share"]
-            print(f"{name:<30}{fmt(c['mean'])}{fmt(lo)}{fmt(hi)}{fmt(c['sd'])}{row['comparisons_per_batch']:>8.0f}"
-                  f"{fmt(row['localisation'])}{fmt(row['localisation_chance'])}"
-                  f"{fmt(shares['window 1'][t], 9)}{fmt(shares[f'window {WINDOWS[-1]}'][t], 9)}")
+        common.print_table([{"source": name, **row["concordance"], "pairs": row["comparisons_per_batch"],
+                             "localisation": row["localisation"], "chance": row["localisation_chance"],
+                             "open_w1": row["gate_open_share"]["window 1"][t],
+                             f"open_w{WINDOWS[-1]}": row["gate_open_share"][last][t]}
+                            for name, row in part["sources"].items()],
+                           ["source", "mean", "ci95", "sd", "pairs", "localisation", "chance", "open_w1",
+                            f"open_w{WINDOWS[-1]}"],
+                           f"WARM START, {setting}: {part['batches']} batches of {part['prompts_per_batch']}x"
+                           f"{part['samples_per_prompt']}, sampled accuracy {part['accuracy']:.2f}")
     if result["training"]:
-        print(f"TRAINING SNAPSHOTS: concordance in the first and last {WINDOW} steps, replayed gate (threshold {t})")
-        print(f"{'run':<40}{'steps':>6}{'first':>8}{'last':>8}{'open':>8}{'first':>8}{'last':>8}")
-        for run, row in result["training"].items():
-            print(f"{run:<40}{row['steps']:>6}{fmt(row['concordance']['first'])}{fmt(row['concordance']['last'])}"
-                  f"{fmt(row['gate_open_share'][f'window {WINDOWS[-1]}'][t])}"
-                  f"{fmt(row['gate_open_share_by_window']['first'])}{fmt(row['gate_open_share_by_window']['last'])}")
+        common.print_table([{"run": run, "steps": row["steps"], "first": row["concordance"]["first"],
+                             "last": row["concordance"]["last"], "open": row["gate_open_share"][last][t],
+                             "open_first": row["gate_open_share_by_window"]["first"],
+                             "open_last": row["gate_open_share_by_window"]["last"]}
+                            for run, row in result["training"].items()],
+                           ["run", "steps", "first", "last", "open", "open_first", "open_last"],
+                           f"TRAINING SNAPSHOTS: concordance in the first and last {WINDOW} steps, replayed gate "
+                           f"(threshold {t})")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -285,19 +285,13 @@ def exit_and_chain_accuracy(model, tokenizer, problems) -> dict:
 
 def print_tables(result: dict) -> None:
     print(f"traces {result['traces']}  timings {({k: round(v, 1) for k, v in result['timings_s'].items()})}")
-    print("STATES: values v_k vs MC (k = 0..K-1)")
-    print(f"{'source':<20}{'sp pool':>8}{'pe pool':>8}{'sp in':>8}{'pe in':>8}{'n in':>6}"
-          f"{'early':>8}{'middle':>8}{'late':>8}{'mean v':>8}{'NaN':>6}")
-    for name, e in result["states"].items():
-        print(f"{name:<20}{fmt(e['spearman'])}{fmt(e['pearson'])}{fmt(e['within_spearman'])}"
-              f"{fmt(e['within_pearson'])}{e['within_n']:>6}{fmt(e['spearman_early'])}{fmt(e['spearman_middle'])}"
-              f"{fmt(e['spearman_late'])}{fmt(e['mean_value'])}{e['nan_fraction']:>6.2f}")
-    print(f"SEGMENTS: R_k vs MC R_k (k = 1..K); localisation over {result['localisation_traces']} incorrect traces, "
-          f"chance {fmt(result['localisation_chance'], 0)}")
-    print(f"{'source':<20}{'sp pool':>8}{'pe pool':>8}{'sp in':>8}{'n in':>6}{'loc':>8}")
-    for name, e in result["segments"].items():
-        print(f"{name:<20}{fmt(e.get('spearman'))}{fmt(e.get('pearson'))}{fmt(e.get('within_spearman'))}"
-              f"{e.get('within_n', 0):>6}{fmt(e['localisation'])}")
+    common.print_table([{"source": name, **e} for name, e in result["states"].items()], [
+        "source", "spearman", "pearson", "within_spearman", "within_pearson", "within_n", "spearman_early",
+        "spearman_middle", "spearman_late", "mean_value", "nan_fraction"], "STATES: values v_k vs MC (k = 0..K-1)")
+    common.print_table([{"source": name, **e} for name, e in result["segments"].items()], [
+        "source", "spearman", "pearson", "within_spearman", "within_n", "localisation"],
+        f"SEGMENTS: R_k vs MC R_k (k = 1..K); localisation over {result['localisation_traces']} incorrect traces, "
+        f"chance {fmt(result['localisation_chance'], 0)}")
 
 
 def main(argv: list[str] | None = None) -> dict:
