@@ -697,19 +697,20 @@ METHODS = {
 }
 
 
-def method_algorithm(name: str) -> dict:
-    """``algorithm`` of the method's run as plain data: base.yaml's and the recipe's, merged, with the overrides."""
+def method_algorithm(name: str, method: Method | None = None) -> dict:
+    """``algorithm`` of a run of ``method`` (default ``METHODS[name]``) as plain data: base.yaml's and the recipe's,
+    merged, with the overrides."""
     from omegaconf import OmegaConf
 
-    method = METHODS[name]
+    method = method or METHODS[name]
     sections = [OmegaConf.load(RECIPES / f"{recipe}.yaml").get("algorithm", {}) for recipe in ("base", method.recipe)]
     overrides = OmegaConf.from_dotlist(list(method.overrides)).get("algorithm", {})
     return OmegaConf.to_container(OmegaConf.merge(*sections, overrides), resolve=True)
 
 
-def method_settings(name: str):
+def method_settings(name: str, method: Method | None = None):
     """(estimator name, ``RRedCoTSettings``) of a method, read by the package's strict reader."""
     from rredcot_verl.core.settings import settings_from_config
 
-    algorithm = method_algorithm(name)
+    algorithm = method_algorithm(name, method)
     return algorithm["adv_estimator"], settings_from_config(algorithm)

@@ -64,7 +64,6 @@ from benchmarks.common import (
     cosine,
     draw_batch,
     flat_grad,
-    fmt,
     forward_log_probs,
     localisation_hit,
     loo_advantages,
@@ -102,15 +101,8 @@ LAUNCHED = ("grpo", "turn_exit_probe", "turn_exit_probe_value_differences")
 
 
 def method_settings(name: str):
-    """(estimator, ``RRedCoTSettings``) of ``calculator.yaml`` with the method's overrides, by the package's reader."""
-    from omegaconf import OmegaConf
-
-    from rredcot_verl.core.settings import settings_from_config
-
-    sections = [OmegaConf.load(common.RECIPES / f"{recipe}.yaml").get("algorithm", {}) for recipe in ("base", RECIPE)]
-    overrides = OmegaConf.from_dotlist(list(METHODS[name])).get("algorithm", {})
-    algorithm = OmegaConf.to_container(OmegaConf.merge(*sections, overrides), resolve=True)
-    return algorithm["adv_estimator"], settings_from_config(algorithm)
+    """(estimator, ``RRedCoTSettings``) of ``calculator.yaml`` with the method's overrides."""
+    return common.method_settings(name, common.Method(RECIPE, METHODS[name]))
 
 
 # ------------------------------------------------------------------------------------------------------ trajectories

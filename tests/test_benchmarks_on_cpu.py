@@ -351,6 +351,24 @@ def test_cost_smoke(build, tmp_path):
     assert json.loads((tmp_path / "cost.json").read_text())["values"]["states"] == result["values"]["states"]
 
 
+def test_cost_training_block_reads_runs_as_committed(tmp_path):
+    """``value_pass values --runs-dir``: each method's run is read (a cut-short last line dropped), its median step
+    over steps >= 2 set over GRPO's, with the keys of the committed cost.json."""
+    for offset, method in enumerate(("grpo", "rredcot", "segment_mc", "ibpo")):
+        rows = [(step, {"timing_s/step": 50.0 if step == 1 else 2.0 + offset + step, "timing_s/gen": 1.0})
+                for step in (1, 2, 3, 4, 5)]
+        (tmp_path / f"{method}_seed1").mkdir()
+        _write_launch(tmp_path / f"{method}_seed1" / "metrics.jsonl", rows, cut_last_line=True)
+
+    training = value_pass.measure_training(tmp_path, 3, 1, tmp_path, launch=False)
+
+    committed = json.loads((RESULTS / "cost.json").read_text())["training"]
+    assert {method: list(entry) for method, entry in training.items()} == {
+        method: list(entry) for method, entry in committed.items()}
+    assert [training[m]["median_step_s"] for m in training] == [5.0, 6.0, 7.0, 8.0]
+    assert training["ibpo"]["over_grpo"] == 8.0 / 5.0 and training["grpo"]["steps_used"] == 3
+
+
 def test_step_times_skip_the_warm_up_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "data": {"timing_s/step": t}}) + "\n"
