@@ -4,7 +4,7 @@
   one JSON writer), ``print_table`` (the one table printer), ``out_path``.
 * Statistics (scipy): t intervals, paired differences, Pearson / Spearman, binomial intervals, curve areas.
 * Training runs: the task settings and their data, ``launch_run`` (``recipes/tiny_cpu/run.sh``); ``median_step_s``,
-  the one step-time statistic, on rows of the package's metrics reader (``rredcot_verl.runs.load_metrics``).
+  the one step-time statistic, on rows of the package's metrics reader (both from ``rredcot_verl.runs``).
 * Sampling: problems and traces of the embedded task, the one left-padded ``generate`` loop, and Monte-Carlo values
   through the package's own ``core.montecarlo`` (planning and tallying of continuations).
 * Methods: ``METHODS``, the one table of estimator variants (a recipe and hydra overrides), by name.
@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -45,6 +44,7 @@ from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.tasks import ArithmeticTaskConfig, first_wrong_step, parse_prompt, write_parquet
 from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, EARLY_TASK, LONG_TASK, PRESETS, build
 from rredcot_verl.tasks.model import chat_prompt_ids
+from rredcot_verl.runs import median_step_s, step_seconds  # noqa: F401  (re-exported: the one step-time statistic)
 from rredcot_verl.tasks.reward import compute_score
 
 BUILD_DIR = ROOT / "outputs" / "tiny_cpu" / "build"
@@ -194,18 +194,6 @@ def launch_run(recipe: str, out: Path, steps: int, seed: int, build: Path, overr
     with open(out / "train.log", "w") as log:
         return subprocess.run([str(RECIPES / "run.sh"), recipe, f"data.seed={seed}", *overrides], env=env,
                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-
-
-def step_seconds(rows: list[dict], phase: str = "step") -> list[float]:
-    """``timing_s/<phase>`` of steps ≥ 2 (step 1 carries warm-up)."""
-    key = f"timing_s/{phase}"
-    return [row[key] for row in rows if row["step"] >= 2 and key in row]
-
-
-def median_step_s(rows: list[dict]) -> float | None:
-    """The benchmarks' one step-time statistic: the median ``timing_s/step`` of steps ≥ 2; None without any."""
-    seconds = step_seconds(rows)
-    return statistics.median(seconds) if seconds else None
 
 
 def step_cost(rows: list[dict]) -> dict:

@@ -1,7 +1,7 @@
 """Reading training runs back: verl's FileLogger ``metrics.jsonl``, per-run summaries and comparison curves.
 
-Used by the demo (``recipes/tiny_cpu/demo.py``), the sample-efficiency benchmark and, as a command, by
-``recipes/gpu_single/compare.sh``:
+Used by the demo (``recipes/tiny_cpu/demo.py``), every benchmark that reads a run (``load_metrics``) and, as a
+command, by ``recipes/gpu_single/compare.sh``:
 
     python -m rredcot_verl.runs --out DIR RUN [RUN ...]   # reads DIR/RUN/metrics.jsonl; writes DIR/curves.png,
                                                           # DIR/comparison.json and prints the table
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -40,6 +41,19 @@ def load_metrics(path: str | Path) -> list[dict]:
     return rows
 
 
+def step_seconds(rows: list[dict], phase: str = "step") -> list[float]:
+    """``timing_s/<phase>`` of steps ≥ 2 (step 1 carries warm-up)."""
+    key = f"timing_s/{phase}"
+    return [row[key] for row in rows if row["step"] >= 2 and key in row]
+
+
+def median_step_s(rows: list[dict]) -> float | None:
+    """The one step-time statistic (this summary's and every benchmark's): the median ``timing_s/step`` of steps ≥ 2;
+    None without any."""
+    seconds = step_seconds(rows)
+    return statistics.median(seconds) if seconds else None
+
+
 def validation_key(rows: list[dict]) -> str | None:
     """The validation accuracy metric (``val-core/<data_source>/reward/mean@1``) of a run, if it logged one."""
     keys = sorted({k for row in rows for k in row if k.startswith(VAL_PREFIX) and k.endswith("/mean@1")})
@@ -64,7 +78,7 @@ def summarize(rows: list[dict]) -> dict:
         "val_best": max(v for _, v in val) if val else None,
         "train_reward_last5": sum(tail) / len(tail) if tail else None,
         "train_time_s": sum(step_times),
-        "median_step_s": sorted(step_times)[len(step_times) // 2] if step_times else None,
+        "median_step_s": median_step_s(rows),
     }
 
 
