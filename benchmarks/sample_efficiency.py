@@ -652,36 +652,30 @@ def plot(result: dict, path: Path) -> None:
 
 
 def print_table(result: dict) -> None:
-    width = max([22, *(len(method) + 1 for method in result["methods"])])
     print(f"GRPO final accuracy {fmt(result['grpo_final_accuracy'], 0, 3)} (reached at step "
           f"{result['grpo_steps_to_final']})")
-    print(f"{'method':<{width}}{'seeds':>6}{'lr':>8}{'acc0':>7}{'final':>7}{'auc':>7}{'steps→':>7}{'/grpo':>7}"
-          f"{'s→':>7}{'step s':>8}{'adv rng':>8}{'gn var':>9}")
-    for method, e in result["methods"].items():
-        reached = e["steps_to_grpo_final"]
-        print(f"{method:<{width}}{len(e['seeds']):>6}{e['lr']:>8.2g}{fmt(e['initial_accuracy'], 7, 3)}"
-              f"{fmt(e['final_accuracy'], 7, 3)}{fmt(e['auc'], 7, 3)}{reached if reached is not None else '-':>7}"
-              f"{fmt(e['steps_to_grpo_final_over_grpo'], 7)}{fmt(e['seconds_to_grpo_final'], 7, 0)}"
-              f"{fmt(e['median_step_s'])}{fmt(e['advantage_range_mean'])}{fmt(e['grad_norm_variance'], 9, 4)}")
-    print("\nminus GRPO, paired by seed (mean [95% t interval]): AUC, accuracy at the last shared step")
-    for method, e in result["methods"].items():
-        paired = e["paired_with_grpo"]
-        if paired:
-            cells = [f"{fmt(paired[key], 0, 3)} [{', '.join(fmt(v, 0, 3) for v in paired[key + '_ci95'] or ())}]"
-                     for key in ("auc_difference", "final_difference")]
-            print(f"{method:<{width}}{paired['seeds']:>3} seeds, to step {paired['up_to_step']:<4}" + "".join(
-                f"{cell:>26}" for cell in cells))
-    print(f"\nfirst → last {DIAGNOSTIC_WINDOW} steps: train reward, redistributed fraction, clipped-trace fraction, "
-          "localisation of the first wrong step (chance)")
-    for method, e in result["methods"].items():
-        cells = []
-        for key in ("critic/score/mean", "rredcot/redistributed_frac", "rredcot/clipped_trace_frac"):
-            first, last = ((e["diagnostics"] or {}).get(window, {}).get(key) for window in ("first", "last"))
-            cells.append(f"{fmt(first, 0, 3)}→{fmt(last, 0, 3)}" if first is not None else "-")
-        loc = e["localisation"]
-        cells.append(f"{fmt(loc['first']['localisation'], 0, 2)}→{fmt(loc['last']['localisation'], 0, 2)} "
-                     f"({fmt(loc['last']['chance'], 0, 2)})" if loc else "-")
-        print(f"{method:<{width}}" + "".join(f"{cell:>16}" for cell in cells[:3]) + f"  {cells[3]}")
+    methods = result["methods"]
+
+    def window(entry: dict | None, key: str) -> str:
+        """``first→last`` of a windowed summary, '-' without one."""
+        values = [((entry or {}).get(name) or {}).get(key) for name in ("first", "last")]
+        return "-" if values[0] is None else "→".join(fmt(value, 0, 3) for value in values)
+
+    common.print_table([{"method": method, **e, "seeds": len(e["seeds"])} for method, e in methods.items()], {
+        "method": "", "seeds": "d", "lr": ".2g", "initial_accuracy": ".3f", "final_accuracy": ".3f", "auc": ".3f",
+        "steps_to_grpo_final": "", "steps_to_grpo_final_over_grpo": ".2f", "seconds_to_grpo_final": ".0f",
+        "median_step_s": ".2f", "advantage_range_mean": ".2f", "grad_norm_variance": ".4f"})
+    common.print_table([{"method": method, **e["paired_with_grpo"]} for method, e in methods.items()
+                        if e["paired_with_grpo"]],
+                       ["method", "seeds", "up_to_step", "auc_difference", "auc_difference_ci95", "final_difference",
+                        "final_difference_ci95"], "\nminus GRPO, paired by seed (mean, 95% t interval)")
+    common.print_table([{"method": method, **{key: window(e["diagnostics"], key) for key in (
+        "critic/score/mean", "rredcot/redistributed_frac", "rredcot/clipped_trace_frac")},
+        "localisation (chance)": window(e["localisation"], "localisation") + (
+            f" ({e['localisation']['last']['chance']:.2f})" if e["localisation"] else "")}
+        for method, e in methods.items()],
+        ["method", "critic/score/mean", "rredcot/redistributed_frac", "rredcot/clipped_trace_frac",
+         "localisation (chance)"], f"\nfirst → last {DIAGNOSTIC_WINDOW} steps")
 
 
 def write_synthetic_metrics(out: Path, slope: float, seed: int, steps: int, test_freq: int, step_s: float) -> None:
