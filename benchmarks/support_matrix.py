@@ -10,8 +10,13 @@ its step metrics and log are read (``launched_outcome``): a crash or a run whose
 estimator (failed groups, non-finite values, fallbacks a working run never has) is ``crashed`` / ``silent``. Launched
 cells are kept in ``results/support_matrix_runs/`` (one JSON each: the command is resumable, a cell launched once is
 not launched again unless its file is removed). An accepted cell that needs what this machine lacks (a GPU kernel, an
-engine or library not installed) is ``not_run_here``, with why; an accepted CPU cell not launched yet is
-``not_launched``. Writes ``results/support_matrix.json``: ``{"cells": [{"estimator", "shape", "outcome",
+engine or library not installed) is ``not_run_here``, with why. An accepted cell not launched itself is ``runs``
+where a committed launch on its shape runs every path of its estimator that the shape touches (``covering_launch``:
+``rredcot_ibpo``'s launch for ``rredcot`` and ``ibpo``, whose stages are its two; on a model-family row, any launch on
+the family for the family-dependent paths, a value-pass estimator's for the value pass), its evidence naming that
+launch (``covered_by``) and the rule; otherwise it is ``not_launched``. A ``ray_head`` shape is sent with ``ray job
+submit`` to a head node started for the launch; a verl entry point runs verl's own estimators on the recipe as the
+launcher prepares it for CPU. Writes ``results/support_matrix.json``: ``{"cells": [{"estimator", "shape", "outcome",
 "evidence"}]}``; docs/usage.md shows the table (``--markdown`` prints it).
 """
 
@@ -23,8 +28,13 @@ import json
 import math
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,13 +97,15 @@ class Shape:
         reward: source of a reward file written for the run (None: the task's own).
         not_here: why this machine cannot run it (a GPU kernel, an engine or library the CPU stack lacks; empty: it
             can).
-        entry_point: a verl entry point other than this package's launcher (checked by starting it).
+        entry_point: a verl entry point other than this package's launcher (checked by starting it; verl's own
+            estimators launched on the recipe as the launcher prepares it for CPU).
         recipe / build: a shape with its own model and data (which the embedded task cannot stand in for): the
             recipe under ``recipes/tiny_cpu`` it launches (with ``algorithm.adv_estimator`` set to the cell's;
             ``OWN_RECIPE``: the estimator's own) and the ``python -m`` command, without ``--out``, that builds what
             the recipe reads from ``$RREDCOT_BUILD``.
         launched_in_ci: estimator -> the end-to-end test that trains it in miniature on this shape's own model and
             data and reads its metrics, in every CI run.
+        ray_head: launched as a job sent with `ray job submit` to a head node started for it (``ray_head_node``).
     """
 
     name: str
@@ -105,6 +117,7 @@ class Shape:
     recipe: str = ""
     build: tuple[str, ...] = ()
     launched_in_ci: tuple[tuple[str, str], ...] = ()
+    ray_head: bool = False
 
     def composition(self, estimator: str) -> tuple[str, list[str]]:
         """(recipe name under recipes/tiny_cpu, overrides) of this shape for ``estimator``."""
@@ -166,7 +179,8 @@ SHAPES = (
            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8")),
     Shape("ray_cluster", "a `ray start` head node, the job sent with `ray job submit` (RAY_ADDRESS)",
-          launched_in_ci=(("rredcot", "tests/test_e2e_on_cpu.py::test_ray_job_submit_to_a_running_head_node"),)),
+          launched_in_ci=(("rredcot", "tests/test_e2e_on_cpu.py::test_ray_job_submit_to_a_running_head_node"),),
+          ray_head=True),
     Shape("multi_turn_tools", "multi-turn tool agent loop", recipe="calculator",
           build=("rredcot_verl.tasks.calculator_miniature",),
           launched_in_ci=tuple((estimator, "tests/test_calculator_miniature_on_cpu.py::"
@@ -265,12 +279,105 @@ def launched_outcome(estimator: str, out: Path, returncode: int, log: str) -> tu
     return ("silent" if problems else "runs"), evidence
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def ray_head_node(out: Path, gpus: int = 2):
+    """A Ray head node as a user starts one on a CPU machine (``ray start --head``, the fake GPUs verl's pools ask
+    for), on ports and a temp dir of its own; yields the address jobs are submitted to. It runs in a session of its
+    own (``--block``), so that ending that session stops exactly this cluster: other Ray clusters on the machine are
+    left alone."""
+    ray = str(Path(sys.executable).parent / "ray")
+    dashboard_port = _free_port()
+    temp_dir = Path("/tmp") / f"ray_matrix_{os.getpid()}"
+    command = [ray, "start", "--head", "--block", f"--port={_free_port()}", "--num-cpus=32", f"--num-gpus={gpus}",
+               "--include-dashboard=true", f"--dashboard-port={dashboard_port}", "--dashboard-host=127.0.0.1",
+               # Ray's fixed default agent ports are taken while another Ray instance runs on the machine.
+               f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+               f"--runtime-env-agent-port={_free_port()}", f"--temp-dir={temp_dir}", "--disable-usage-stats"]  # fmt: skip
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    with open(out / "ray_head.log", "w") as log:
+        head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{dashboard_port}/api/version", timeout=5):
+                        break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the Ray head's dashboard (port {dashboard_port}) did not come up")
+                    time.sleep(2)
+            yield f"http://127.0.0.1:{dashboard_port}"
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(head.pid, sig)
+                    head.wait(timeout=30)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _run(command: list[str], env: dict[str, str], shape: Shape, out: Path) -> subprocess.CompletedProcess:
+    """Run a cell's command, submitted to a head node of its own for a ``ray_head`` shape."""
+    if not shape.ray_head:
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 120)
+    with ray_head_node(out) as address:
+        for _ in range(6):  # the dashboard answers before the head's job agent registers, which refuses jobs meanwhile
+            result = subprocess.run(command, cwd=ROOT, env={**env, "RAY_ADDRESS": address}, capture_output=True,
+                                    text=True, timeout=RUN_TIMEOUT_S + 120)  # fmt: skip
+            if "No available agent to submit job" not in result.stdout + result.stderr:
+                return result
+            time.sleep(10)
+    return result
+
+
+def _prepared_for_verl(estimator: str, shape: Shape, env: dict[str, str], out: Path) -> Path:
+    """The embedded recipe for ``estimator`` as ``rredcot_verl.main`` prepares it on CPU (CPU accommodations, a local
+    cluster with fake GPUs: no estimator stage for verl's own estimators), saved for a verl entry point to read."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rredcot_verl.integration.launcher import prepare
+
+    saved = dict(os.environ)
+    os.environ.update({key: env[key] for key in ("RREDCOT_BUILD", "RREDCOT_REWARD_FILE", "VERL_FILE_LOGGER_PATH")})
+    try:
+        recipe, overrides = shape.composition(estimator)
+        with initialize_config_dir(config_dir=str(ROOT / "recipes" / "tiny_cpu"), version_base=None):
+            config = prepare(compose(config_name=recipe, overrides=[*overrides, *SMALL]))
+        env.update({key: value for key, value in os.environ.items() if saved.get(key) != value})
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    prepared = out / "prepared.yaml"
+    OmegaConf.save(config, prepared)
+    return prepared
+
+
 def launch(estimator: str, shape: Shape, build: Path, out: Path) -> tuple[str, dict]:
     """Train the cell in miniature (the embedded recipes through run.sh, a shape's own recipe through the launcher as
-    a user starts it) and read what it logged; the log is kept in the run folder."""
+    a user starts it, a verl entry point on the recipe the launcher prepares for CPU) and read what it logged; the
+    log is kept in the run folder."""
     env = _environment(build, out, shape)
     recipe, overrides = shape.composition(estimator)
-    if shape.recipe:
+    if shape.entry_point:
+        env["VERL_FILE_LOGGER_PATH"] = str(out / "metrics.jsonl")
+        prepared = _prepared_for_verl(estimator, shape, env, out)
+        command = ["timeout", "-k", "30", str(RUN_TIMEOUT_S), "setsid", sys.executable, "-m", shape.entry_point,
+                   "--config-dir", str(out), "--config-name", prepared.stem]  # fmt: skip
+        shown = (f"python -m {shape.entry_point} on recipes/tiny_cpu/{recipe}.yaml with {' '.join(SMALL)} as "
+                 "rredcot_verl.main prepares it for CPU (launcher.prepare, saved and passed as --config-name)")
+    elif shape.recipe:
         env["VERL_FILE_LOGGER_PATH"] = str(out / "metrics.jsonl")
         command = ["timeout", "-k", "30", str(RUN_TIMEOUT_S), "setsid", sys.executable, "-m", "rredcot_verl.main",
                    "--config-dir", str(ROOT / "recipes" / "tiny_cpu"), "--config-name", recipe, *overrides, *SMALL,
@@ -279,11 +386,12 @@ def launch(estimator: str, shape: Shape, build: Path, out: Path) -> tuple[str, d
     else:
         command = ["bash", str(RUN_SH), estimator, *SMALL, *overrides]
         shown = f"recipes/tiny_cpu/run.sh {estimator}"
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 120)
+    result = _run(command, env, shape, out)
     log = result.stdout + result.stderr
     (out / "stdout.log").write_text(log)
     outcome, evidence = launched_outcome(estimator, out, result.returncode, log)
-    evidence["command"] = " ".join([shown, *overrides, *SMALL] if shape.recipe else [shown, *SMALL, *overrides])
+    evidence["command"] = (shown if shape.entry_point else
+                           " ".join([shown, *overrides, *SMALL] if shape.recipe else [shown, *SMALL, *overrides]))
     return outcome, evidence
 
 
@@ -296,6 +404,44 @@ def shape_build(shape: Shape, work: Path, default: Path) -> Path:
     subprocess.run([sys.executable, "-m", *shape.build, "--out", str(out)], cwd=ROOT, check=True, capture_output=True,
                    timeout=1800)
     return out
+
+
+def _stages(estimator: str) -> set:
+    """The producers a step runs for ``estimator`` at the default ``algorithm.rredcot`` settings (none for verl's)."""
+    from rredcot_verl.core.settings import RRedCoTSettings
+    from rredcot_verl.integration.estimators import ESTIMATORS
+
+    spec = ESTIMATORS.get(estimator)
+    return set() if spec is None else {stage.produce for stage in spec.stages(RRedCoTSettings())}
+
+
+def _uses_value_pass(estimator: str) -> bool:
+    from rredcot_verl.integration.estimators import ESTIMATORS
+
+    return estimator in ESTIMATORS and ESTIMATORS[estimator].uses_value_pass
+
+
+def covering_launch(estimator: str, shape: Shape) -> str | None:
+    """The estimator whose committed launch on ``shape`` stands for ``estimator``'s cell, which was not launched
+    itself (None: none does). A launch runs every path of the cell's estimator that the shape can touch:
+
+    - any shape: the launched estimator runs every stage of the cell's (``rredcot``'s value pass and ``ibpo``'s
+      repairs are ``rredcot_ibpo``'s two stages); verl's ``grpo`` runs verl's own trainer and is left out;
+    - a model-family row: what depends on the family is vLLM generating it, FSDP's forward and backward on it and
+      the value pass; any launch on the family runs the first two, a value-pass estimator's all three.
+    """
+    family_row = shape.build[:1] == ("benchmarks.model_families",) and "--family" in shape.build
+    for other in ESTIMATORS:
+        run_file = RUNS / f"{other}__{shape.name}.json"
+        if other == estimator or not run_file.exists() or json.loads(run_file.read_text())["outcome"] != "runs":
+            continue
+        if family_row:
+            covers = _uses_value_pass(other) or not _uses_value_pass(estimator)
+        else:
+            covers = "grpo" not in (estimator, other) and _stages(estimator) <= _stages(other)
+        if covers:
+            return other
+    return None
 
 
 def cell(estimator: str, shape: Shape, build: Path, work: Path, do_launch: bool) -> dict:
@@ -322,7 +468,13 @@ def cell(estimator: str, shape: Shape, build: Path, work: Path, do_launch: bool)
     ci_test = dict(shape.launched_in_ci).get(estimator)
     if ci_test:
         return {**result, "outcome": "runs", "evidence": {"accepted_at_launch": True, "launched_in_ci": ci_test}}
-    if not do_launch or shape.entry_point:  # verl's own entry points are not launched by run.sh
+    if not do_launch:
+        covering = covering_launch(estimator, shape)
+        if covering:
+            launched = (RUNS / f"{covering}__{shape.name}.json").relative_to(ROOT)
+            rule = "model family" if "--family" in shape.build else "stages"
+            return {**result, "outcome": "runs", "evidence": {"accepted_at_launch": True, "covered_by": str(launched),
+                                                              "rule": rule}}
         return {**result, "outcome": "not_launched", "evidence": {"accepted_at_launch": True}}
     outcome, evidence = launch(estimator, shape, build, out)
     row = {**result, "outcome": outcome, "evidence": evidence}

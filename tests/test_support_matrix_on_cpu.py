@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from composing import compose_recipe
-from benchmarks.support_matrix import ESTIMATORS, SHAPES, markdown
+from benchmarks.support_matrix import ESTIMATORS, SHAPES, covering_launch, markdown
 from rredcot_verl.integration.launcher import LaunchError, check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,8 +29,38 @@ def test_every_cell_is_there_and_none_crashed_or_degraded_silently():
         if c["outcome"] == "runs" and "launched_in_ci" in c["evidence"]:
             path, name = c["evidence"]["launched_in_ci"].split("::")
             assert f"def {name}(" in (ROOT / path).read_text()  # the test that launches it exists and runs in CI
+        elif c["outcome"] == "runs" and "covered_by" in c["evidence"]:
+            # a launch on the same shape that runs every path of this estimator the shape touches (the rule holds)
+            launched = json.loads((ROOT / c["evidence"]["covered_by"]).read_text())
+            assert launched["shape"] == c["shape"] and launched["outcome"] == "runs"
+            assert covering_launch(c["estimator"], BY_SHAPE[c["shape"]]) == launched["estimator"]
         elif c["outcome"] == "runs":
             assert c["evidence"]["returncode"] == 0 and c["evidence"]["steps"] >= 1 and not c["evidence"]["problems"]
+
+
+def test_a_launch_stands_for_a_cell_only_where_it_runs_every_path_the_shape_touches(tmp_path, monkeypatch):
+    """rredcot's value pass and ibpo's repairs are rredcot_ibpo's stages; segment_mc's continuations and verl's own
+    trainer (grpo) are nobody else's. On a model-family row the value pass is the only family-dependent path that
+    some estimators lack."""
+    from benchmarks import support_matrix
+
+    shape, family = BY_SHAPE["dynamic_sampling"], BY_SHAPE["model_gemma2"]
+    for launched, cell, plain, on_family in (
+        ("rredcot_ibpo", "rredcot", True, True), ("rredcot_ibpo", "ibpo", True, True),
+        ("rredcot_ibpo", "segment_mc", False, True), ("rredcot_ibpo", "grpo", False, True),
+        ("ibpo", "rredcot", False, False), ("ibpo", "rredcot_ibpo", False, False),
+        ("segment_mc", "ibpo", False, True), ("grpo", "segment_mc", False, True), ("rredcot", "ibpo", False, True),
+    ):  # fmt: skip
+        runs = tmp_path / f"{launched}_{cell}"
+        runs.mkdir()
+        monkeypatch.setattr(support_matrix, "RUNS", runs)
+        for s in (shape, family):
+            (runs / f"{launched}__{s.name}.json").write_text(json.dumps({"outcome": "runs"}))
+        expected = {True: launched, False: None}
+        assert support_matrix.covering_launch(cell, shape) == expected[plain], (launched, cell)
+        assert support_matrix.covering_launch(cell, family) == expected[on_family], (launched, cell)
+    (runs / f"rredcot_ibpo__{shape.name}.json").write_text(json.dumps({"outcome": "crashed"}))
+    assert support_matrix.covering_launch("ibpo", shape) is None  # only a launch that ran stands for another
 
 
 @pytest.fixture(scope="module")
