@@ -180,7 +180,9 @@ def _thinking_text(text: str, profile: ProbeProfile, opened_by_prompt: bool) -> 
 
 
 def _group_banks(traces, texts, opened, settings: RRedCoTSettings, task: TaskAdapter, repairs,
-                 profile: ProbeProfile) -> dict:
+                 profile: ProbeProfile, decode_batch) -> dict:
+    """Per group, its bank. ``repairs``: per group, the token ids of its verified repairs, decoded (``decode_batch``)
+    only for the groups that bank them."""
     cand = settings.candidates
     banks: dict[Hashable, _GroupBank] = defaultdict(_GroupBank)
     opened_in_group: dict[Hashable, bool] = {}
@@ -195,11 +197,11 @@ def _group_banks(traces, texts, opened, settings: RRedCoTSettings, task: TaskAda
     if cand.uses_repairs:
         # A verified repair is a correct solution of the prompt, written by the policy under the same chat template
         # as the group's traces: it enters the bank as a correct trace would, in groups that have none.
-        for group, texts_of_group in repairs.items():
+        for group, ids_of_group in repairs.items():
             bank = banks[group]
             if BANK_FROM_TRACES in bank.sources or group not in opened_in_group:
                 continue
-            for text in texts_of_group:
+            for text in decode_batch(ids_of_group):
                 answer = task.extract_answer(text)
                 if answer is not None:
                     steps = task.split_steps(_thinking_text(text, profile, opened_in_group[group]))
@@ -475,9 +477,8 @@ def plan_traces(
     own_texts = [text if t.response_mask is None else planner.probe_tokenizer.decode(
         t.response_ids[t.response_mask.bool()].tolist()) for t, text in zip(traces, texts)]
     by_prompt = [planner.opened_by_prompt(t.prompt_ids.tolist()) for t in traces]
-    repair_texts = {group: planner.probe_tokenizer.decode_batch(ids_of_group)
-                    for group, ids_of_group in (repairs or {}).items()}
-    banks = _group_banks(traces, own_texts, by_prompt, settings, task, repair_texts, planner.profile)
+    banks = _group_banks(traces, own_texts, by_prompt, settings, task, repairs or {}, planner.profile,
+                         planner.probe_tokenizer.decode_batch)
     rule = _value_rule(settings)
     source = settings.probe.value_source
     plans = []
