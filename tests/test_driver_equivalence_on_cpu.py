@@ -364,3 +364,24 @@ def test_repair_banks_decoded_where_read_are_the_eager_banks(step):
     without_correct = {t["group"] for t in traces} - {t["group"] for t in traces if t["outcome"]}
     assert any(BANK_FROM_REPAIRS in eager[group].sources for group in without_correct)
     assert len(decoded) == len(without_correct) < len(repairs)  # only the groups that bank repairs are decoded
+
+
+def test_exit_probe_banks_without_steps_hold_the_answers_of_banks_with_them(step):
+    # Exit probes read a bank's answers and sources alone; the steps are split only for reference continuations.
+    tokenizer, traces, recipe_settings = step
+    task = resolve_task(recipe_settings.task)
+    records = [TraceRecord(torch.tensor(t["prompt"]), torch.tensor(t["response"]), None, t["outcome"], t["group"],
+                           t["truth"]) for t in traces]
+    banks = {}
+    for source in ("exit_probe", "reference_continuation"):
+        use = dataclasses.replace(recipe_settings, probe=dataclasses.replace(recipe_settings.probe, value_source=source))
+        planner = _Planner(use, tokenizer, task)
+        texts = planner.probe_tokenizer.decode_batch([r.response_ids for r in records])
+        opened = [planner.opened_by_prompt(r.prompt_ids.tolist()) for r in records]
+        banks[source] = _group_banks(records, texts, opened, use, task, {}, planner.profile, None)
+    assert banks["exit_probe"].keys() == banks["reference_continuation"].keys()
+    assert any(bank.correct_steps for bank in banks["reference_continuation"].values())  # correct traces, split
+    for group, bank in banks["reference_continuation"].items():
+        fast = banks["exit_probe"][group]
+        assert (fast.correct_answers, fast.all_answers, fast.sources) == (
+            bank.correct_answers, bank.all_answers, bank.sources)
