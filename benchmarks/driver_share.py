@@ -10,12 +10,14 @@ miniature Qwen3-family tokenizer (``tasks/miniature.py``: byte-level BPE with Qw
 1,024 tokens, so fewer characters per token than Qwen3's 152k vocabulary: text-bound parts, decoding and the reward's
 parsing, would read about 1.5x more characters per trace there). Entropies are uniform noise.
 
-What is timed, with the package's own functions, in the order a step runs them (CPU seconds, one thread):
+What is timed, with the package's own functions, in the order a step runs them (CPU seconds of every thread, and
+wall seconds; torch on one thread, the repairs' decoding and rewrite guard on ``--threads`` cores, one by default):
 
 * driver, ``ibpo`` / ``rredcot_ibpo``: the step's traces read from verl's ragged tensors (``trainer._trace_batch`` on
   in-memory tensors); IBPO's repairs (``estimators.ibpo.ibpo_repairs``, the default ``repair_operator: resume``),
-  split into decoding each repair for the reward, judging it with the recipe's reward (``tasks.math_reward``),
-  judging the repair (``core.ibpo.evaluate_repair``: failures, rewrite guard, the alignment of the local ones) and
+  split into decoding the repairs for the reward (``profiles.decode_batch``, multi-core in a real run), judging
+  them with the recipe's reward (``tasks.math_reward``), judging the repairs (``core.ibpo.evaluate_repairs``:
+  failures, the rewrite guard's distances, multi-core in a real run, the alignment of the local ones) and
   the rest (the plan, divergence points and requests, φ, masks); a stand-in engine continues every request with
   another problem's body (a repair that leaves the trace at its divergence point, the costliest to align), half of
   them right, and its own time is subtracted.
@@ -35,6 +37,7 @@ with the number of traces, so a run at ``--traces N`` is scaled by 512 / N (``sc
     python benchmarks/driver_share.py                 # 512 traces, writes benchmarks/results/driver_share.json
     python benchmarks/driver_share.py --traces 64     # measured at 64 traces, scaled to 512
     python benchmarks/driver_share.py --smoke         # 8 traces of 2,000 tokens, seconds; writes to a temp file
+    python benchmarks/driver_share.py --threads 0     # the multi-core phases on every core (default: one)
 """
 
 from __future__ import annotations
@@ -82,9 +85,10 @@ PAPER_RECIPE = common.ROOT / "recipes" / "paper" / "qwen3_4b_numina_rredcot.yaml
 DATA_SOURCE = "numina"
 BAR_SECONDS = 10.0  # issue 56's goal: the driver's seconds a step on one core at the paper shape (was 30)
 CORRECT_PER_GROUP = (0, 1, 2, 3)  # cycled over the groups
-THREADS_NOTE = ("torch on one thread; decoding (the tokenizers library's decode_batch) and the rewrite guard's "
-                "distances (rapidfuzz cpdist, workers=-1) run on every core: CPU seconds count every thread (a one-core "
-                "driver's time), wall seconds are this machine's with 'cores' cores, shared with other jobs")
+# The driver's work that runs on several cores in a real run: decoding (the tokenizers library's thread pool) and the
+# rewrite guard's distances (rapidfuzz, every core); ``--threads`` bounds both here.
+MULTI_CORE_PHASES = ("ibpo: decoding repairs for the reward (profiles.decode_batch)",
+                     "ibpo: failures, rewrite guard, alignment (core.ibpo.evaluate_repairs)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +293,29 @@ ADVANTAGE = {"ibpo": "ibpo: advantage (shaped_advantages)", "rredcot": "rredcot:
              "rredcot_ibpo": "rredcot_ibpo: advantage (fused_advantages)"}
 
 
+@contextlib.contextmanager
+def driver_threads(threads: int):
+    """The driver's multi-core work on ``threads`` cores (0: every core): the tokenizers library's pool (one thread:
+    ``TOKENIZERS_PARALLELISM=false``; more: ``RAYON_NUM_THREADS``, read when the pool starts) and the rewrite guard's
+    rapidfuzz workers."""
+    saved = {key: os.environ.get(key) for key in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS")}
+    if threads == 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    elif threads > 1:
+        os.environ["RAYON_NUM_THREADS"] = str(threads)
+    original = ibpo.evaluate_repairs
+    ibpo.evaluate_repairs = lambda *args, **kwargs: original(*args, **{**kwargs, "workers": threads or -1})
+    try:
+        yield
+    finally:
+        ibpo.evaluate_repairs = original
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def measure(shape: Shape, seed: int) -> dict:
     from verl import DataProto
 
@@ -434,13 +461,18 @@ def main(argv: list[str] | None = None) -> dict:
     cli.add_argument("--traces", type=int, default=None, help="traces measured (default: the recipe's 512)")
     cli.add_argument("--response-tokens", type=int, default=None, help="default: the recipe's 25,000")
     cli.add_argument("--seed", type=int, default=0)
+    cli.add_argument("--threads", type=int, default=1,
+                     help="cores for decoding and the rewrite guard (default 1: the one-core figure; 0: every core)")
     args = cli.parse_args(argv)
+    if args.threads < 0:
+        raise SystemExit("--threads must be >= 0")
     recipe = OmegaConf.load(PAPER_RECIPE)
     shape = recipe_shape(recipe, 8 if args.smoke else args.traces, 2000 if args.smoke else args.response_tokens)
     if shape.traces % shape.group_size:
         raise SystemExit(f"--traces must be a multiple of the group size {shape.group_size}")
     started = time.perf_counter()
-    measured = measure(shape, args.seed)
+    with driver_threads(args.threads):
+        measured = measure(shape, args.seed)
     result = {
         **summarise(measured, shape),
         "scaled_to_recipe": shape.recipe_traces / shape.traces,
@@ -448,7 +480,10 @@ def main(argv: list[str] | None = None) -> dict:
         "shape": dataclasses.asdict(shape),
         "measured": {k: v for k, v in measured.items() if k not in ("seconds", "wall")},
         "cores": os.cpu_count(),
-        "threads": THREADS_NOTE,
+        "threads": args.threads or os.cpu_count(),
+        "multi_core_phases": list(MULTI_CORE_PHASES),
+        "timing": ("CPU seconds count every thread of the process, wall seconds are this machine's ('cores' cores, "
+                   "shared with other jobs); 'threads' cores for the multi-core phases, torch on one"),
         "not_timed": ["generation and the model's forwards (GPU)",
                       "TransferQueue traffic: its controller and storage units are Ray actors; measured.fetched_bytes "
                       "(per _trace_batch read) and measured.put_bytes are what our hooks move through it",
