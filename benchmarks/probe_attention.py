@@ -15,6 +15,7 @@ Times are process CPU seconds with ``torch.set_num_threads(1)``, the minimum of 
 is shared); ``max_relative_difference`` is the largest relative difference of a probe log-prob between the two.
 
     python -m benchmarks.probe_attention            # writes benchmarks/results/probe_attention.json
+    python -m benchmarks.probe_attention --traces 8 # a quarter of the step's traces, about 20 CPU seconds
     python -m benchmarks.probe_attention --smoke    # 4 traces of 80 tokens, seconds; writes to a temp file
 """
 
@@ -117,9 +118,11 @@ def measure_row(model, shape: Shape, probes_of: str, continuations: int, repeats
 def main(argv: list[str] | None = None) -> dict:
     cli = common.parser(__doc__, RESULTS_PATH, "4 traces of 80 tokens", build=False)
     cli.add_argument("--repeats", type=int, default=2)
+    cli.add_argument("--traces", type=int, default=LONG.traces,
+                     help="traces in the batch (default the long step's 32; each is its own row, so the ratios hold)")
     args = cli.parse_args(argv)
     torch.set_num_threads(1)
-    shape = SMOKE if args.smoke else LONG
+    shape = SMOKE if args.smoke else dataclasses.replace(LONG, traces=args.traces)
     model = model_of_the_long_build()
     rows = []
     with torch.no_grad():
