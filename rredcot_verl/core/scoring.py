@@ -3,8 +3,9 @@
 ``score_batch_packed`` (and ``score_probes_packed`` for one trace) packs traces into micro-batches by a token budget;
 each micro-batch is ONE forward over every row's trace followed by its probes' tokens, merged into a token tree per
 boundary. The trace tokens attend causally; the probe tokens attend with a (probe tokens × (trace + probe tokens))
-mask from ``build_probe_mask`` and per-probe position ids restarting at the probe's prefix length. Log-probs are
-computed from the final hidden states only where they are read. The same forward gives the per-token log-probs and
+mask from ``build_probe_mask`` (run block by block where a row's probes cut into one block per boundary, as long
+continuations do: ``_probe_blocks``) and per-probe position ids restarting at the probe's prefix length. Log-probs
+are computed from the final hidden states only where they are read. The same forward gives the per-token log-probs and
 entropies of the response (verl's log-prob pass) when asked. ``benchmarks/reference_scorers.py`` holds the
 one-forward-per-probe reference it is tested against.
 
