@@ -148,7 +148,9 @@ def driver_inputs() -> dict:
     return {"file": "benchmarks/results/driver_share.json", "shape": share["shape"],
             "seconds": {name: entry["driver_seconds_scaled"] + entry["workers_seconds_per_rank_scaled"]
                         for name, entry in share["estimators"].items()},
-            "repair_tokens": share["measured"]["repair_metrics"]["ibpo/extra_generated_tokens"]}
+            # measured over driver_share's traces (--traces N), scaled to the recipe's as its seconds are
+            "repair_tokens": share["measured"]["repair_metrics"]["ibpo/extra_generated_tokens"]
+            * share["scaled_to_recipe"]}
 
 
 def collect_inputs() -> dict:

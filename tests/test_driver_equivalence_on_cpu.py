@@ -1,9 +1,12 @@
-"""The driver's fast paths give what the straightforward ones gave: IBPO's rewrite guard without a full alignment,
-probe planning's per-turn thinking end and short probe contexts, segmentation's vectorised layout.
+"""The driver's fast paths give what the straightforward ones gave: IBPO's rewrite guard without a full alignment and
+a step's repairs judged together, batched decoding, probe planning's per-turn thinking end, short probe contexts,
+cached tails and repair banks decoded only where read, segmentation's vectorised layout.
 
 Real inputs are `benchmarks/driver_share.py`'s step: the shipped problems' solutions tokenised by the miniature
 Qwen3-family tokenizer, resumed repairs that leave the trace at its divergence point (the benchmark's stand-in
-engine), local repairs that keep most of it. Each oracle below is the code the fast path replaced, kept here only.
+engine), local repairs that keep most of it. Each oracle below is the code the fast path replaced, kept here only;
+for repairs judged together, the one-at-a-time ``evaluate_repair`` the package keeps, and for decoding the
+tokenizer's own ``decode``.
 """
 
 import dataclasses
@@ -22,12 +25,14 @@ from rredcot_verl.core.ibpo import (
     align_tokens,
     divergence_point,
     evaluate_repair,
+    evaluate_repairs,
     localisation_mask,
     repair_metrics,
     repair_signal,
     revision_budget,
 )
-from rredcot_verl.core.planning import _Planner
+from rredcot_verl.core.planning import BANK_FROM_REPAIRS, TraceRecord, _group_banks, _Planner
+from rredcot_verl.core.profiles import decode_batch
 from rredcot_verl.core.segmentation import _Layout, turn_spans
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.tasks import resolve_task
@@ -229,3 +234,154 @@ def test_the_rewrite_bound_is_the_ratio_test_in_float_arithmetic():
             assert bound / length <= cfg.max_edit_ratio < (bound + 1) / length
     assert _rewrite_bound(10, IBPOSettings(max_edit_ratio=math.inf)) is None
     assert _rewrite_bound(0, IBPOSettings(max_edit_ratio=0.5)) == 0  # an empty trace: ratio = distance
+
+
+# ------------------------------------------------------------------ IBPO: a step's repairs judged together
+def assert_same_evaluations(batched, one_by_one):
+    assert len(batched) == len(one_by_one)
+    for fast, oracle in zip(batched, one_by_one):
+        assert (fast.correct, fast.rewrite, fast.failure, fast.kept_prefix, fast.trace_length) == (
+            oracle.correct, oracle.rewrite, oracle.failure, oracle.kept_prefix, oracle.trace_length)
+        assert (fast.alignment is None) == (oracle.alignment is None)
+        if oracle.alignment is not None:
+            assert fast.alignment.distance == oracle.alignment.distance
+            assert torch.equal(fast.alignment.edited_mask, oracle.alignment.edited_mask)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cases=st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=30), st.lists(st.integers(0, 3), max_size=36),
+                             st.integers(0, 30), st.booleans(), st.booleans(), st.sampled_from([None, 20, 60])),
+                   max_size=8),
+    max_edit_ratio=st.sampled_from([0.05, 0.25, 0.5, 1 / 3, 0.7, 1.0, 2.0, math.inf]),
+    min_kept_prefix=st.sampled_from([0.0, 0.1, 0.25, 0.9, 2.0]),
+    workers=st.sampled_from([1, 2, -1]),
+)
+def test_repairs_judged_together_are_judged_as_one_at_a_time(cases, max_edit_ratio, min_kept_prefix, workers):
+    # Traces of different lengths in one batch: the shared cutoff is the largest bound, not each repair's own.
+    cfg = IBPOSettings(max_edit_ratio=max_edit_ratio, min_kept_prefix=min_kept_prefix)
+    traces = [trace for trace, *_ in cases]
+    repairs = [trace[:shared] + repair for trace, repair, shared, *_ in cases]
+    verified = [ok for *_, ok, _, _ in cases]
+    truncated = [cut and ok for *_, ok, cut, _ in cases]
+    limits = [limit for *_, limit in cases]
+    batched = evaluate_repairs(traces, repairs, verified, truncated, cfg, limits, workers=workers)
+    one_by_one = [evaluate_repair(t, r, ok, cut, cfg, max_repair_tokens=limit)
+                  for t, r, ok, cut, limit in zip(traces, repairs, verified, truncated, limits)]
+    assert_same_evaluations(batched, one_by_one)
+
+
+@pytest.mark.parametrize("cfg", [IBPOSettings(), IBPOSettings(max_edit_ratio=0.05, min_kept_prefix=0.5),
+                                 IBPOSettings(max_edit_ratio=math.inf)])
+def test_real_repairs_judged_together_are_judged_as_one_at_a_time(step, cfg):
+    _, traces, _ = step
+    rng = random.Random(2)
+    pairs = []
+    for i, t in enumerate(traces):
+        if not t["outcome"]:
+            # cut to different lengths, so the repairs' bounds differ within the batch
+            cut = rng.randrange(len(t["response"]) // 3, len(t["response"]) + 1)
+            pairs += [(t["response"][:cut], repair) for repair in repairs_of(traces, i, rng)]
+    verified = [n % 5 != 4 for n in range(len(pairs))]
+    batched = evaluate_repairs([t for t, _ in pairs], [r for _, r in pairs], verified, [False] * len(pairs), cfg,
+                               [25_000] * len(pairs))
+    one_by_one = [evaluate_repair(t, r, ok, False, cfg, max_repair_tokens=25_000)
+                  for (t, r), ok in zip(pairs, verified)]
+    assert_same_evaluations(batched, one_by_one)
+    # both kinds, so the guard's distances and the alignments both ran (no rewrite without a bound)
+    assert any(e.correct and not e.rewrite for e in one_by_one)
+    assert any(e.rewrite for e in one_by_one) == math.isfinite(cfg.max_edit_ratio)
+
+
+# ------------------------------------------------------------------ decoding and planning: the step's texts
+def test_batched_decoding_gives_the_tokenizers_texts(step):
+    tokenizer, traces, _ = step
+    rng = random.Random(3)
+    specials = tokenizer.all_special_ids
+    sequences = [t["response"] for t in traces] + [[]] + [
+        [rng.choice(specials) if rng.random() < 0.05 else rng.randrange(len(tokenizer)) for _ in range(500)]
+        for _ in range(4)]
+    for skip in (True, False):
+        oracle = [tokenizer.decode(s, skip_special_tokens=skip) for s in sequences]
+        assert decode_batch(tokenizer, sequences, skip_special_tokens=skip) == oracle
+        as_tensors = [torch.tensor(s, dtype=torch.int64) for s in sequences]
+        assert decode_batch(tokenizer, as_tensors, skip_special_tokens=skip) == oracle
+        # a tokenizer that cleans up spaces decodes through its own batch_decode, clean-up included
+        assert decode_batch(tokenizer, sequences, skip_special_tokens=skip, clean_up_tokenization_spaces=True) == [
+            tokenizer.decode(s, skip_special_tokens=skip, clean_up_tokenization_spaces=True) for s in sequences]
+    assert decode_batch(tokenizer, [], skip_special_tokens=True) == []
+
+
+def tail_by_scan(probe_tokenizer, context):
+    """The tail ``ProbeTokenizer`` joined text to before it cached tails: the longest that decodes and encodes back."""
+    for length in probe_tokenizer.tail_lengths:
+        tail = tuple(int(t) for t in context[-length:])
+        if tail and tuple(probe_tokenizer.encode(probe_tokenizer.decode(tail))) == tail:
+            return tail
+    return ()
+
+
+def test_cached_tails_are_those_of_the_scan(step):
+    tokenizer, traces, recipe_settings = step
+    planner = _Planner(recipe_settings, tokenizer, resolve_task(recipe_settings.task))
+    rng = random.Random(4)
+    for trace in traces:
+        prompt, response = list(trace["prompt"]), list(trace["response"])
+        for start in [0, 1, 2, 5, *rng.sample(range(len(response)), 60)]:
+            context = planner.context(prompt, response, start)
+            assert planner.probe_tokenizer._tail(context) == tail_by_scan(planner.probe_tokenizer, context)
+            assert planner.probe_tokenizer._tail(prompt + response[:start]) == tail_by_scan(
+                planner.probe_tokenizer, prompt + response[:start])
+    assert planner.probe_tokenizer._tail([]) == ()
+
+
+def test_repair_banks_decoded_where_read_are_the_eager_banks(step):
+    tokenizer, traces, recipe_settings = step
+    bank_settings = dataclasses.replace(recipe_settings, candidates=dataclasses.replace(
+        recipe_settings.candidates, source="group_and_repairs"))
+    task = resolve_task(bank_settings.task)
+    planner = _Planner(bank_settings, tokenizer, task)
+    rng = random.Random(5)
+    records = [TraceRecord(torch.tensor(t["prompt"]), torch.tensor(t["response"]), None, t["outcome"], t["group"],
+                           t["truth"]) for t in traces]
+    # every group gets repairs: the right answer closing another trace's body
+    repairs = {t["group"]: [t["response"][:40] + rng.choice(traces)["body"][:300]
+                            + driver_share.closing_ids(tokenizer, t["truth"])] for t in traces}
+    texts = planner.probe_tokenizer.decode_batch([r.response_ids for r in records])
+    opened = [planner.opened_by_prompt(r.prompt_ids.tolist()) for r in records]
+    decoded = []
+
+    def counting_decode(ids_of_group):
+        decoded.append(len(ids_of_group))
+        return planner.probe_tokenizer.decode_batch(ids_of_group)
+
+    lazy = _group_banks(records, texts, opened, bank_settings, task, repairs, planner.profile, counting_decode)
+    eager_texts = {group: [tokenizer.decode(r, skip_special_tokens=False) for r in ids] for group, ids in repairs.items()}
+    eager = _group_banks(records, texts, opened, bank_settings, task, eager_texts, planner.profile, lambda texts: texts)
+    assert lazy.keys() == eager.keys()
+    for group in eager:
+        assert dataclasses.asdict(lazy[group]) == dataclasses.asdict(eager[group])
+    without_correct = {t["group"] for t in traces} - {t["group"] for t in traces if t["outcome"]}
+    assert any(BANK_FROM_REPAIRS in eager[group].sources for group in without_correct)
+    assert len(decoded) == len(without_correct) < len(repairs)  # only the groups that bank repairs are decoded
+
+
+def test_exit_probe_banks_without_steps_hold_the_answers_of_banks_with_them(step):
+    # Exit probes read a bank's answers and sources alone; the steps are split only for reference continuations.
+    tokenizer, traces, recipe_settings = step
+    task = resolve_task(recipe_settings.task)
+    records = [TraceRecord(torch.tensor(t["prompt"]), torch.tensor(t["response"]), None, t["outcome"], t["group"],
+                           t["truth"]) for t in traces]
+    banks = {}
+    for source in ("exit_probe", "reference_continuation"):
+        use = dataclasses.replace(recipe_settings, probe=dataclasses.replace(recipe_settings.probe, value_source=source))
+        planner = _Planner(use, tokenizer, task)
+        texts = planner.probe_tokenizer.decode_batch([r.response_ids for r in records])
+        opened = [planner.opened_by_prompt(r.prompt_ids.tolist()) for r in records]
+        banks[source] = _group_banks(records, texts, opened, use, task, {}, planner.profile, None)
+    assert banks["exit_probe"].keys() == banks["reference_continuation"].keys()
+    assert any(bank.correct_steps for bank in banks["reference_continuation"].values())  # correct traces, split
+    for group, bank in banks["reference_continuation"].items():
+        fast = banks["exit_probe"][group]
+        assert (fast.correct_answers, fast.all_answers, fast.sources) == (
+            bank.correct_answers, bank.all_answers, bank.sources)

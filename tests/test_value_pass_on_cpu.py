@@ -339,3 +339,56 @@ def test_probes_of_a_multi_turn_trace_read_the_tool_output_the_policy_saw(model)
     assert relative_error(out.raw_values[0, :3], expected_values(model, seen)) < REL_TOL
     assert out.raw_values[0, :2].tolist() == out.raw_values[1, :2].tolist()  # states before the tool output
     assert out.raw_values[0, 2] != out.raw_values[1, 2]
+
+
+def continuation_batch(seed, count=5):
+    """Reference-continuation-like rows: at each of a few boundaries, long chains (a bank's continuations) scored
+    from the boundary on, probes in boundary order as ``build_reference_probes`` lays them out; mixed lengths."""
+    rng = random.Random(seed)
+    prompts, responses, probe_lists = [], [], []
+    for _ in range(count):
+        response = random_ids(rng, rng.choice([12, 30, 47]))
+        boundaries = sorted({0, *rng.sample(range(1, response.numel()), 3)})
+        probes = [Probe(b, [], [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))], value_index=k)
+                  for k, b in enumerate(boundaries) for _ in range(rng.randint(1, 3))]
+        prompts.append(random_ids(rng, rng.randint(1, 9))), responses.append(response), probe_lists.append(probes)
+    return prompts, responses, probe_lists
+
+
+@pytest.mark.parametrize("batch", ["continuations", "mixed"])
+def test_probe_attention_block_by_block_gives_the_dense_masks_log_probs(model, monkeypatch, batch):
+    prompts, responses, probe_lists = continuation_batch(1) if batch == "continuations" else mixed_batch(2)
+    blocked_calls = []
+    blocked = scoring_module._blocked_probe_attention
+
+    def counting(*args):
+        blocked_calls.append(1)
+        return blocked(*args)
+
+    monkeypatch.setattr(scoring_module, "_blocked_probe_attention", counting)
+    scores = {}
+    for share in (0.0, 1.0):  # 0: never block by block; 1: wherever the trees cut into blocks
+        monkeypatch.setattr(scoring_module, "BLOCKED_ATTENTION_SHARE", share)
+        scores[share] = score_batch_packed(model, prompts, responses, probe_lists, max_token_len=16384)
+        if share == 0.0:
+            assert not blocked_calls
+        elif batch == "continuations":  # mixed: only where a micro-batch's trees cut into blocks
+            assert blocked_calls
+    for dense, by_block, prompt, response, probes in zip(scores[0.0], scores[1.0], prompts, responses, probe_lists):
+        assert relative_error(by_block.probe_logp, dense.probe_logp) < REL_TOL
+        assert relative_error(by_block.probe_logp, score_probes_naive(model, prompt, response, probes)) < REL_TOL
+        torch.testing.assert_close(by_block.trace_log_probs, dense.trace_log_probs, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_continuations_attend_block_by_block_and_exit_probes_densely():
+    rng = random.Random(3)
+    prompt, response = random_ids(rng, 20), random_ids(rng, 400)
+    boundaries = list(range(0, 400, 50))
+    continuations = [Probe(b, [], [rng.randrange(VOCAB) for _ in range(400 - b)], value_index=k)
+                     for k, b in enumerate(boundaries) for _ in range(2)]
+    row = scoring_module._build_row(prompt, response, continuations, None, False)
+    blocks = scoring_module._probe_blocks([row], row.tokens.numel(), len(row.tree_ids))
+    assert [keys for _, _, keys in blocks[0]] == [20 + b for b in boundaries]
+    exits = build_exit_probes(list(range(0, 400, 10)), [1, 2, 3], [[4, 5], [6, 7]], thinking_length=400)
+    row = scoring_module._build_row(prompt, response, exits, None, False)
+    assert scoring_module._probe_blocks([row], row.tokens.numel(), len(row.tree_ids)) is None

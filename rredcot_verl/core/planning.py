@@ -19,7 +19,6 @@ probe that forced the exit text after ``#### 4`` would score a text no model wri
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any, Hashable, Mapping, Protocol, Sequence
 import torch
 from rapidfuzz import fuzz
 
+from rredcot_verl.core import outcomes
 from rredcot_verl.core.probes import Probe, build_exit_probes, build_reference_probes
 from rredcot_verl.core.profiles import ProbeProfile, ProbeTokenizer, answer_region_start
 from rredcot_verl.core.segmentation import BoundaryVocab, segment_response, turn_spans
@@ -180,30 +180,41 @@ def _thinking_text(text: str, profile: ProbeProfile, opened_by_prompt: bool) -> 
 
 
 def _group_banks(traces, texts, opened, settings: RRedCoTSettings, task: TaskAdapter, repairs,
-                 profile: ProbeProfile) -> dict:
+                 profile: ProbeProfile, decode_batch) -> dict:
+    """Per group, its bank. ``repairs``: per group, the token ids of its verified repairs, decoded (``decode_batch``)
+    only for the groups that bank them. A correct solution's steps are split only for reference continuations, the
+    one value source that reads them."""
     cand = settings.candidates
+    with_steps = settings.probe.value_source == "reference_continuation"
+
+    def add_solution(bank: _GroupBank, text: str, answer: str, by_prompt: bool, source: str) -> None:
+        if with_steps:
+            bank.add_correct(task.split_steps(_thinking_text(text, profile, by_prompt)), answer, source)
+        else:
+            bank.add_answer(answer, source)
+
     banks: dict[Hashable, _GroupBank] = defaultdict(_GroupBank)
     opened_in_group: dict[Hashable, bool] = {}
-    for trace, text, by_prompt in zip(traces, texts, opened):
+    correct = outcomes.correct_outcomes([float(trace.outcome) for trace in traces], settings.reward_range).tolist()
+    for trace, text, by_prompt, is_correct in zip(traces, texts, opened, correct):
         bank = banks[trace.group]
         opened_in_group.setdefault(trace.group, by_prompt)
         answer = task.extract_answer(text)
         if answer is not None and answer not in bank.all_answers:
             bank.all_answers.append(answer)
-        if settings.is_correct(trace.outcome) and answer is not None and cand.uses_group:
-            bank.add_correct(task.split_steps(_thinking_text(text, profile, by_prompt)), answer, BANK_FROM_TRACES)
+        if is_correct and answer is not None and cand.uses_group:
+            add_solution(bank, text, answer, by_prompt, BANK_FROM_TRACES)
     if cand.uses_repairs:
         # A verified repair is a correct solution of the prompt, written by the policy under the same chat template
         # as the group's traces: it enters the bank as a correct trace would, in groups that have none.
-        for group, texts_of_group in repairs.items():
+        for group, ids_of_group in repairs.items():
             bank = banks[group]
             if BANK_FROM_TRACES in bank.sources or group not in opened_in_group:
                 continue
-            for text in texts_of_group:
+            for text in decode_batch(ids_of_group):
                 answer = task.extract_answer(text)
                 if answer is not None:
-                    steps = task.split_steps(_thinking_text(text, profile, opened_in_group[group]))
-                    bank.add_correct(steps, answer, BANK_FROM_REPAIRS)
+                    add_solution(bank, text, answer, opened_in_group[group], BANK_FROM_REPAIRS)
     for trace in traces:
         bank = banks[trace.group]
         if cand.uses_dataset and trace.ground_truth is not None:
@@ -339,8 +350,7 @@ class _Planner:
         whitespace goes (joined to ``assistant\\n`` it would merge into a newline token the model never writes)."""
         return start == 0 and not self.profile.thinks
 
-    def exit_probes(self, trace, starts, bank, opened) -> list[Probe]:
-        response = trace.response_ids.tolist()
+    def exit_probes(self, trace, response: list[int], starts, bank, opened) -> list[Probe]:
         prompt = trace.prompt_ids.tolist()
         turns = trace.turns()
         correct = [s for a in bank.correct_answers for s in self.answer_sequences(a)]
@@ -356,8 +366,8 @@ class _Planner:
             span = next(((a, b) for a, b in turns if a <= start < b), (start, len(response)))
             if span not in thinking_ends:
                 thinking_ends[span] = self.thinking_end(response, span)
-            probes += [dataclasses.replace(p, value_index=k) for p in build_exit_probes(
-                [start], forced, correct, thinking_length=thinking_ends[span], all_answers=every)]
+            probes += build_exit_probes([start], forced, correct, thinking_length=thinking_ends[span],
+                                        all_answers=every, first_value_index=k)
         return probes
 
     def context(self, prompt: list[int], response: list[int], start: int) -> list[int]:
@@ -378,9 +388,9 @@ class _Planner:
                 pass
         return len(response)
 
-    def reference_probes(self, trace, starts, bank, opened, bodies, trace_steps: int) -> list[Probe]:
+    def reference_probes(self, trace, response: list[int], starts, bank, opened, bodies,
+                         trace_steps: int) -> list[Probe]:
         alignment = self.settings.probe.reference_alignment
-        response = trace.response_ids.tolist()
         prompt = trace.prompt_ids.tolist()
         banks = []
         for k, start in enumerate(starts):
@@ -398,10 +408,9 @@ class _Planner:
         return build_reference_probes(starts, banks)
 
 
-def _opened_and_bodies(planner: _Planner, trace, starts, by_prompt: bool, need_bodies: bool):
+def _opened_and_bodies(planner: _Planner, trace, response: list[int], starts, by_prompt: bool, need_bodies: bool):
     """Per state: whether thinking is open at its boundary, and (reference continuation) the thinking text so far,
     both within the assistant turn holding it (a later turn opens its thinking anew, after the tool output)."""
-    response = trace.response_ids.tolist()
     start_id = planner.think_start_id
     turns = trace.turns() or [(0, 0)]
     open_at = []  # per turn: where its thinking opens, or None
@@ -475,9 +484,8 @@ def plan_traces(
     own_texts = [text if t.response_mask is None else planner.probe_tokenizer.decode(
         t.response_ids[t.response_mask.bool()].tolist()) for t, text in zip(traces, texts)]
     by_prompt = [planner.opened_by_prompt(t.prompt_ids.tolist()) for t in traces]
-    repair_texts = {group: planner.probe_tokenizer.decode_batch(ids_of_group)
-                    for group, ids_of_group in (repairs or {}).items()}
-    banks = _group_banks(traces, own_texts, by_prompt, settings, task, repair_texts, planner.profile)
+    banks = _group_banks(traces, own_texts, by_prompt, settings, task, repairs or {}, planner.profile,
+                         planner.probe_tokenizer.decode_batch)
     rule = _value_rule(settings)
     source = settings.probe.value_source
     plans = []
@@ -491,17 +499,19 @@ def plan_traces(
                                                  response_mask=trace.response_mask)
             if plan.segment_ends and rule != "own_continuation":
                 if bank.correct_answers:
+                    response = trace.response_ids.tolist()  # once: 25k ids are a millisecond a copy
                     reference = source == "reference_continuation"
                     starts = plan.starts
                     if not planner.profile.thinks:  # states inside the answer region: probed from its start
-                        answer_start = planner.answer_start(trace.response_ids.tolist(), text)
+                        answer_start = planner.answer_start(response, text)
                         starts = [min(start, answer_start) for start in starts]
-                    opened, bodies = _opened_and_bodies(planner, trace, starts, prompt_opened, reference)
+                    opened, bodies = _opened_and_bodies(planner, trace, response, starts, prompt_opened, reference)
                     if reference:
                         trace_steps = len(task.split_steps(_thinking_text(text, planner.profile, prompt_opened)))
-                        plan.probes = planner.reference_probes(trace, starts, bank, opened, bodies, trace_steps)
+                        plan.probes = planner.reference_probes(trace, response, starts, bank, opened, bodies,
+                                                               trace_steps)
                     else:
-                        plan.probes = planner.exit_probes(trace, starts, bank, opened)
+                        plan.probes = planner.exit_probes(trace, response, starts, bank, opened)
                 else:
                     plan.no_candidates = True
         plans.append(plan)

@@ -132,8 +132,8 @@ class Probe:
     kind: str = KIND_CORRECT
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "forced_ids", tuple(int(t) for t in self.forced_ids))
-        object.__setattr__(self, "scored_ids", tuple(int(t) for t in self.scored_ids))
+        object.__setattr__(self, "forced_ids", tuple(map(int, self.forced_ids)))
+        object.__setattr__(self, "scored_ids", tuple(map(int, self.scored_ids)))
         if not self.scored_ids:
             raise ValueError(f"Probe.scored_ids must be non-empty (boundary={self.boundary}, value_index={self.value_index})")
         if self.boundary < 0:
@@ -165,6 +165,7 @@ def build_exit_probes(
     *,
     thinking_length: int,
     all_answers: Sequence[Sequence[int]] = (),
+    first_value_index: int = 0,
 ) -> list[Probe]:
     """Exit probes: at each boundary inside the thinking part, force the exit text and score each answer.
 
@@ -179,6 +180,7 @@ def build_exit_probes(
             (their value is NaN: the caller anchors or falls back there).
         all_answers: token lists of every distinct answer the group produced, for self-normalisation; answers not
             in ``correct_answers`` become ``"incorrect"`` probes (the denominator is correct ∪ all).
+        first_value_index: the value index of ``boundaries[0]`` (a caller building one state at a time passes k).
 
     Returns:
         Probes grouped by boundary index.
@@ -192,7 +194,7 @@ def build_exit_probes(
     labelled = [(answer, KIND_CORRECT) for answer in correct] + [(answer, KIND_INCORRECT) for answer in incorrect]
     return [
         Probe(boundary=int(b), forced_ids=tuple(exit_ids), scored_ids=answer, value_index=k, kind=kind)
-        for k, b in enumerate(boundaries)
+        for k, b in enumerate(boundaries, start=first_value_index)
         if b <= thinking_length
         for answer, kind in labelled
     ]

@@ -3,8 +3,9 @@
 ``score_batch_packed`` (and ``score_probes_packed`` for one trace) packs traces into micro-batches by a token budget;
 each micro-batch is ONE forward over every row's trace followed by its probes' tokens, merged into a token tree per
 boundary. The trace tokens attend causally; the probe tokens attend with a (probe tokens × (trace + probe tokens))
-mask from ``build_probe_mask`` and per-probe position ids restarting at the probe's prefix length. Log-probs are
-computed from the final hidden states only where they are read. The same forward gives the per-token log-probs and
+mask from ``build_probe_mask`` (run block by block where a row's probes cut into one block per boundary, as long
+continuations do: ``_probe_blocks``) and per-probe position ids restarting at the probe's prefix length. Log-probs
+are computed from the final hidden states only where they are read. The same forward gives the per-token log-probs and
 entropies of the response (verl's log-prob pass) when asked. ``benchmarks/reference_scorers.py`` holds the
 one-forward-per-probe reference it is tested against.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -166,10 +168,65 @@ def _value_pass_attention(module, query, key, value, attention_mask, scaling=Non
         module, query[:, :, :trace_len], key[:, :, :trace_len], value[:, :, :trace_len], None,
         scaling=scaling, is_causal=True,
     )
-    probe_out, _ = sdpa_attention_forward(
-        module, query[:, :, trace_len:], key, value, attention_mask, scaling=scaling, is_causal=False
-    )
+    blocks = _PROBE_BLOCKS.get()
+    if blocks is None:
+        probe_out, _ = sdpa_attention_forward(
+            module, query[:, :, trace_len:], key, value, attention_mask, scaling=scaling, is_causal=False
+        )
+    else:
+        probe_out = _blocked_probe_attention(module, query, key, value, attention_mask, scaling, blocks, trace_len)
     return torch.cat([trace_out, probe_out], dim=1), None
+
+
+# Per row of the running micro-batch, its probe blocks (``_probe_blocks``), or None: the probe tokens attend densely.
+_PROBE_BLOCKS: ContextVar[list[list[tuple[int, int, int]]] | None] = ContextVar("_PROBE_BLOCKS", default=None)
+
+BLOCKED_ATTENTION_SHARE = 0.25
+"""The probe tokens attend block by block (``_blocked_probe_attention``) when the blocks' query-key pairs are at most
+this share of the dense mask's: reference continuations (long chains at every boundary, a few blocks) cut it to
+about a fifth on the long setting, while exit probes (a few tokens at each of 40 boundaries) stay dense, where the
+many small calls would cost more than the masked pairs."""
+
+
+def _probe_blocks(rows: Sequence[_Row], trace_len: int, tree_len: int) -> list[list[tuple[int, int, int]]] | None:
+    """Per row, its probe tree cut into blocks (tree start, tree stop, trace keys): maximal runs of consecutive tree
+    tokens with one prefix length (one boundary's probes), each token's ancestors inside its own run, so that a
+    block's tokens see only the first ``trace keys`` trace positions and the block itself. None where a row's tree
+    does not cut so, or where the blocks would not save enough (``BLOCKED_ATTENTION_SHARE``)."""
+    blocks, pairs = [], 0
+    for row in rows:
+        cuts, start = [], 0
+        prefix, parents = row.tree_prefix_lengths, row.tree_parents
+        for i in range(1, len(prefix) + 1):
+            if i == len(prefix) or prefix[i] != prefix[start]:
+                cuts.append((start, i, prefix[start]))
+                start = i
+            elif parents[i] >= 0 and parents[i] < start:
+                return None
+        blocks.append(cuts)
+        pairs += sum((stop - begin) * (keys + stop - begin) for begin, stop, keys in cuts)
+    if pairs > BLOCKED_ATTENTION_SHARE * len(rows) * tree_len * (trace_len + tree_len):
+        return None
+    return blocks
+
+
+def _blocked_probe_attention(module, query, key, value, allowed, scaling, blocks, trace_len):
+    """The probe tokens' attention of ``_value_pass_attention``, one block at a time: a block's queries against the
+    trace keys its prefix reaches and its own tokens, under the same mask restricted to them. The keys left out are
+    masked for every query of the block, so each softmax runs over the same allowed keys as the dense mask's.
+    Tokens outside every block (a shorter row's padding) are left at zero: nothing reads them."""
+    batch, heads, _, head_dim = query.shape
+    out = query.new_zeros(batch, query.shape[2] - trace_len, heads, head_dim)
+    for r, row_blocks in enumerate(blocks):
+        for start, stop, keys in row_blocks:
+            tree = slice(trace_len + start, trace_len + stop)
+            pick = lambda states: torch.cat([states[r : r + 1, :, :keys], states[r : r + 1, :, tree]], dim=2)  # noqa: E731
+            mask = torch.cat([allowed[r : r + 1, :, start:stop, :keys], allowed[r : r + 1, :, start:stop, tree]], dim=-1)
+            block_out, _ = sdpa_attention_forward(
+                module, query[r : r + 1, :, tree], pick(key), pick(value), mask, scaling=scaling, is_causal=False
+            )
+            out[r, start:stop] = block_out[0]
+    return out
 
 
 AttentionInterface.register(VALUE_PASS_ATTENTION, _value_pass_attention)
@@ -435,6 +492,7 @@ def _forward_micro_batch(
         handle = model.get_decoder().register_forward_hook(on_decoder_output)
     else:
         handle = head.register_forward_pre_hook(on_head_input)
+    blocks = _PROBE_BLOCKS.set(_probe_blocks(rows, trace_len, tree_len) if tree_len else None)
     try:
         model(
             input_ids=input_ids.to(device),
@@ -443,6 +501,7 @@ def _forward_micro_batch(
             **_one_position_kwargs(model, len(rows), device),
         )
     finally:
+        _PROBE_BLOCKS.reset(blocks)
         handle.remove()
 
     points, (span_log_probs, span_entropy) = results["points"].cpu(), results["span"]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -238,6 +239,8 @@ class _Layout:
         ids: the token ids; trained: per position, a policy token (``trained_mask``: the same as a tensor).
         rank: (L + 1) policy tokens before each position (``rank_tensor``: the same as a tensor).
         policy_positions: the positions of the policy tokens, in order (``policy_positions[rank[p]] == p`` for them).
+        ``trained``, ``rank`` and ``policy_positions`` are Python lists of a 25k-token response's length, built on first
+        use: the default strategy reads none of them.
         turns: (start, stop) of each turn.
         fixed: boundaries every strategy keeps: each turn's ``</think>`` and the start of the turn after its answer
             (the answer is one segment, as the single-turn rule has it), every turn start with ``turns``, and the
@@ -247,10 +250,8 @@ class _Layout:
     """
 
     def __init__(self, ids: list[int], trained: torch.Tensor, vocab: BoundaryVocab, cfg: SegmentationSettings):
-        self.ids, self.trained_mask, self.trained = ids, trained, trained.tolist()
+        self.ids, self.trained_mask = ids, trained
         self.rank_tensor = torch.cat([trained.new_zeros(1, dtype=torch.int64), trained.cumsum(0)])
-        self.rank = self.rank_tensor.tolist()
-        self.policy_positions = torch.nonzero(trained).flatten().tolist()
         self.turns = turn_spans(trained)
         fixed, answer_starts = {self.turns[-1][1]}, set()
         for j, (start, stop) in enumerate(self.turns):
@@ -267,9 +268,28 @@ class _Layout:
         edges = [0, *sorted(fixed)]
         self.regions = [(a, b) for a, b in zip(edges, edges[1:]) if a not in answer_starts]
 
+    @cached_property
+    def trained(self) -> list[bool]:
+        return self.trained_mask.tolist()
+
+    @cached_property
+    def rank(self) -> list[int]:
+        return self.rank_tensor.tolist()
+
+    @cached_property
+    def policy_positions(self) -> list[int]:
+        return torch.nonzero(self.trained_mask).flatten().tolist()
+
     def tokens(self, start: int, stop: int) -> int:
         """Policy tokens in [start, stop)."""
         return self.rank[stop] - self.rank[start]
+
+    def rank_at(self, positions: Sequence[int]) -> dict[int, int]:
+        """``rank`` at a few positions, read from the tensor (no list of the response's length)."""
+        positions = list(positions)
+        if not positions:
+            return {}
+        return dict(zip(positions, self.rank_tensor[torch.tensor(positions, dtype=torch.int64)].tolist()))
 
 
 def turn_spans(trained: Sequence[bool] | torch.Tensor) -> list[tuple[int, int]]:
@@ -355,12 +375,13 @@ def _by_score(candidates, scores, layout: _Layout, budget, cfg) -> list[int]:
     order = sorted(range(len(candidates)), key=lambda j: (-scores[j], candidates[j]))
     edges = {edge for region in layout.regions for edge in region}
     kept = sorted(edges)
+    rank = layout.rank_at(set(candidates) | edges)  # every position kept can hold
     for j in order:
         if len(kept) - len(edges) == budget:
             break
         position = candidates[j]
         slot = bisect.bisect_left(kept, position)
-        if layout.tokens(kept[slot - 1], position) >= gap and layout.tokens(position, kept[slot]) >= gap:
+        if rank[position] - rank[kept[slot - 1]] >= gap and rank[kept[slot]] - rank[position] >= gap:
             kept.insert(slot, position)
     return [position for position in kept if position not in edges]
 

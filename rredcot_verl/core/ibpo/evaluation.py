@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+from rapidfuzz import process
+from rapidfuzz.distance import Levenshtein
 
 from rredcot_verl.core.ibpo.alignment import (
     AlignmentResult,
@@ -27,6 +29,7 @@ from rredcot_verl.core.ibpo.settings import IBPOSettings
 __all__ = [
     "RepairEvaluation",
     "evaluate_repair",
+    "evaluate_repairs",
     "repair_failure",
     "repair_signal",
     "localisation_mask",
@@ -127,6 +130,54 @@ def evaluate_repair(
     return RepairEvaluation(correct=True, rewrite=rewrite, failure=None,
                             alignment=None if rewrite else align_tokens(trace, repair), kept_prefix=kept_prefix,
                             trace_length=len(trace))
+
+
+def evaluate_repairs(
+    traces: Sequence[Sequence[int]],
+    repairs: Sequence[Sequence[int]],
+    verified_correct: Sequence[bool],
+    truncated: Sequence[bool],
+    cfg: IBPOSettings,
+    max_repair_tokens: Sequence[Optional[int]],
+    workers: int = -1,
+) -> list[RepairEvaluation]:
+    """:func:`evaluate_repair` of each (trace, repair), the same judgements, the rewrite guard's distances computed
+    together on ``workers`` threads (rapidfuzz's ``cpdist``; -1: every core), as a step's verified repairs are.
+
+    The distances are cut off at the largest bound among the repairs the guard reads: a distance above it is above
+    every bound, one at or below it is exact, so each repair's comparison with its own bound is
+    :func:`distance_exceeds`'s.
+    """
+    if not len(traces) == len(repairs) == len(verified_correct) == len(truncated) == len(max_repair_tokens):
+        raise ValueError("traces, repairs, verified_correct, truncated and max_repair_tokens must have one entry per "
+                         "repair")
+    traces = [as_id_list(t, "trace_ids") for t in traces]
+    repairs = [as_id_list(r, "repair_ids") for r in repairs]
+    failures = [repair_failure(len(t), len(r), cut, cfg, limit)
+                for t, r, cut, limit in zip(traces, repairs, truncated, max_repair_tokens)]
+    usable = [bool(ok) and failure is None for ok, failure in zip(verified_correct, failures)]
+    kept = [kept_prefix_length(t, r) if ok else None for t, r, ok in zip(traces, repairs, usable)]
+    bounds = [_rewrite_bound(len(t), cfg) for t in traces]
+    # The guard reads a distance where the prefix kept is short and a distance can exceed the bound at all.
+    guarded = [j for j, (t, r, ok, k, bound) in enumerate(zip(traces, repairs, usable, kept, bounds))
+               if ok and not _keeps_prefix(k, len(t), cfg) and bound is not None and bound < max(len(t), len(r))]
+    rewrite = [False] * len(traces)
+    if guarded:
+        cutoff = max(bounds[j] for j in guarded)
+        distances = process.cpdist([traces[j] for j in guarded], [repairs[j] for j in guarded],
+                                   scorer=Levenshtein.distance, score_cutoff=cutoff, workers=workers)
+        for j, distance in zip(guarded, distances.tolist()):
+            rewrite[j] = distance > bounds[j]
+    evaluations = []
+    for j, (trace, repair, ok, failure) in enumerate(zip(traces, repairs, usable, failures)):
+        if not ok:
+            evaluations.append(RepairEvaluation(correct=False, rewrite=False, failure=failure, alignment=None,
+                                                trace_length=len(trace)))
+            continue
+        evaluations.append(RepairEvaluation(correct=True, rewrite=rewrite[j], failure=None,
+                                            alignment=None if rewrite[j] else align_tokens(trace, repair),
+                                            kept_prefix=kept[j], trace_length=len(trace)))
+    return evaluations
 
 
 def repair_failure(trace_length: int, repair_length: int, truncated: bool, cfg: IBPOSettings,

@@ -13,6 +13,7 @@ from rredcot_verl.core import ibpo as core_ibpo
 from rredcot_verl.core import outcomes
 from rredcot_verl.core.ibpo import shaped_advantages
 from rredcot_verl.core.planning import TraceRecord
+from rredcot_verl.core.profiles import decode_batch
 from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration import rollouts
 from rredcot_verl.integration.estimators.base import (
@@ -124,19 +125,16 @@ def ibpo_repairs(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.
                                            r.kept + r.max_new_tokens)
         judged.append(failure is None)
     to_judge = [repair for repair, judge in zip(repairs, judged) if judge]
-    # As arrays: a tokenizer checks a list's ids one by one in Python before decoding it, an array's not at all.
-    texts_to_judge = iter(tokenizer.batch_decode([np.asarray(repair) for repair in to_judge], skip_special_tokens=True)
-                          if to_judge else [])
-    for (i, _), r, repair, truncated, judge, (truth, extra, source) in zip(
-        plan.pairs, planned, repairs, truncations, judged, reward_inputs
-    ):
-        verified_correct = False
-        if judge:
-            reward = ctx.score(source, next(texts_to_judge), truth, extra)
-            verified_correct = outcomes.is_correct(reward, reward_range)
-        evaluation = core_ibpo.evaluate_repair(
-            responses[i], repair, verified_correct, truncated, cfg, max_repair_tokens=r.kept + r.max_new_tokens
-        )
+    texts_to_judge = iter(decode_batch(tokenizer, to_judge, skip_special_tokens=True))
+    verified_correct = []
+    for judge, (truth, extra, source) in zip(judged, reward_inputs):
+        reward = ctx.score(source, next(texts_to_judge), truth, extra) if judge else None
+        verified_correct.append(judge and outcomes.is_correct(reward, reward_range))
+    evaluations = core_ibpo.evaluate_repairs(
+        [responses[i] for i, _ in plan.pairs], repairs, verified_correct, truncations, cfg,
+        [r.kept + r.max_new_tokens for r in planned],
+    )  # fmt: skip
+    for (i, _), repair, evaluation in zip(plan.pairs, repairs, evaluations):
         per_trace.setdefault(i, []).append(evaluation)
         if evaluation.correct:
             verified.setdefault(records[i].group, []).append(repair)
