@@ -42,7 +42,7 @@ from rredcot_verl.core import montecarlo
 from rredcot_verl.core.profiles import PROFILE_PRESETS
 from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.tasks import ArithmeticTaskConfig, first_wrong_step, parse_prompt, write_parquet
-from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, EARLY_TASK, LONG_TASK, PRESETS, build
+from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, EARLY_TASK, LONG_TASK, build, testbed
 from rredcot_verl.tasks.model import chat_prompt_ids
 from rredcot_verl.runs import median_step_s, step_seconds  # noqa: F401  (re-exported: the one step-time statistic)
 from rredcot_verl.tasks.reward import compute_score
@@ -57,9 +57,7 @@ RECIPES = ROOT / "recipes" / "tiny_cpu"
 def build_task(out: Path, preset: str = "default") -> Path:
     """The task build of ``preset`` (``tasks.build.PRESETS``) under ``out`` (data + the committed warm start;
     reused when cached); returns ``out``."""
-    chosen = PRESETS[preset]
-    build(str(out), task=chosen.task, model_config=chosen.model, sft=chosen.sft, artefact_dir=chosen.artefact_dir,
-          log=lambda *args, **kwargs: None)
+    build(testbed(preset), str(out), log=lambda *args, **kwargs: None)
     return out
 
 

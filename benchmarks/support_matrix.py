@@ -140,11 +140,11 @@ SHAPES = (
           ("reward.reward_manager.name=dapo", *DAPO_OVERLONG)),
     Shape("async_reward", "async reward function", reward=ASYNC_REWARD),
     Shape("non_thinking", "non-thinking model (Qwen2.5 chat template), verl's GSM8K rows and reward, profile auto",
-          recipe="gsm8k_plain", build=("rredcot_verl.tasks.miniature", "--family", "qwen2_5", "--problems", "24"),
+          recipe="gsm8k_plain", build=("rredcot_verl.tasks.build", "--setting", "qwen2_5", "--problems", "24"),
           launched_in_ci=(("rredcot", "tests/test_nonthinking_miniature_on_cpu.py::"
                                       "test_rredcot_trains_a_nonthinking_model_on_verls_gsm8k"),)),
     Shape("code_task", "code answers judged by tests in the sandbox (task: code)", recipe="code",
-          build=("rredcot_verl.tasks.code_miniature", "--threads", "1"),
+          build=("rredcot_verl.tasks.build", "--setting", "code"),
           launched_in_ci=(("segment_mc", "tests/test_code_miniature_on_cpu.py::"
                                          "test_segment_mc_trains_on_code_judged_in_the_sandbox"),)),
     Shape("group_of_one", "rollout.n=1", ("actor_rollout_ref.rollout.n=1",  # 4 traces: micro-batches that divide them
@@ -182,7 +182,7 @@ SHAPES = (
           launched_in_ci=(("rredcot", "tests/test_e2e_on_cpu.py::test_ray_job_submit_to_a_running_head_node"),),
           ray_head=True),
     Shape("multi_turn_tools", "multi-turn tool agent loop", recipe="calculator",
-          build=("rredcot_verl.tasks.calculator_miniature",),
+          build=("rredcot_verl.tasks.build", "--setting", "calculator"),
           launched_in_ci=tuple((estimator, "tests/test_calculator_miniature_on_cpu.py::"
                                            "test_tool_agent_loop_trains_the_calculator_task")
                                for estimator in ("grpo", "rredcot"))),

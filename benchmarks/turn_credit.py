@@ -76,7 +76,7 @@ from rredcot_verl.core.values import compute_segment_values
 from rredcot_verl.integration.estimators import ESTIMATORS, AdvantageBatch
 from rredcot_verl.runs import load_metrics
 from rredcot_verl.tasks import calculator
-from rredcot_verl.tasks import calculator_miniature as cm
+from rredcot_verl.tasks import build as tasks_build, calculator_miniature as cm
 from rredcot_verl.tasks.arithmetic import make_problem
 from rredcot_verl.tasks.base import resolve_task
 from rredcot_verl.tasks.model import load_model_dir
@@ -447,13 +447,13 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     started = time.perf_counter()
     build = cache / "build"
-    cm.build(str(build), log=lambda *a, **k: None)  # the shipped warm start, copied
+    tasks_build.build(tasks_build.testbed("calculator"), str(build), log=lambda *a, **k: None)  # the shipped warm start
     player = Player(build)
     table = {name: method_settings(name) for name in METHODS}
     result = {"gradient_quality": gradient_quality(player, args, cache, table),
               "value_quality": value_quality(player, args, cache, table),
               "step_cost": step_cost(build, args, cache) if args.cost_steps else None}
-    warm_start = json.loads((build / cm.RECORD).read_text())["eval"]
+    warm_start = json.loads((build / tasks_build.BUILD_RECORD).read_text())["warm_start"]["sft"]["kept"]
     result["settings"] = {
         "task": "calculator (tasks/calculator.py): 3 operands of 1..9, two tool calls and a boxed answer",
         "model": "the shipped calculator warm start (rredcot_verl/tasks/assets/calculator_warmstart)",

@@ -35,7 +35,7 @@ CALL_AND_ANSWER = re.compile(r"<tool_call>(.*?)</tool_call>\s*user\s*<tool_respo
 @pytest.fixture(scope="module")
 def calculator_build(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("calculator_miniature")
-    subprocess.run([sys.executable, "-m", "rredcot_verl.tasks.calculator_miniature", "--out", str(out)], check=True,
+    subprocess.run([sys.executable, "-m", "rredcot_verl.tasks.build", "--setting", "calculator", "--out", str(out)], check=True,
                    capture_output=True, timeout=900)
     return out
 

@@ -54,7 +54,7 @@ def test_the_launch_check_refuses_the_exit_probe_for_code_and_accepts_segment_mc
 def build(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("code_miniature")
     subprocess.run(
-        [sys.executable, "-m", "rredcot_verl.tasks.code_miniature", "--out", str(out), "--threads", "1"],
+        [sys.executable, "-m", "rredcot_verl.tasks.build", "--setting", "code", "--out", str(out), "--threads", "1"],
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     return out

@@ -1,6 +1,7 @@
-"""Miniature paper families (tasks/miniature.py): parquet in prepare_math_data's format, the family's chat template
-and single-token thinking markers, a warm start that writes boxed answers, the math-verify reward on the shipped
-problems, and the family's probe profile on the built tokenizer. One build per family (about 15 s each)."""
+"""Miniature paper families (tasks/miniature.py, built by tasks/build.py): parquet in prepare_math_data's format, the
+family's chat template and single-token thinking markers, a warm start that writes boxed answers, the math-verify
+reward on the shipped problems, and the family's probe profile on the built tokenizer. One build per family (about
+15 s each)."""
 
 import importlib.util
 import threading
@@ -17,7 +18,8 @@ from rredcot_verl.core.profiles import ProbeTokenizer
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.tasks import math_data
 from rredcot_verl.tasks.math_reward import compute_score
-from rredcot_verl.tasks.miniature import DATA_SOURCE, FAMILIES, MathRow, build, load_problems
+from rredcot_verl.tasks.build import build, testbed
+from rredcot_verl.tasks.miniature import DATA_SOURCE, FAMILIES, MathRow, load_problems
 from rredcot_verl.tasks.model import load_model_dir
 from rredcot_verl.tasks.reward import extract_boxed_answer
 from rredcot_verl.tasks.sft import generate_responses
@@ -34,7 +36,7 @@ def built(request, tmp_path_factory):
     torch.set_num_threads(2)
     try:
         with shared_build_folder(f"miniature_{request.param}", tmp_path_factory) as out:
-            record = build(request.param, str(out))
+            record = build(testbed(request.param), str(out))
         yield request.param, out, record
     finally:
         torch.set_num_threads(threads)
@@ -104,7 +106,7 @@ def test_vllm_reads_the_model_folder(built):
 
 def test_warm_start_writes_boxed_answers(built):
     family, out, record = built
-    sampled = record["eval"]["sampled"]
+    sampled = record["warm_start"]["eval"]["sampled"]
     assert sampled["boxed_rate"] >= 0.5 and sampled["accuracy"] > 0, sampled
     # The saved weights are the warm-started ones: sample again from the folder.
     model, tokenizer = load_model_dir(str(out / "model"))
@@ -120,8 +122,8 @@ def test_warm_start_writes_boxed_answers(built):
 def test_a_second_build_is_cached(built):
     family, out, record = built
     messages = []
-    assert build(family, str(out), log=messages.append) == record
-    assert messages == [f"miniature {family}: reusing {out} (settings unchanged)"]
+    assert build(testbed(family), str(out), log=messages.append) == record
+    assert messages == [f"{family}: reusing {out} (settings unchanged)"]
 
 
 def test_reward_scores_shipped_solutions_in_any_thread():

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def qwen2_5_build(tmp_path_factory) -> Path:
     # 24 problems (19 to train on): the warm start memorises them well enough that groups mix right and wrong traces.
     out = tmp_path_factory.mktemp("miniature_qwen2_5")
-    subprocess.run([sys.executable, "-m", "rredcot_verl.tasks.miniature", "--family", "qwen2_5", "--out", str(out),
+    subprocess.run([sys.executable, "-m", "rredcot_verl.tasks.build", "--setting", "qwen2_5", "--out", str(out),
                     "--problems", "24"], check=True, capture_output=True, timeout=900)
     return out
 

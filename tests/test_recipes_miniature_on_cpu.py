@@ -182,7 +182,7 @@ def miniatures(tmp_path_factory):
         if family not in builds:
             with shared_build_folder(f"miniature_{family}", tmp_path_factory) as out:
                 subprocess.run(
-                    [sys.executable, "-m", "rredcot_verl.tasks.miniature", "--family", family, "--out", str(out)],
+                    [sys.executable, "-m", "rredcot_verl.tasks.build", "--setting", family, "--out", str(out)],
                     check=True, capture_output=True, timeout=900,
                 )  # fmt: skip
             builds[family] = out

@@ -99,9 +99,9 @@ def _untrained_build(shape_name: str, out: Path) -> Path:
 
         model_families.main([*BY_SHAPE[shape_name].build[1:], "--out", str(out)])
     elif shape_name == "multi_turn_tools":
-        from rredcot_verl.tasks import calculator_miniature
+        from rredcot_verl.tasks import build
 
-        calculator_miniature.build(str(out))  # the shipped warm start, copied
+        build.build(build.testbed("calculator"), str(out))  # the shipped warm start, copied
     else:
         raise AssertionError(f"no untrained build for shape {shape_name}")
     return out

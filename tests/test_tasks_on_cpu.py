@@ -5,6 +5,7 @@ import json
 import os
 import random
 import shutil
+from functools import partial
 
 import pandas as pd
 import pytest
@@ -430,68 +431,70 @@ def test_sft_settings_and_schedule():
 
 
 def test_build_is_cached_and_prefers_the_committed_artefact(tmp_path):
+    artefact = build_module.Artefact(str(tmp_path / "artefact"))
+    preset = build_module.Preset(model=SMALL_MODEL, sft=TINY_SFT, artefact=artefact)
+    bed = partial(build_module.arithmetic_testbed, "tiny", preset, n_val=4)
+
     def run(out, n_train=12, **kwargs):
         logs = []
-        record = build_module.build(str(out), model_config=SMALL_MODEL, sft=TINY_SFT, n_train=n_train, n_val=4,
-                                    log=logs.append, **kwargs)
+        record = build_module.build(bed(n_train), str(tmp_path / out), log=logs.append, **kwargs)
         return record, "\n".join(logs)
 
-    no_artefact = str(tmp_path / "no_artefact")
-    record, log = run(tmp_path / "a", artefact_dir=no_artefact)
-    assert record["model_source"] == "trained"
+    with pytest.raises(ValueError, match="retrain"):
+        run("a", update_artefact=True)
+    record, _ = run("a")  # no artefact yet: trained
+    assert record["model_source"] == "trained" and record["warm_start"]["total_steps"] == 3
     assert os.path.isfile(tmp_path / "a" / "data" / "train.parquet")
     assert record["max_prompt_tokens"] > 5 and record["max_reference_response_tokens"] > 10
-    warmstart = json.loads((tmp_path / "a" / "model" / "warmstart.json").read_text())
-    assert warmstart["fingerprint"] == record["model_fingerprint"]
 
-    record, log = run(tmp_path / "a", artefact_dir=no_artefact)
-    assert record["model_source"] == "cached" and "data: reusing" in log and "model: reusing" in log
+    assert run("a") == (record, f"tiny: reusing {tmp_path / 'a'} (settings unchanged)")
+    record, log = run("a", n_train=13)  # new data, same model
+    assert record["model_source"] == "cached" and f"tiny: wrote {tmp_path / 'a' / 'data'}" in log
+    assert len(pd.read_parquet(tmp_path / "a" / "data" / "train.parquet")) == 13
 
-    record, log = run(tmp_path / "a", artefact_dir=no_artefact, n_train=13)  # new data, same model
-    assert record["model_source"] == "cached" and "data: wrote" in log
+    record, _ = run("b", retrain=True, update_artefact=True)
+    shipped = json.loads((tmp_path / "artefact" / "warmstart.json").read_text())
+    assert shipped == {"fingerprint": record["model_fingerprint"], **record["warm_start"]}
+    assert build_module.shipped_warm_start(bed(12)) == shipped
+    record, log = run("c")
+    assert record["model_source"] == "artefact" and "copied the committed warm start" in log
+    assert {"fingerprint": record["model_fingerprint"], **record["warm_start"]} == shipped
+    load_model_dir(str(tmp_path / "c" / "model"))
+    other = build_module.arithmetic_testbed("tiny", build_module.Preset(model=SMALL_MODEL, artefact=artefact), 12)
+    assert build_module.shipped_warm_start(other) is None  # other warm-start settings: the artefact does not match
 
-    artefact = tmp_path / "artefact"
-    shutil.copytree(tmp_path / "a" / "model", artefact)
-    record, log = run(tmp_path / "b", artefact_dir=str(artefact))
-    assert record["model_source"] == "artefact"
-    load_model_dir(str(tmp_path / "b" / "model"))
 
-    with pytest.raises(ValueError, match="retrain"):
-        run(tmp_path / "c", artefact_dir=str(artefact), update_artefact=True)
+@pytest.mark.parametrize("setting", [s for s in build_module.SETTINGS if build_module.testbed(s).artefact])
+def test_every_committed_artefact_matches_its_settings_fingerprint(setting):
+    """build --setting S copies S's committed warm start only when the fingerprint it records is the one S computes
+    and its model folder loads; a stale one is reproduced with build --setting S --retrain --update-artefact."""
+    assert build_module.shipped_warm_start(build_module.testbed(setting)) is not None
 
 
-def test_committed_artefact_matches_the_default_settings():
-    path = build_module.ARTEFACT_DIR
-    record = json.loads(open(os.path.join(path, "warmstart.json")).read())
-    expected = build_module.model_fingerprint(ArithmeticTaskConfig(), TinyModelConfig(), SFTConfig())
-    assert record["fingerprint"] == expected, "stale artefact: reproduce it with build --retrain --update-artefact"
+def test_committed_default_artefact_samples_in_its_band_and_chats():
+    record = build_module.shipped_warm_start(build_module.testbed("default"))
     assert 0.2 <= record["kept"]["sampled"]["accuracy"] <= 0.7
-    model, tokenizer = load_model_dir(path)
+    model, tokenizer = load_model_dir(build_module.PRESETS["default"].artefact.model_dir)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "Compute 1+2"}], add_generation_prompt=True,
                                          tokenize=False).endswith("assistant\n")
 
 
-def test_committed_long_artefact_matches_the_long_preset_and_its_band():
-    """build --setting long copies the committed long warm start: its fingerprint is the preset's, its kept checkpoint
-    samples inside the preset's band, and its model has the preset's positions."""
+def test_committed_long_artefact_samples_in_the_long_presets_band_with_its_positions():
+    """build --setting long copies the committed long warm start: its kept checkpoint samples inside the preset's
+    band, and its model has the preset's positions."""
     preset = build_module.PRESETS["long"]
-    record = json.loads(open(os.path.join(preset.artefact_dir, "warmstart.json")).read())
-    assert record["fingerprint"] == build_module.model_fingerprint(preset.task, preset.model, preset.sft), \
-        "stale artefact: reproduce it with build --setting long --retrain --update-artefact"
+    record = build_module.shipped_warm_start(build_module.testbed("long"))
     low, high = preset.sft.target_band
     assert low <= record["kept"]["sampled"]["accuracy"] <= high
-    model, _ = load_model_dir(preset.artefact_dir)
+    model, _ = load_model_dir(preset.artefact.model_dir)
     assert model.config.max_position_embeddings == preset.model.max_position_embeddings
 
 
-def test_committed_early_artefact_matches_its_preset_and_answers_only_the_last_step_early():
-    """build --setting early copies the committed answer-early warm start: its fingerprint is the preset's, it samples
-    inside 20-50% (the issue's band; the preset aims at 30-50% and kept its last checkpoint), and after a forced exit it
-    answers with one step left far more often than immediately (docs/choices.md, "Answer-early setting")."""
-    preset = build_module.PRESETS["early"]
-    record = json.loads(open(os.path.join(preset.artefact_dir, "warmstart.json")).read())
-    assert record["fingerprint"] == build_module.model_fingerprint(preset.task, preset.model, preset.sft), \
-        "stale artefact: reproduce it with build --setting early --retrain --update-artefact"
+def test_committed_early_artefact_answers_only_the_last_step_early():
+    """build --setting early copies the committed answer-early warm start: it samples inside 20-50% (the issue's band;
+    the preset aims at 30-50% and kept its last checkpoint), and after a forced exit it answers with one step left far
+    more often than immediately (docs/choices.md, "Answer-early setting")."""
+    record = build_module.shipped_warm_start(build_module.testbed("early"))
     assert 0.2 <= record["kept"]["sampled"]["accuracy"] <= 0.5
     exit_record = record["kept"]["exit"]
     assert exit_record["last_step"] >= exit_record["immediate"] + 0.2

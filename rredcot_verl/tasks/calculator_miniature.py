@@ -1,7 +1,7 @@
 """The calculator task (``tasks/calculator.py``) in miniature: data, tool config and a tiny warm-started model that
 calls the tool, built on CPU for ``recipes/tiny_cpu/calculator.yaml``.
 
-    python -m rredcot_verl.tasks.calculator_miniature --out DIR [--threads T]
+    python -m rredcot_verl.tasks.build --setting calculator --out DIR
 
 writes
 
@@ -15,21 +15,19 @@ writes
   builder (the one ``ToolAgentLoop`` uses), so warm start and rollout see the same tokens. Training stops as soon as
   the sampled accuracy lies in ``target_band`` and keeps the checkpoint nearest it (``sft.band_distance``): RL needs
   groups with right and wrong traces.
-- ``DIR/calculator.json``: the build record (fingerprint, token lengths, SFT checkpoints, evaluation). Accuracy is
-  measured as the RL run will see it: the warm start plays verl's tool loop (hermes parser, the tool itself, the
-  builder's merges) at temperature 1 on the training prompts, judged by the task reward. A build whose fingerprint
-  matches is reused.
+- ``DIR/build.json``: the build record (``tasks/build.py``: fingerprint, token lengths, SFT checkpoints, evaluation).
+  Accuracy is measured as the RL run will see it: the warm start plays verl's tool loop (hermes parser, the tool
+  itself, the builder's merges) at temperature 1 on the training prompts, judged by the task reward.
 
 The warm start takes about 17 minutes on two cores, so the package ships it (``assets/calculator_warmstart/``: the
-model folder and its build record): when the record's fingerprint matches the requested settings the model is copied
-instead of trained. ``--retrain`` trains anyway; with ``--update-artefact`` the result replaces the artefact (how it is
-reproduced). Bump ``BUILD_VERSION`` when a change to the task, template, tool config or builder would change what gets
-built: it is part of the fingerprint, so stale folders and a stale artefact stop matching.
+model folder and ``calculator.json``, its fingerprint and warm-start record), copied when the fingerprint matches
+(``tasks/build.py``: ``--retrain``, ``--update-artefact``). Bump ``BUILD_VERSION`` when a change to the task,
+template, tool config or builder would change what gets built: it is part of the fingerprint, so stale folders and a
+stale artefact stop matching.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import copy
 import dataclasses
@@ -46,7 +44,6 @@ from rredcot_verl.tasks.miniature import GSM8K_FAMILIES, MiniatureConfig
 from rredcot_verl.tasks.reward import compute_score
 from rredcot_verl.tasks.model import load_model_dir
 
-RECORD = "calculator.json"
 BUILD_VERSION = 1
 ARTEFACT_DIR = os.path.join(miniature.ASSETS, "calculator_warmstart")
 TOOLS_FILE = "tools.yaml"
@@ -356,92 +353,39 @@ def fingerprint(config: CalculatorBuildConfig, model_config: MiniatureConfig) ->
     return json.loads(json.dumps({"version": BUILD_VERSION, "config": asdict(config), "model": asdict(model_config)}))
 
 
-def build(out_dir: str, config: CalculatorBuildConfig = CalculatorBuildConfig(),
-          model_config: MiniatureConfig = MiniatureConfig(), retrain: bool = False, update_artefact: bool = False,
-          artefact_dir: str = ARTEFACT_DIR, log=print) -> dict:
-    """Build (or reuse) the data, tool config and model under ``out_dir``; returns the record in ``RECORD``.
-    ``update_artefact`` requires ``retrain``: the committed artefact must come from a training run, never a copy."""
-    if update_artefact and not retrain:
-        raise ValueError("update_artefact needs retrain: the committed artefact must come from a fresh training run")
-    import torch
-
-    out_dir = os.path.abspath(out_dir)
-    record_path, model_dir, data_dir = (os.path.join(out_dir, name) for name in (RECORD, "model", "data"))
-    tools_path = os.path.join(out_dir, TOOLS_FILE)
-    expected = fingerprint(config, model_config)
-    parquets = [os.path.join(data_dir, f"{split}.parquet") for split in ("train", "val")]
-    previous = None if retrain else miniature.cached_record(record_path, expected, model_dir, [tools_path, *parquets])
-    if previous is not None:
-        log(f"calculator miniature: reusing {out_dir} (settings unchanged)")
-        return previous
-    start = time.monotonic()
-    torch.manual_seed(config.seed)
+def write_data(config: CalculatorBuildConfig, data_dir: str) -> tuple[list[ArithmeticProblem], list[ArithmeticProblem]]:
+    """The parquet rows and, beside ``data_dir``, the tool config; returns the (train, val) problems as read back."""
     train_path, val_path = arithmetic.write_parquet(data_dir, config.n_train, config.n_val, config.seed,
                                                     calculator.TASK_CONFIG, row=calculator.agent_row)
-    os.makedirs(out_dir, exist_ok=True)
-    shutil.copyfile(calculator.TOOL_CONFIG, tools_path)
+    shutil.copyfile(calculator.TOOL_CONFIG, os.path.join(os.path.dirname(data_dir), TOOLS_FILE))
+    return _parquet_problems(train_path), _parquet_problems(val_path)
+
+
+def train(config: CalculatorBuildConfig, model_config: MiniatureConfig, data, model_dir: str, log=print) -> dict:
+    """The tool-tagged qwen2_5 tokenizer and model, warm-started (``warm_start``) and saved to ``model_dir``; returns
+    ``{"sft": the warm start's record}`` (what the shipped artefact's record holds beside its fingerprint)."""
     tools = load_tools()
-    schemas = tool_schemas(tools)
-    train_problems = _parquet_problems(train_path)
-    artefact_model = os.path.join(artefact_dir, "model")
-    shipped = None if retrain else miniature.cached_record(os.path.join(artefact_dir, RECORD), expected, artefact_model, [])
-    if shipped is not None:
-        shutil.rmtree(model_dir, ignore_errors=True)
-        shutil.copytree(artefact_model, model_dir)
-        _, tokenizer = load_model_dir(model_dir, with_model=False)
-        builder = token_builder(tokenizer)
-        record_sft = shipped["sft"]
-        log(f"calculator miniature: copied the shipped warm start ({artefact_dir})")
-    else:
-        rng = random.Random(f"calculator-corpus:{config.seed}")
-        corpus = _corpus([make_problem(rng, calculator.TASK_CONFIG) for _ in range(256)], schemas)
-        tokenizer = miniature.family_tokenizer(FAMILY, corpus, model_config)
-        model = miniature.build_model(FAMILY, tokenizer, model_config)
-        builder = token_builder(tokenizer)
-        record_sft = warm_start(model, tokenizer, builder, tools, train_problems[: config.n_eval], config, log)
-        miniature.save_checked(model, tokenizer, model_dir)
-    everything = train_problems + _parquet_problems(val_path)
-    lengths = [conversation_tokens(builder, tokenizer, schemas, problem) for problem in everything]
-    record = {
-        "fingerprint": expected, "family": "qwen2_5 with tools", "n_train": config.n_train, "n_val": config.n_val,
-        "model_dir": model_dir, "train_parquet": train_path, "val_parquet": val_path, "tool_config": tools_path,
-        "max_prompt_tokens": max(prompt for _, prompt, _ in lengths),
-        "max_reference_response_tokens": max(len(ids) - prompt for ids, prompt, _ in lengths),
-        "vocab_size": len(tokenizer), "sft": record_sft, "eval": record_sft["kept"],
-        "seconds": round(time.monotonic() - start, 1), "torch_threads": torch.get_num_threads(),
-    }
-    with open(record_path, "w") as f:
-        json.dump(record, f, indent=2)
-    if update_artefact:
-        shutil.rmtree(artefact_dir, ignore_errors=True)
-        shutil.copytree(model_dir, os.path.join(artefact_dir, "model"))
-        with open(os.path.join(artefact_dir, RECORD), "w") as f:
-            json.dump({"fingerprint": expected, "sft": record_sft}, f, indent=2)
-        log(f"calculator miniature: the shipped warm start ({artefact_dir}) is now this build's")
+    rng = random.Random(f"calculator-corpus:{config.seed}")
+    corpus = _corpus([make_problem(rng, calculator.TASK_CONFIG) for _ in range(256)], tool_schemas(tools))
+    tokenizer = miniature.family_tokenizer(FAMILY, corpus, model_config)
+    model = miniature.build_model(FAMILY, tokenizer, model_config)
+    eval_problems = data[0][: config.n_eval]
+    record_sft = warm_start(model, tokenizer, token_builder(tokenizer), tools, eval_problems, config, log)
+    miniature.save_checked(model, tokenizer, model_dir)
     kept = record_sft["kept"]
-    log(f"calculator miniature: built in {record['seconds']:.0f} s; kept step {kept['step']}: on "
-        f"{len(train_problems[: config.n_eval])} training prompts sampled {kept['sampled']['accuracy']:.0%} correct "
-        f"({kept['sampled']['mean_calls']:.1f} calls), greedy {kept['greedy']['accuracy']:.0%}")
-    return record
+    log(f"calculator: kept step {kept['step']}: on {len(eval_problems)} training prompts sampled "
+        f"{kept['sampled']['accuracy']:.0%} correct ({kept['sampled']['mean_calls']:.1f} calls), greedy "
+        f"{kept['greedy']['accuracy']:.0%}")
+    return {"sft": record_sft}
 
 
-def main(argv: list[str] | None = None) -> None:
-    import torch
-
-    parser = argparse.ArgumentParser(description="Build the calculator miniature: agent-loop data, tools, model.")
-    parser.add_argument("--out", required=True, help="output folder (data/, model/, tools.yaml, calculator.json)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads for the warm start")
-    parser.add_argument("--max-steps", type=int, default=CalculatorBuildConfig.max_steps, help="SFT steps at most")
-    parser.add_argument("--budget-s", type=float, default=CalculatorBuildConfig.budget_s,
-                        help="SFT wall-clock seconds at most")
-    parser.add_argument("--retrain", action="store_true", help="train even when the shipped warm start matches")
-    parser.add_argument("--update-artefact", action="store_true", help="with --retrain: ship this build's warm start")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    record = build(args.out, CalculatorBuildConfig(max_steps=args.max_steps, budget_s=args.budget_s),
-                   retrain=args.retrain, update_artefact=args.update_artefact)
-    print(json.dumps({k: v for k, v in record.items() if k not in ("fingerprint", "sft", "eval")}, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+def measure(data, model_dir: str) -> dict:
+    """Sizes, the tool config's path and the token lengths of the solved conversations (verl's layout)."""
+    _, tokenizer = load_model_dir(model_dir, with_model=False)
+    builder, schemas = token_builder(tokenizer), tool_schemas(load_tools())
+    lengths = [conversation_tokens(builder, tokenizer, schemas, problem) for problem in data[0] + data[1]]
+    return {"family": "qwen2_5 with tools", "n_train": len(data[0]), "n_val": len(data[1]),
+            "tool_config": os.path.join(os.path.dirname(model_dir), TOOLS_FILE),
+            "max_prompt_tokens": max(prompt for _, prompt, _ in lengths),
+            "max_reference_response_tokens": max(len(ids) - prompt for ids, prompt, _ in lengths),
+            "vocab_size": len(tokenizer)}

@@ -1,7 +1,7 @@
 """The ``code`` task in miniature: generated function-writing problems judged by ``assert`` tests in the sandbox, and
 a tiny Qwen3-family model warm-started to pass them some of the time, built from code on CPU.
 
-    python -m rredcot_verl.tasks.code_miniature --out DIR [--problems N] [--threads T]
+    python -m rredcot_verl.tasks.build --setting code --out DIR [--problems N] [--threads T]
 
 writes what ``recipes/tiny_cpu/code.yaml`` reads (``RREDCOT_BUILD=DIR``):
 
@@ -14,27 +14,24 @@ writes what ``recipes/tiny_cpu/code.yaml`` reads (``RREDCOT_BUILD=DIR``):
   ``<think>`` one line per operation ``</think>`` then the program in a ```` ```python ```` block, then eos. The SFT
   memorises: it is stopped at the first checkpoint whose sampled (T=1) pass rate on training prompts, judged by
   ``tasks/code_reward.py``, lies in ``TARGET_BAND``, so RL sees groups with both outcomes.
-- ``DIR/code_miniature.json``: the build record (fingerprint, pass rates, token lengths). A build whose fingerprint
-  matches is reused.
+- ``DIR/build.json``: the build record (``tasks/build.py``: fingerprint, pass rates, token lengths).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 from rredcot_verl.tasks import code_reward, miniature, model as model_module
 from rredcot_verl.tasks.miniature import ASSETS, FAMILIES, THINK_CLOSE, THINK_OPEN, MathRow, MiniatureConfig
-from rredcot_verl.tasks.model import chat_prompt_ids, load_model_dir, response_ids, save_model_dir
+from rredcot_verl.tasks.model import chat_prompt_ids, load_model_dir, response_ids
+from rredcot_verl.tasks.sft import band_distance
 
-RECORD = "code_miniature.json"
 DATA_SOURCE = "miniature/code"
 FAMILY = "qwen3"
 NAMES = ("f", "g", "h", "calc", "step", "apply")
@@ -171,7 +168,6 @@ def warm_start(model, tokenizer, train: list[tuple[CodeProblem, str]], config: C
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.01)
     rng = random.Random(config.seed)
     checkpoints, states = [], []
-    distance = lambda rate: max(TARGET_BAND[0] - rate, rate - TARGET_BAND[1], 0.0)  # noqa: E731
     model.train()
     for step in range(config.max_steps):
         batch = rng.sample(sequences, min(config.batch_size, len(sequences)))
@@ -185,9 +181,10 @@ def warm_start(model, tokenizer, train: list[tuple[CodeProblem, str]], config: C
         checkpoints.append({"step": done, "loss": round(loss.item(), 4), "sampled_pass_rate": rate})
         states.append(copy.deepcopy(model.state_dict()))
         log(f"code miniature: SFT step {done}, loss {loss.item():.3f}, sampled pass rate {rate:.0%}")
-        if distance(rate) == 0.0:
+        if band_distance(rate, TARGET_BAND) == 0.0:
             break
-    kept = min(range(len(checkpoints)), key=lambda i: (distance(checkpoints[i]["sampled_pass_rate"]), -i))
+    kept = min(range(len(checkpoints)),
+               key=lambda i: (band_distance(checkpoints[i]["sampled_pass_rate"], TARGET_BAND), -i))
     model.load_state_dict(states[kept])
     model.eval()
     return {"kept": checkpoints[kept], "checkpoints": checkpoints, "config": asdict(config)}
@@ -206,69 +203,34 @@ def fingerprint(n_problems: int, config: MiniatureConfig, sft: CodeSFTConfig) ->
                                   "sft": asdict(sft), "band": TARGET_BAND, "sources_sha256": digest.hexdigest()}))
 
 
-def build(out_dir: str, n_problems: int = 400, config: MiniatureConfig = MiniatureConfig(),
-          sft: CodeSFTConfig = CodeSFTConfig(), log: Callable[[str], None] = print) -> dict:
-    """Build (or reuse) ``out_dir/data`` and ``out_dir/model``; returns the record written to ``RECORD``."""
-    import torch
+def write_problems(n_problems: int, seed: int, data_dir: str) -> tuple[list, list]:
+    """``n_problems`` generated problems written by ``write_data``."""
+    return write_data(make_problems(n_problems, seed), data_dir, seed)
 
-    out_dir = os.path.abspath(out_dir)
-    record_path, model_dir, data_dir = (os.path.join(out_dir, name) for name in (RECORD, "model", "data"))
-    parquets = [os.path.join(data_dir, f"{split}.parquet") for split in ("train", "val")]
-    expected = fingerprint(n_problems, config, sft)
-    try:
-        with open(record_path) as f:
-            previous = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        previous = None
-    if previous and previous.get("fingerprint") == expected and all(map(os.path.isfile, parquets)):
-        try:
-            load_model_dir(model_dir, with_model=False)
-            log(f"code miniature: reusing {out_dir} (settings unchanged)")
-            return previous
-        except (FileNotFoundError, ValueError):
-            pass  # an incomplete folder is rebuilt
-    start = time.monotonic()
-    train, val = write_data(make_problems(n_problems, config.seed), data_dir, config.seed)
-    tokenizer = build_tokenizer([p for p, _ in train + val], config)
+
+def token_lengths(tokenizer, rows: list[tuple[CodeProblem, str]]) -> dict:
+    """Longest chat prompt and SFT target in tokens (for verl's max_prompt_length / max_response_length)."""
+    return {"max_prompt_tokens": max(len(chat_prompt_ids(tokenizer, p.prompt)) for p, _ in rows),
+            "max_reference_response_tokens": max(len(response_ids(tokenizer, p.response())) for p, _ in rows)}
+
+
+def train(config: MiniatureConfig, sft: CodeSFTConfig, data, model_dir: str, log: Callable[[str], None]) -> dict:
+    """The qwen3 family's tokenizer and model, warm-started into ``TARGET_BAND`` and saved to ``model_dir``; returns
+    the warm start's record and the kept model's sampled and greedy pass rates on training prompts."""
+    train_rows, val_rows = data
+    tokenizer = build_tokenizer([p for p, _ in train_rows + val_rows], config)
     model = miniature.build_model(FAMILIES[FAMILY], tokenizer, config)
-    lengths = {
-        "max_prompt_tokens": max(len(chat_prompt_ids(tokenizer, p.prompt)) for p, _ in train + val),
-        "max_reference_response_tokens": max(len(response_ids(tokenizer, p.response())) for p, _ in train + val),
-    }
-    max_new_tokens = lengths["max_reference_response_tokens"] + 32
-    warm = warm_start(model, tokenizer, train, sft, max_new_tokens, log)
-    save_model_dir(model, tokenizer, model_dir)
-    _, loaded = load_model_dir(model_dir, with_model=False)
-    if loaded.get_vocab() != tokenizer.get_vocab():  # what verl and vLLM will load must be what was trained
-        raise ValueError(f"{model_dir}: the tokenizer loads back with a different vocabulary")
-    greedy, example = pass_rate(model, tokenizer, train[: sft.n_eval], False, max_new_tokens, sft.seed)
-    record = {
-        "fingerprint": expected, "family": FAMILY, "n_train": len(train), "n_val": len(val), "model_dir": model_dir,
-        "train_parquet": parquets[0], "val_parquet": parquets[1], **lengths, "vocab_size": len(tokenizer),
-        "sft": warm, "sampled_pass_rate": warm["kept"]["sampled_pass_rate"], "greedy_pass_rate": greedy,
-        "greedy_example": example, "seconds": round(time.monotonic() - start, 1),
-        "torch_threads": torch.get_num_threads(),
-    }
-    with open(record_path, "w") as f:
-        json.dump(record, f, indent=2)
-    log(f"code miniature: built in {record['seconds']:.0f} s; on {min(sft.n_eval, len(train))} training prompts "
-        f"sampled pass rate {record['sampled_pass_rate']:.0%} (step {warm['kept']['step']}), greedy {greedy:.0%}")
-    return record
+    max_new_tokens = token_lengths(tokenizer, train_rows + val_rows)["max_reference_response_tokens"] + 32
+    warm = warm_start(model, tokenizer, train_rows, sft, max_new_tokens, log)
+    miniature.save_checked(model, tokenizer, model_dir)
+    greedy, example = pass_rate(model, tokenizer, train_rows[: sft.n_eval], False, max_new_tokens, sft.seed)
+    log(f"code miniature: on {min(sft.n_eval, len(train_rows))} training prompts sampled pass rate "
+        f"{warm['kept']['sampled_pass_rate']:.0%} (step {warm['kept']['step']}), greedy {greedy:.0%}")
+    return {"sft": warm, "sampled_pass_rate": warm["kept"]["sampled_pass_rate"], "greedy_pass_rate": greedy,
+            "greedy_example": example}
 
 
-def main(argv: list[str] | None = None) -> None:
-    import torch
-
-    parser = argparse.ArgumentParser(description="Build the miniature code task: parquet data + tiny model.")
-    parser.add_argument("--out", required=True, help="output folder (data/, model/, code_miniature.json)")
-    parser.add_argument("--problems", type=int, default=400, help="generated problems (4:1 train/val)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads for the warm start: 1 on a shared machine, 2 on an idle 2-core one")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    record = build(args.out, args.problems)
-    print(json.dumps({k: v for k, v in record.items() if k not in ("fingerprint", "sft")}, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+def measure(data, model_dir: str) -> dict:
+    _, tokenizer = load_model_dir(model_dir, with_model=False)
+    return {"family": FAMILY, "n_train": len(data[0]), "n_val": len(data[1]),
+            **token_lengths(tokenizer, data[0] + data[1]), "vocab_size": len(tokenizer)}

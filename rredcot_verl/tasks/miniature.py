@@ -1,7 +1,7 @@
 """Miniature stand-ins for the paper recipes (Qwen3-4B thinking, DeepSeek-R1-Distill-Qwen) and for verl's quickstart
 (a Qwen2.5-Instruct model on GSM8K, no thinking), built from code on CPU.
 
-    python -m rredcot_verl.tasks.miniature --family {qwen3,r1_distill,qwen2_5,qwen3_gsm8k} --out DIR [--problems N]
+    python -m rredcot_verl.tasks.build --setting {qwen3,r1_distill,qwen2_5,qwen3_gsm8k} --out DIR [--problems N]
 
 writes what a paper recipe reads, at toy scale, so it can be launched in CI without the hub:
 
@@ -21,19 +21,17 @@ writes what a paper recipe reads, at toy scale, so it can be launched in CI with
   then ``#### 27``, then eos; the Qwen2.5 chat template (default system prompt, no ``<think>`` token).
   ``qwen3_gsm8k``: the same rows for a Qwen3 thinking model (the one-GPU recipe on verl's GSM8K): the rationale lines
   inside ``<think>...</think>``, then ``#### 27``, then eos.
-- ``DIR/miniature.json``: the build record (fingerprint, boxed rate and accuracy on training prompts, token lengths
-  for ``max_prompt_length`` / ``max_response_length``). A run whose fingerprint matches returns it without building.
+- ``DIR/build.json``: the build record (``tasks/build.py``: fingerprint, boxed rate and accuracy on training prompts,
+  token lengths for ``max_prompt_length`` / ``max_response_length``).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import random
 import re
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
@@ -54,7 +52,6 @@ if TYPE_CHECKING:
     import pandas as pd
 
 
-RECORD = "miniature.json"
 DATA_SOURCE = "miniature/math"
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 PROBLEMS_PATH = os.path.join(ASSETS, "math_problems.jsonl")
@@ -368,23 +365,6 @@ def fingerprint(family_name: str, n_problems: int | None, config: MiniatureConfi
             "sources_sha256": digest.hexdigest()}
 
 
-def cached_record(record_path: str, expected: dict, model_dir: str, files: list[str]) -> dict | None:
-    """The build record at ``record_path`` when its fingerprint is ``expected``, ``files`` exist and ``model_dir``
-    loads; None otherwise (an incomplete folder is rebuilt)."""
-    try:
-        with open(record_path) as f:
-            previous = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
-    if previous.get("fingerprint") != expected or not all(map(os.path.isfile, files)):
-        return None
-    try:
-        load_model_dir(model_dir, with_model=False)
-    except (FileNotFoundError, ValueError):
-        return None
-    return previous
-
-
 def save_checked(model, tokenizer, model_dir: str) -> None:
     """``save_model_dir``, then check that the folder's tokenizer loads back as the one trained (what verl and vLLM
     will load must be what was trained)."""
@@ -394,60 +374,42 @@ def save_checked(model, tokenizer, model_dir: str) -> None:
         raise ValueError(f"{model_dir}: the tokenizer loads back with a different vocabulary")
 
 
-def build(family_name: str, out_dir: str, n_problems: int | None = None,
-          config: MiniatureConfig = MiniatureConfig(), log: Callable[[str], None] = print) -> dict:
-    """Build (or reuse) ``out_dir/data`` and ``out_dir/model`` for one family; returns the record in ``RECORD``."""
-    import torch
+def write_family_data(family_name: str, n_problems: int | None, config: MiniatureConfig,
+                      data_dir: str) -> tuple[list[MathRow], list[MathRow]]:
+    """The family's data from the first ``n_problems`` shipped problems (``write_data``)."""
+    return write_data(load_problems(n_problems), data_dir, config.seed, ALL_FAMILIES[family_name].answer_style)
 
-    family = ALL_FAMILIES[family_name]
-    out_dir = os.path.abspath(out_dir)
-    record_path, model_dir, data_dir = (os.path.join(out_dir, name) for name in (RECORD, "model", "data"))
-    parquets = [os.path.join(data_dir, f"{split}.parquet") for split in ("train", "test")]
-    expected = fingerprint(family_name, n_problems, config)
-    previous = cached_record(record_path, expected, model_dir, parquets)
-    if previous is not None:
-        log(f"miniature {family_name}: reusing {out_dir} (settings unchanged)")
-        return previous
-    start = time.monotonic()
-    train, val = write_data(load_problems(n_problems), data_dir, config.seed, family.answer_style)
-    tokenizer = build_tokenizer(family, train + val, config)
+
+def token_lengths(tokenizer, family: Family, rows: list[MathRow]) -> dict:
+    """Longest chat prompt and SFT target in tokens (for verl's max_prompt_length / max_response_length)."""
+    return {"max_prompt_tokens": max(len(chat_prompt_ids(tokenizer, row.prompt)) for row in rows),
+            "max_reference_response_tokens": max(len(response_ids(tokenizer, response_text(family, row)))
+                                                 for row in rows)}
+
+
+def train(family_name: str, config: MiniatureConfig, data: tuple[list[MathRow], list[MathRow]], model_dir: str,
+          log: Callable[[str], None]) -> dict:
+    """The family's tokenizer and model, warm-started on the training rows and saved to ``model_dir``; returns the
+    warm start's record (``sft``) and its evaluation on training prompts (``eval``)."""
+    family, (train_rows, test_rows) = ALL_FAMILIES[family_name], data
+    tokenizer = build_tokenizer(family, train_rows + test_rows, config)
     model = build_model(family, tokenizer, config)
-    sft = warm_start(model, tokenizer, family, train, config)
+    sft = warm_start(model, tokenizer, family, train_rows, config)
     save_checked(model, tokenizer, model_dir)
-    prompt_tokens = [len(chat_prompt_ids(tokenizer, row.prompt)) for row in train + val]
-    reference_tokens = [len(response_ids(tokenizer, response_text(family, row))) for row in train + val]
-    evaluation = evaluate(model, tokenizer, train[: config.n_eval], max(reference_tokens) + 32, config.seed,
+    longest = token_lengths(tokenizer, family, train_rows + test_rows)["max_reference_response_tokens"]
+    evaluation = evaluate(model, tokenizer, train_rows[: config.n_eval], longest + 32, config.seed,
                           family.answer_style)
-    record = {
-        "fingerprint": expected, "family": family_name, "n_train": len(train), "n_test": len(val),
-        "model_dir": model_dir, "train_parquet": parquets[0], "test_parquet": parquets[1],
-        "max_prompt_tokens": max(prompt_tokens), "max_reference_response_tokens": max(reference_tokens),
-        "vocab_size": len(tokenizer), "sft": sft, "eval": evaluation,
-        "seconds": round(time.monotonic() - start, 1), "torch_threads": torch.get_num_threads(),
-    }
-    with open(record_path, "w") as f:
-        json.dump(record, f, indent=2)
     sampled, greedy = evaluation["sampled"], evaluation["greedy"]
     wrote = "boxed" if family.answer_style == "boxed" else "answered"
-    log(f"miniature {family_name}: built in {record['seconds']:.0f} s; on {min(config.n_eval, len(train))} training "
-        f"prompts sampled {wrote} {sampled['boxed_rate']:.0%} / correct {sampled['accuracy']:.0%}, greedy {wrote} "
-        f"{greedy['boxed_rate']:.0%} / correct {greedy['accuracy']:.0%}")
-    return record
+    log(f"miniature {family_name}: on {min(config.n_eval, len(train_rows))} training prompts sampled {wrote} "
+        f"{sampled['boxed_rate']:.0%} / correct {sampled['accuracy']:.0%}, greedy {wrote} {greedy['boxed_rate']:.0%} / "
+        f"correct {greedy['accuracy']:.0%}")
+    return {"sft": sft, "eval": evaluation}
 
 
-def main(argv: list[str] | None = None) -> None:
-    import torch
-
-    parser = argparse.ArgumentParser(description="Build a miniature paper model family: parquet data + tiny model.")
-    parser.add_argument("--family", required=True, choices=sorted(ALL_FAMILIES))
-    parser.add_argument("--out", required=True, help="output folder (data/, model/, miniature.json)")
-    parser.add_argument("--problems", type=int, default=None, help="use the first N shipped problems (default all)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads for the warm start")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    record = build(args.family, args.out, args.problems)
-    print(json.dumps({k: v for k, v in record.items() if k not in ("fingerprint", "eval")}, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+def measure(family_name: str, data: tuple[list[MathRow], list[MathRow]], model_dir: str) -> dict:
+    _, tokenizer = load_model_dir(model_dir, with_model=False)
+    train_rows, test_rows = data
+    return {"family": family_name, "n_train": len(train_rows), "n_test": len(test_rows),
+            **token_lengths(tokenizer, ALL_FAMILIES[family_name], train_rows + test_rows),
+            "vocab_size": len(tokenizer)}

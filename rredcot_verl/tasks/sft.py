@@ -11,15 +11,13 @@ the deadline. Checkpoints are evaluated every ``eval_every_steps`` with HF ``gen
 held-out set, and the one whose sampled accuracy is nearest the band (inside it if any) is kept: RL needs a policy
 that is right often enough to get signal and wrong often enough to have something to learn.
 
-``python -m rredcot_verl.tasks.build`` runs it (``--sft-steps``, ``--sft-budget-s``, ``--threads``).
+``python -m rredcot_verl.tasks.build`` runs it (``--setting``, ``--threads``, ``--retrain``).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -35,8 +33,6 @@ from rredcot_verl.tasks.arithmetic import (
 )
 from rredcot_verl.tasks.model import chat_prompt_ids, response_ids
 from rredcot_verl.tasks.reward import compute_score
-
-WARMSTART_RECORD = "warmstart.json"
 
 
 # What the exit probe of the embedded profile forces after a step line (core/profiles.py, "embedded"), the text the
@@ -438,10 +434,3 @@ def _evaluate(model, tokenizer, problems, config: SFTConfig, step: int, seconds:
     if config.exit_examples is not None:
         checkpoint["exit"] = exit_accuracy(model, tokenizer, problems)
     return checkpoint
-
-
-def write_record(record: dict, model_dir: str) -> str:
-    path = os.path.join(model_dir, WARMSTART_RECORD)
-    with open(path, "w") as f:
-        json.dump(record, f, indent=2)
-    return path
