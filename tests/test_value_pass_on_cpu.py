@@ -380,6 +380,30 @@ def test_probe_attention_block_by_block_gives_the_dense_masks_log_probs(model, m
         torch.testing.assert_close(by_block.trace_log_probs, dense.trace_log_probs, rtol=1e-5, atol=1e-5)
 
 
+def test_a_forward_that_drops_the_probe_blocks_fails_instead_of_attending_densely(model, monkeypatch):
+    """The blocks reach the attention as a keyword of the model call; a forward that loses it on the way (as verl's
+    fused-kernel forward would, were the blocks not handed to its decoder call) must not run the probe mask densely
+    without saying so."""
+    rng = random.Random(5)
+    row = scoring_module._build_row(random_ids(rng, 4), random_ids(rng, 12), [Probe(6, [], [1, 2, 3], value_index=0)],
+                                    None, False)
+    trace_len, tree_len = row.tokens.numel(), len(row.tree_ids)
+    allowed = scoring_module._probe_allowed(torch.tensor(row.tree_prefix_lengths), torch.tensor(row.tree_parents),
+                                            trace_len)
+    inputs = {"input_ids": torch.cat([row.tokens, torch.tensor(row.tree_ids)])[None],
+              "position_ids": torch.cat([torch.arange(trace_len), torch.tensor(row.tree_positions)])[None],
+              "attention_mask": allowed[None, None]}
+    monkeypatch.setattr(scoring_module, "BLOCKED_ATTENTION_SHARE", 1.0)  # one probe: block by block only so
+    with torch.no_grad(), scoring_module.value_pass_attention(model):
+        with pytest.raises(RuntimeError, match=scoring_module.PROBE_BLOCKS_ARGUMENT):
+            model(**inputs)
+        dense = model(**inputs, **{scoring_module.PROBE_BLOCKS_ARGUMENT: None}).logits
+        blocks = scoring_module._probe_blocks([row], trace_len, tree_len)
+        assert blocks is not None
+        by_block = model(**inputs, **{scoring_module.PROBE_BLOCKS_ARGUMENT: blocks}).logits
+    torch.testing.assert_close(by_block, dense, rtol=1e-5, atol=1e-5)
+
+
 def test_reference_continuations_attend_block_by_block_and_exit_probes_densely():
     rng = random.Random(3)
     prompt, response = random_ids(rng, 20), random_ids(rng, 400)

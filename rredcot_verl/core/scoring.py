@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -85,9 +84,10 @@ def probe_fits(probe: Probe, prompt_len: int, max_positions: int | None) -> bool
 # One forward per micro-batch of traces. Row r of a micro-batch holds its trace (prompt + response, right-padded to
 # T) followed by its probe-tree tokens (right-padded to Tp): input (B, T + Tp). The value-pass attention function
 # (registered below) attends the first T queries causally (the trace: padding sits after every real token, so it is
-# never seen) and the last Tp queries with the probe mask (B, 1, Tp, T + Tp). No KV cache is kept (memory ≈ a plain
-# forward over T + Tp tokens), and the model is called once per micro-batch, which is what FSDP2's per-forward
-# all-gathers need to be counted (``score_batch_packed(synchronize=True)``).
+# never seen) and the last Tp queries with the probe mask (B, 1, Tp, T + Tp), block by block where the forward's
+# ``probe_blocks`` keyword gives the blocks. No KV cache is kept (memory ≈ a plain forward over T + Tp tokens), and
+# the model is called once per micro-batch, which is what FSDP2's per-forward all-gathers need to be counted
+# (``score_batch_packed(synchronize=True)``).
 
 VALUE_PASS_ATTENTION = "rredcot_value_pass"
 # Rows of logits computed at once when log-probs are read from hidden states: (rows, V) fp32 stays ≤ 64 MiB.
@@ -149,6 +149,11 @@ def build_probe_mask(
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
+# The keyword under which a value-pass forward hands its probe blocks to ``_value_pass_attention``: transformers passes
+# the model call's extra keyword arguments down to the attention function.
+PROBE_BLOCKS_ARGUMENT = "probe_blocks"
+
+
 def _value_pass_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """Attention of a value-pass forward, whatever backend the model was configured with.
 
@@ -156,19 +161,27 @@ def _value_pass_attention(module, query, key, value, attention_mask, scaling=Non
         query: (B, H, T + Tp, D); key, value: (B, H_kv, T + Tp, D).
         attention_mask: None (no probe tokens: Tp = 0) or (B, 1, Tp, T + Tp) bool, True where a probe token may
             attend (``_probe_allowed``).
+        kwargs[PROBE_BLOCKS_ARGUMENT]: with a mask, per row its probe blocks (``_probe_blocks``), or None: the probe
+            tokens attend densely. Required with a mask, so that a forward which drops it fails instead of
+            silently attending densely.
 
     Returns:
         ((B, T + Tp, H, D), None), as transformers' attention functions.
     """
     if attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, is_causal=True)
+    if PROBE_BLOCKS_ARGUMENT not in kwargs:
+        raise RuntimeError(
+            f"the value pass's attention got a probe mask without {PROBE_BLOCKS_ARGUMENT!r}: the model's forward did "
+            "not pass the value pass's keyword arguments down to its attention"
+        )
+    blocks = kwargs[PROBE_BLOCKS_ARGUMENT]
     trace_len = query.shape[2] - attention_mask.shape[-2]
     # The trace part is plain causal attention (sdpa's fastest kernels); only the few probe queries need the mask.
     trace_out, _ = sdpa_attention_forward(
         module, query[:, :, :trace_len], key[:, :, :trace_len], value[:, :, :trace_len], None,
         scaling=scaling, is_causal=True,
     )
-    blocks = _PROBE_BLOCKS.get()
     if blocks is None:
         probe_out, _ = sdpa_attention_forward(
             module, query[:, :, trace_len:], key, value, attention_mask, scaling=scaling, is_causal=False
@@ -177,9 +190,6 @@ def _value_pass_attention(module, query, key, value, attention_mask, scaling=Non
         probe_out = _blocked_probe_attention(module, query, key, value, attention_mask, scaling, blocks, trace_len)
     return torch.cat([trace_out, probe_out], dim=1), None
 
-
-# Per row of the running micro-batch, its probe blocks (``_probe_blocks``), or None: the probe tokens attend densely.
-_PROBE_BLOCKS: ContextVar[list[list[tuple[int, int, int]]] | None] = ContextVar("_PROBE_BLOCKS", default=None)
 
 BLOCKED_ATTENTION_SHARE = 0.25
 """The probe tokens attend block by block (``_blocked_probe_attention``) when the blocks' query-key pairs are at most
@@ -488,21 +498,30 @@ def _forward_micro_batch(
         output.last_hidden_state = read(output[0])
         return output
 
+    probe_blocks = {PROBE_BLOCKS_ARGUMENT: _probe_blocks(rows, trace_len, tree_len) if tree_len else None}
+
+    def pass_probe_blocks(module, args, kwargs):
+        # verl's fused-kernel forward calls the decoder with its named arguments only: hand the blocks to that call.
+        return args, {**kwargs, **probe_blocks}
+
+    forward_kwargs = _one_position_kwargs(model, len(rows), device)
     if _fused_kernel_forward(model):
-        handle = model.get_decoder().register_forward_hook(on_decoder_output)
+        decoder = model.get_decoder()
+        handles = [decoder.register_forward_pre_hook(pass_probe_blocks, with_kwargs=True),
+                   decoder.register_forward_hook(on_decoder_output)]
     else:
-        handle = head.register_forward_pre_hook(on_head_input)
-    blocks = _PROBE_BLOCKS.set(_probe_blocks(rows, trace_len, tree_len) if tree_len else None)
+        handles = [head.register_forward_pre_hook(on_head_input)]
+        forward_kwargs.update(probe_blocks)
     try:
         model(
             input_ids=input_ids.to(device),
             position_ids=position_ids.to(device),
             attention_mask=allowed.to(device) if tree_len else None,
-            **_one_position_kwargs(model, len(rows), device),
+            **forward_kwargs,
         )
     finally:
-        _PROBE_BLOCKS.reset(blocks)
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
     points, (span_log_probs, span_entropy) = results["points"].cpu(), results["span"]
     span_log_probs, span_entropy = span_log_probs.cpu(), span_entropy.cpu()
