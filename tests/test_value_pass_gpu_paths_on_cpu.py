@@ -80,12 +80,11 @@ def test_continuations_attend_block_by_block_under_verls_fused_kernel_forward(fu
 
     monkeypatch.setattr(scoring, "_blocked_probe_attention", counting)
     with torch.no_grad():
-        monkeypatch.setattr(scoring, "BLOCKED_ATTENTION_SHARE", 0.0)  # never block by block
-        dense = score_batch_packed(model, prompts, responses, probes, return_trace_stats=True)
+        # 0: never block by block; 1: wherever the trees cut into blocks
+        dense = score_batch_packed(model, prompts, responses, probes, blocked_attention_share=0.0)
         assert not blocked_calls
-        monkeypatch.setattr(scoring, "BLOCKED_ATTENTION_SHARE", 1.0)  # wherever the trees cut into blocks
         fused_kernel_patch(model)
-        fused = score_batch_packed(model, prompts, responses, probes, return_trace_stats=True)
+        fused = score_batch_packed(model, prompts, responses, probes, blocked_attention_share=1.0)
     assert blocked_calls
     for a, b in zip(dense, fused):
         torch.testing.assert_close(b.probe_logp, a.probe_logp, rtol=1e-5, atol=1e-5)

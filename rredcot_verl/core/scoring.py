@@ -198,11 +198,13 @@ about a fifth on the long setting, while exit probes (a few tokens at each of 40
 many small calls would cost more than the masked pairs."""
 
 
-def _probe_blocks(rows: Sequence[_Row], trace_len: int, tree_len: int) -> list[list[tuple[int, int, int]]] | None:
+def _probe_blocks(
+    rows: Sequence[_Row], trace_len: int, tree_len: int, share: float = BLOCKED_ATTENTION_SHARE
+) -> list[list[tuple[int, int, int]]] | None:
     """Per row, its probe tree cut into blocks (tree start, tree stop, trace keys): maximal runs of consecutive tree
     tokens with one prefix length (one boundary's probes), each token's ancestors inside its own run, so that a
     block's tokens see only the first ``trace keys`` trace positions and the block itself. None where a row's tree
-    does not cut so, or where the blocks would not save enough (``BLOCKED_ATTENTION_SHARE``)."""
+    does not cut so, or where the blocks' query-key pairs exceed ``share`` of the dense mask's."""
     blocks, pairs = [], 0
     for row in rows:
         cuts, start = [], 0
@@ -215,7 +217,7 @@ def _probe_blocks(rows: Sequence[_Row], trace_len: int, tree_len: int) -> list[l
                 return None
         blocks.append(cuts)
         pairs += sum((stop - begin) * (keys + stop - begin) for begin, stop, keys in cuts)
-    if pairs > BLOCKED_ATTENTION_SHARE * len(rows) * tree_len * (trace_len + tree_len):
+    if pairs > share * len(rows) * tree_len * (trace_len + tree_len):
         return None
     return blocks
 
@@ -431,10 +433,15 @@ def plan_micro_batches(shapes: Sequence[tuple[int, int]], max_token_len: int) ->
 
 
 def _forward_micro_batch(
-    model, rows: Sequence[_Row], temperature: float = 1.0, transform: LogitTransform = LogitTransform()
+    model,
+    rows: Sequence[_Row],
+    temperature: float = 1.0,
+    transform: LogitTransform = LogitTransform(),
+    blocked_attention_share: float = BLOCKED_ATTENTION_SHARE,
 ) -> list[dict]:
     """One forward over ``rows`` (trace then probe tokens per row); returns per row the log-probs it reads, under
     the sampling distribution softmax(logits / temperature), the logits being ``transform`` of the head's output.
+    The probe tokens attend block by block where ``_probe_blocks`` allows it under ``blocked_attention_share``.
 
     Returns:
         Per row: ``reads`` (len(row.reads),), ``nodes`` (len(row.nodes),) and, with trace stats, ``log_probs``
@@ -498,7 +505,8 @@ def _forward_micro_batch(
         output.last_hidden_state = read(output[0])
         return output
 
-    probe_blocks = {PROBE_BLOCKS_ARGUMENT: _probe_blocks(rows, trace_len, tree_len) if tree_len else None}
+    blocks = _probe_blocks(rows, trace_len, tree_len, blocked_attention_share) if tree_len else None
+    probe_blocks = {PROBE_BLOCKS_ARGUMENT: blocks}
 
     def pass_probe_blocks(module, args, kwargs):
         # verl's fused-kernel forward calls the decoder with its named arguments only: hand the blocks to that call.
@@ -592,6 +600,7 @@ def score_batch_packed_with_stats(
     max_token_len: int = ValuePassSettings.max_token_len,
     synchronize: bool = False,
     temperature: float = 1.0,
+    blocked_attention_share: float = BLOCKED_ATTENTION_SHARE,
 ) -> tuple[list[PackedScores], BatchStats]:
     """Score the probes of a batch of traces, one forward per micro-batch of at most ``max_token_len`` tokens.
 
@@ -612,6 +621,9 @@ def score_batch_packed_with_stats(
             (one-token dummy forwards), so that FSDP's per-forward all-gathers pair up across ranks whatever the
             data. Uses the default process group: the ranks that shard the model.
         temperature: log-probs under softmax(logits / temperature), the rollout's sampling distribution.
+        blocked_attention_share: a micro-batch's probe tokens attend block by block where the blocks' query-key
+            pairs are at most this share of the dense mask's (``BLOCKED_ATTENTION_SHARE``): 0 never, 1 wherever the
+            probe trees cut into blocks. The log-probs are the same either way; only the time differs.
 
     Returns:
         n PackedScores: probe_logp (n_probes_i,), trace_log_probs / trace_entropy (L_i,) or None, num_skipped;
@@ -634,6 +646,8 @@ def score_batch_packed_with_stats(
         raise ValueError(f"return_trace_stats has {len(return_trace_stats)} entries for {len(prompt_ids)} traces")
     if max_token_len < 1:
         raise ValueError(f"max_token_len must be >= 1, got {max_token_len}")
+    if not 0 <= blocked_attention_share <= 1:
+        raise ValueError(f"blocked_attention_share must be in [0, 1], got {blocked_attention_share}")
     rows = []
     for prompt, response, trace_probes, stats in zip(prompt_ids, response_ids, probes, return_trace_stats):
         check_inputs(prompt, response, trace_probes)
@@ -646,7 +660,9 @@ def score_batch_packed_with_stats(
     outputs: dict[int, dict] = {}
     with value_pass_attention(model):
         for batch in batches:
-            outputs.update(zip(batch, _forward_micro_batch(model, [rows[i] for i in batch], temperature, transform)))
+            micro_batch = [rows[i] for i in batch]
+            outputs.update(zip(batch, _forward_micro_batch(model, micro_batch, temperature, transform,
+                                                           blocked_attention_share)))
         for _ in range(total - len(batches)):
             _dummy_forward(model)
 
