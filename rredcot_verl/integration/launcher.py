@@ -670,21 +670,6 @@ CHECK_ONLY_HYDRA = ("hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_lo
 HYDRA_FULL_ERROR = "HYDRA_FULL_ERROR"
 
 
-@hydra.main(config_path="../conf", config_name="rredcot_trainer", version_base=None)
-def _main(config: DictConfig) -> None:
-    if _RAISE_COMPOSITION_ERRORS:
-        os.environ.pop(HYDRA_FULL_ERROR)  # composed: errors of the run itself are reported as hydra reports them
-    try:
-        check_only(config) if _CHECK_ONLY else run(config)
-    except LaunchError as error:
-        print(f"rredcot_verl: {error}", file=sys.stderr)
-        sys.exit(2)
-
-
-_CHECK_ONLY = False
-_RAISE_COMPOSITION_ERRORS = False
-
-
 def composition_refusal(error: Exception) -> str:
     """hydra's composition error (and the omegaconf error under it) in one line: ``Could not override 'a.b'. To append
     to your config use +a.b=1 (Key 'b' is not in struct)``."""
@@ -697,14 +682,25 @@ def main() -> None:
     """The command line: hydra's, plus ``--check-only`` (taken out before hydra parses the rest)."""
     from hydra.errors import CompactHydraException
 
-    global _CHECK_ONLY, _RAISE_COMPOSITION_ERRORS
-    _CHECK_ONLY = CHECK_ONLY_FLAG in sys.argv[1:]
-    sys.argv = [arg for arg in sys.argv if arg != CHECK_ONLY_FLAG] + (list(CHECK_ONLY_HYDRA) if _CHECK_ONLY else [])
-    _RAISE_COMPOSITION_ERRORS = HYDRA_FULL_ERROR not in os.environ
-    if _RAISE_COMPOSITION_ERRORS:
+    only_check = CHECK_ONLY_FLAG in sys.argv[1:]
+    sys.argv = [arg for arg in sys.argv if arg != CHECK_ONLY_FLAG] + (list(CHECK_ONLY_HYDRA) if only_check else [])
+    raise_composition_errors = HYDRA_FULL_ERROR not in os.environ
+    if raise_composition_errors:
         os.environ[HYDRA_FULL_ERROR] = "1"
+
+    # Defined here so that hydra's task function reads the flags above from this call, not from module globals.
+    @hydra.main(config_path="../conf", config_name="rredcot_trainer", version_base=None)
+    def launch(config: DictConfig) -> None:
+        if raise_composition_errors:
+            os.environ.pop(HYDRA_FULL_ERROR)  # composed: errors of the run itself are reported as hydra reports them
+        try:
+            check_only(config) if only_check else run(config)
+        except LaunchError as error:
+            print(f"rredcot_verl: {error}", file=sys.stderr)
+            sys.exit(2)
+
     try:
-        _main()
+        launch()
     except CompactHydraException as error:  # overrides that do not parse or compose: before any check ran
         print(f"rredcot_verl: {composition_refusal(error)}", file=sys.stderr)
         sys.exit(2)
