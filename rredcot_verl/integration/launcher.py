@@ -690,7 +690,7 @@ def main() -> None:
 
     # Defined here so that hydra's task function reads the flags above from this call, not from module globals.
     @hydra.main(config_path="../conf", config_name="rredcot_trainer", version_base=None)
-    def launch(config: DictConfig) -> None:
+    def hydra_task(config: DictConfig) -> None:
         if raise_composition_errors:
             os.environ.pop(HYDRA_FULL_ERROR)  # composed: errors of the run itself are reported as hydra reports them
         try:
@@ -700,7 +700,7 @@ def main() -> None:
             sys.exit(2)
 
     try:
-        launch()
+        hydra_task()
     except CompactHydraException as error:  # overrides that do not parse or compose: before any check ran
         print(f"rredcot_verl: {composition_refusal(error)}", file=sys.stderr)
         sys.exit(2)
