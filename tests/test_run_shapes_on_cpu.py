@@ -206,6 +206,19 @@ def test_the_value_pass_scores_at_the_rollout_temperature_whatever_it_is(cpu_bui
     check(_config("rredcot", [COOLER]))
 
 
+@pytest.mark.parametrize("estimator", sorted(name for name, spec in ESTIMATORS.items() if spec.uses_value_pass))
+def test_greedy_rollouts_are_refused_where_the_value_pass_scores_them(cpu_build, estimator):
+    """The value pass refuses a temperature of 0 before scoring (core.scoring), after the first rollouts: the launch
+    refuses it first. verl's own estimators train on it as verl does (its log-prob pass clamps it to 1e-8)."""
+    greedy = ["actor_rollout_ref.rollout.temperature=0", "algorithm.rredcot.ibpo.revision_temperature=0"]
+    with pytest.raises(LaunchError) as error:
+        check(_config(estimator, greedy))
+    assert str(error.value).startswith(f"actor_rollout_ref.rollout.temperature=0 (greedy rollouts) is not supported "
+                                       f"with algorithm.adv_estimator={estimator}: ")  # fmt: skip
+    assert "\n" not in str(error.value)
+    check(_config("grpo", greedy[:1]))
+
+
 @pytest.mark.parametrize("estimator", OURS)
 @pytest.mark.parametrize("truncation", ["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=20"])
 def test_a_rollout_that_truncates_its_distribution_is_refused(cpu_build, estimator, truncation):

@@ -138,9 +138,17 @@ def sampling(config: DictConfig, spec, hf_config) -> str | None:
     softmax(logits / rollout temperature) over the whole vocabulary, and IBPO's repairs and ``segment_mc``'s
     continuations sample at their own temperature with neither top-p nor top-k. A temperature that differs from the
     rollout's, or a rollout that truncates its distribution (top_p < 1, top_k > 0), would make every value one of
-    another policy."""
+    another policy; greedy rollouts (temperature 0) leave the value pass's distribution undefined."""
     rollout = "actor_rollout_ref.rollout"
     temperature = float(_get(config, f"{rollout}.temperature", 1.0))
+    if spec.uses_value_pass and not temperature > 0:
+        # verl's own log-prob pass clamps the temperature to 1e-8; the value pass refuses it before scoring, which
+        # would stop the run after its first rollouts.
+        return (
+            f"{rollout}.temperature={temperature:g} (greedy rollouts) is not supported with algorithm.adv_estimator="
+            f"{spec.name}: the value pass scores probes under softmax(logits / temperature), which a temperature of 0 "
+            "leaves undefined; sample the rollouts at a temperature > 0"
+        )
     settings = settings_from_config(_get(config, "algorithm"))
     stages = spec.stages(settings)
     own_temperatures = []
