@@ -5,8 +5,8 @@ cached tails and repair banks decoded only where read, segmentation's vectorised
 Real inputs are `benchmarks/driver_share.py`'s step: the shipped problems' solutions tokenised by the miniature
 Qwen3-family tokenizer, resumed repairs that leave the trace at its divergence point (the benchmark's stand-in
 engine), local repairs that keep most of it. Each oracle below is the code the fast path replaced, kept here only;
-for repairs judged together, the one-at-a-time ``evaluate_repair`` the package keeps, and for decoding the
-tokenizer's own ``decode``.
+for repairs judged together, the one-at-a-time ``evaluate_repair`` (which now delegates to ``evaluate_repairs``) and
+its own former body, and for decoding the tokenizer's own ``decode``.
 """
 
 import dataclasses
@@ -22,15 +22,20 @@ from omegaconf import OmegaConf
 from benchmarks import driver_share
 from rredcot_verl.core.ibpo import (
     IBPOSettings,
+    RepairEvaluation,
     align_tokens,
+    distance_exceeds,
     divergence_point,
     evaluate_repair,
     evaluate_repairs,
     localisation_mask,
     repair_metrics,
     repair_signal,
+    kept_prefix_length,
+    repair_failure,
     revision_budget,
 )
+from rredcot_verl.core.ibpo.evaluation import _keeps_prefix, _rewrite_bound
 from rredcot_verl.core.planning import BANK_FROM_REPAIRS, TraceRecord, _group_banks, _Planner
 from rredcot_verl.core.profiles import decode_batch
 from rredcot_verl.core.segmentation import _Layout, turn_spans
@@ -51,6 +56,20 @@ def judged_by_full_alignment(trace, repair, verified, truncated, cfg, max_repair
     alignment = align_tokens(trace, repair)
     kept = alignment.kept_prefix > 0 and alignment.kept_prefix >= cfg.min_kept_prefix * len(trace)
     return True, alignment.edit_ratio > cfg.max_edit_ratio and not kept, None, alignment
+
+
+def judged_alone(trace, repair, verified, truncated, cfg, max_repair_tokens=None):
+    """``evaluate_repair`` as it judged before it delegated to ``evaluate_repairs``: its own distance, cut off at its
+    own bound (``distance_exceeds``), never a batch's."""
+    failure = repair_failure(len(trace), len(repair), truncated, cfg, max_repair_tokens)
+    if not (verified and failure is None):
+        return RepairEvaluation(correct=False, rewrite=False, failure=failure, alignment=None, trace_length=len(trace))
+    kept = kept_prefix_length(trace, repair)
+    bound = _rewrite_bound(len(trace), cfg)
+    rewrite = not _keeps_prefix(kept, len(trace), cfg) and bound is not None and distance_exceeds(trace, repair, bound)
+    return RepairEvaluation(correct=True, rewrite=rewrite, failure=None,
+                            alignment=None if rewrite else align_tokens(trace, repair), kept_prefix=kept,
+                            trace_length=len(trace))
 
 
 def thinking_end_per_state(think_end_id, response, turns, start):
@@ -269,6 +288,8 @@ def test_repairs_judged_together_are_judged_as_one_at_a_time(cases, max_edit_rat
     one_by_one = [evaluate_repair(t, r, ok, cut, cfg, max_repair_tokens=limit)
                   for t, r, ok, cut, limit in zip(traces, repairs, verified, truncated, limits)]
     assert_same_evaluations(batched, one_by_one)
+    assert_same_evaluations(one_by_one, [judged_alone(t, r, ok, cut, cfg, max_repair_tokens=limit)
+                                         for t, r, ok, cut, limit in zip(traces, repairs, verified, truncated, limits)])
 
 
 @pytest.mark.parametrize("cfg", [IBPOSettings(), IBPOSettings(max_edit_ratio=0.05, min_kept_prefix=0.5),
@@ -288,6 +309,8 @@ def test_real_repairs_judged_together_are_judged_as_one_at_a_time(step, cfg):
     one_by_one = [evaluate_repair(t, r, ok, False, cfg, max_repair_tokens=25_000)
                   for (t, r), ok in zip(pairs, verified)]
     assert_same_evaluations(batched, one_by_one)
+    assert_same_evaluations(one_by_one, [judged_alone(t, r, ok, False, cfg, max_repair_tokens=25_000)
+                                         for (t, r), ok in zip(pairs, verified)])
     # both kinds, so the guard's distances and the alignments both ran (no rewrite without a bound)
     assert any(e.correct and not e.rewrite for e in one_by_one)
     assert any(e.rewrite for e in one_by_one) == math.isfinite(cfg.max_edit_ratio)
