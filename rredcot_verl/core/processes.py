@@ -10,7 +10,8 @@ What every chunk of a call shares (settings, tokenizer, task) is pickled once pe
 and content: a worker keeps the last context it was sent, keyed by a digest of its bytes, so a run's tokenizer is
 rebuilt once per worker, not once per step. Results come back in the order of the items, whatever the number of
 workers. One worker, or too little work to pay for the dispatch, runs in the calling process: the same function on
-the same items.
+the same items. As with any ``spawn`` pool, a script that calls this with several workers runs its work under
+``if __name__ == "__main__":`` (each worker imports the script's main module).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Sequence, TypeVar
+
+import torch
 
 __all__ = ["available_cores", "worker_count", "map_chunks", "worker_cpu_seconds"]
 
@@ -53,14 +56,21 @@ def worker_count(work: int, work_per_worker: int, cores: int | None = None) -> i
 
 
 def worker_cpu_seconds() -> float:
-    """CPU seconds the chunks of every :func:`map_chunks` call so far spent in worker processes (unpickling their
-    context included), as the workers measured them; the calling process's own share is in its own CPU time."""
+    """CPU seconds the chunks of every :func:`map_chunks` call so far spent in worker processes, as the workers
+    measured them: ``fn``'s, not the unpickling of a context (once per worker and context: once a run); the calling
+    process's own share, pickling included, is in its own CPU time."""
     return _worker_cpu_seconds
+
+
+def _one_thread() -> None:
+    # The pool already has a process per core: torch's own threads in each would only compete for them.
+    torch.set_num_threads(1)
 
 
 def _pool(workers: int) -> ProcessPoolExecutor:
     if workers not in _pools:
-        _pools[workers] = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+        _pools[workers] = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                              initializer=_one_thread)
     return _pools[workers]
 
 
@@ -74,10 +84,10 @@ def _chunks(items: Sequence[Item], count: int) -> list[Sequence[Item]]:
 
 
 def _run_chunk(fn, digest: str, context_bytes: bytes, chunk):
-    started = time.process_time()
     if digest not in _contexts:
         _contexts.clear()
         _contexts[digest] = pickle.loads(context_bytes)
+    started = time.process_time()
     results = fn(_contexts[digest], chunk)
     return results, time.process_time() - started
 
