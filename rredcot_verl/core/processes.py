@@ -32,7 +32,9 @@ __all__ = ["available_cores", "worker_count", "map_chunks", "worker_cpu_seconds"
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
-_pools: dict[int, ProcessPoolExecutor] = {}
+# Driver side: the pool, and the most workers it may start (it starts them as chunks arrive, one per busy chunk).
+_pool: ProcessPoolExecutor | None = None
+_pool_size = 0
 # Worker side: the last context a worker was sent, by the digest of its pickled bytes.
 _contexts: dict[str, Any] = {}
 # Driver side: CPU seconds spent in workers by the chunks of every call so far (benchmarks read it).
@@ -67,11 +69,17 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _pool(workers: int) -> ProcessPoolExecutor:
-    if workers not in _pools:
-        _pools[workers] = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                              initializer=_one_thread)
-    return _pools[workers]
+def _pool_of(workers: int) -> ProcessPoolExecutor:
+    """The driver's one pool, able to run ``workers`` chunks at once: sized to the cores (or to ``workers`` where that
+    is more), so steps that ask for different numbers of workers share it; replaced only to grow past its size."""
+    global _pool, _pool_size
+    if _pool is None or workers > _pool_size:
+        if _pool is not None:
+            _pool.shutdown(wait=False)
+        _pool_size = max(workers, available_cores())
+        _pool = ProcessPoolExecutor(max_workers=_pool_size, mp_context=multiprocessing.get_context("spawn"),
+                                    initializer=_one_thread)
+    return _pool
 
 
 def _chunks(items: Sequence[Item], count: int) -> list[Sequence[Item]]:
@@ -98,17 +106,18 @@ def map_chunks(fn: Callable[[Any, Sequence[Item]], list[Result]], context: Any, 
     worker processes and concatenated, or in this process when ``workers`` is 1 or there is at most one item.
 
     ``fn`` returns one result per item of its chunk and must be a module-level function (workers import it by name);
-    ``context``, ``items`` and the results must pickle. A worker that dies breaks the pool: the error is raised here
-    and the next call starts a new pool.
+    ``context``, ``items`` and the results must pickle. The pool starts a worker process the first time a chunk finds
+    none idle, so a step asking for fewer workers starts no more. A worker that dies breaks the pool: the error is
+    raised here and the next call starts a new pool.
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if workers == 1 or len(items) <= 1:
         return fn(context, items)
-    global _worker_cpu_seconds
+    global _pool, _worker_cpu_seconds
     context_bytes = pickle.dumps(context, protocol=pickle.HIGHEST_PROTOCOL)
     digest = hashlib.blake2b(context_bytes, digest_size=16).hexdigest()
-    pool = _pool(workers)
+    pool = _pool_of(workers)
     try:
         futures = [pool.submit(_run_chunk, fn, digest, context_bytes, chunk)
                    for chunk in _chunks(items, min(workers, len(items)))]
@@ -118,7 +127,7 @@ def map_chunks(fn: Callable[[Any, Sequence[Item]], list[Result]], context: Any, 
             _worker_cpu_seconds += seconds
             results += chunk_results
     except BrokenProcessPool:
-        _pools.pop(workers, None)
+        _pool = None
         raise
     if len(results) != len(items):
         raise ValueError(f"{fn.__name__} returned {len(results)} results for {len(items)} items")
