@@ -10,7 +10,9 @@ GPU projection (``results/gpu_projection.json``): pure arithmetic on measured co
 * Log-prob pass and value pass: ``results/gpu_check{_8000,,_40000}.json`` (one H200, Qwen3-4B's shape, bf16): seconds
   of one trace at 8k / 25k / 40k tokens, fitted as a·L + b·L² and evaluated at the recipe's length; each GPU scores
   its share of the traces one after the other.
-* Driver (one core, GPUs idle): ``results/driver_share.json``, per estimator, plus its workers' share per rank.
+* Driver (GPUs idle): ``results/driver_share.json``, per estimator, its seconds projected on a node driver's cores
+  (``driver_seconds_projected_at_node_scaled``: its one-core phases plus its multi-core phases over the cores), plus
+  its workers' share per rank.
 * Generation, the actor update, IBPO's repairs, ``segment_mc``'s continuations and reference-continuation probes:
   from the ``ASSUMPTIONS`` below, each with a low and a high value and its source. The ratio's range is the lowest
   and highest ratio over every combination of those low and high values.
@@ -146,8 +148,9 @@ def gpu_check_fits() -> dict:
 def driver_inputs() -> dict:
     share = json.loads((common.RESULTS_DIR / "driver_share.json").read_text())
     return {"file": "benchmarks/results/driver_share.json", "shape": share["shape"],
-            "seconds": {name: entry["driver_seconds_scaled"] + entry["workers_seconds_per_rank_scaled"]
+            "seconds": {name: entry["driver_seconds_projected_at_node_scaled"] + entry["workers_seconds_per_rank_scaled"]
                         for name, entry in share["estimators"].items()},
+            "node_cores": share["node_cores"],
             # measured over driver_share's traces (--traces N), scaled to the recipe's as its seconds are
             "repair_tokens": share["measured"]["repair_metrics"]["ibpo/extra_generated_tokens"]
             * share["scaled_to_recipe"]}

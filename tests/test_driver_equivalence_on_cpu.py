@@ -5,8 +5,8 @@ cached tails and repair banks decoded only where read, segmentation's vectorised
 Real inputs are `benchmarks/driver_share.py`'s step: the shipped problems' solutions tokenised by the miniature
 Qwen3-family tokenizer, resumed repairs that leave the trace at its divergence point (the benchmark's stand-in
 engine), local repairs that keep most of it. Each oracle below is the code the fast path replaced, kept here only;
-for repairs judged together, the one-at-a-time ``evaluate_repair`` the package keeps, and for decoding the
-tokenizer's own ``decode``.
+for repairs judged together, the one-at-a-time ``evaluate_repair`` (which now delegates to ``evaluate_repairs``) and
+its own former body, and for decoding the tokenizer's own ``decode``.
 """
 
 import dataclasses
@@ -22,18 +22,33 @@ from omegaconf import OmegaConf
 from benchmarks import driver_share
 from rredcot_verl.core.ibpo import (
     IBPOSettings,
+    RepairEvaluation,
     align_tokens,
+    distance_exceeds,
     divergence_point,
     evaluate_repair,
     evaluate_repairs,
     localisation_mask,
     repair_metrics,
     repair_signal,
+    kept_prefix_length,
+    repair_failure,
     revision_budget,
 )
-from rredcot_verl.core.planning import BANK_FROM_REPAIRS, TraceRecord, _group_banks, _Planner
+from rredcot_verl.core.ibpo.evaluation import _keeps_prefix, _rewrite_bound
+from rredcot_verl.core.planning import (
+    BANK_FROM_REPAIRS,
+    TracePlan,
+    TraceRecord,
+    _group_banks,
+    _opened_and_bodies,
+    _Planner,
+    _thinking_text,
+    _value_rule,
+    plan_traces,
+)
 from rredcot_verl.core.profiles import decode_batch
-from rredcot_verl.core.segmentation import _Layout, turn_spans
+from rredcot_verl.core.segmentation import _Layout, segment_response, turn_spans
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.tasks import resolve_task
 
@@ -51,6 +66,20 @@ def judged_by_full_alignment(trace, repair, verified, truncated, cfg, max_repair
     alignment = align_tokens(trace, repair)
     kept = alignment.kept_prefix > 0 and alignment.kept_prefix >= cfg.min_kept_prefix * len(trace)
     return True, alignment.edit_ratio > cfg.max_edit_ratio and not kept, None, alignment
+
+
+def judged_alone(trace, repair, verified, truncated, cfg, max_repair_tokens=None):
+    """``evaluate_repair`` as it judged before it delegated to ``evaluate_repairs``: its own distance, cut off at its
+    own bound (``distance_exceeds``), never a batch's."""
+    failure = repair_failure(len(trace), len(repair), truncated, cfg, max_repair_tokens)
+    if not (verified and failure is None):
+        return RepairEvaluation(correct=False, rewrite=False, failure=failure, alignment=None, trace_length=len(trace))
+    kept = kept_prefix_length(trace, repair)
+    bound = _rewrite_bound(len(trace), cfg)
+    rewrite = not _keeps_prefix(kept, len(trace), cfg) and bound is not None and distance_exceeds(trace, repair, bound)
+    return RepairEvaluation(correct=True, rewrite=rewrite, failure=None,
+                            alignment=None if rewrite else align_tokens(trace, repair), kept_prefix=kept,
+                            trace_length=len(trace))
 
 
 def thinking_end_per_state(think_end_id, response, turns, start):
@@ -269,6 +298,8 @@ def test_repairs_judged_together_are_judged_as_one_at_a_time(cases, max_edit_rat
     one_by_one = [evaluate_repair(t, r, ok, cut, cfg, max_repair_tokens=limit)
                   for t, r, ok, cut, limit in zip(traces, repairs, verified, truncated, limits)]
     assert_same_evaluations(batched, one_by_one)
+    assert_same_evaluations(one_by_one, [judged_alone(t, r, ok, cut, cfg, max_repair_tokens=limit)
+                                         for t, r, ok, cut, limit in zip(traces, repairs, verified, truncated, limits)])
 
 
 @pytest.mark.parametrize("cfg", [IBPOSettings(), IBPOSettings(max_edit_ratio=0.05, min_kept_prefix=0.5),
@@ -288,6 +319,8 @@ def test_real_repairs_judged_together_are_judged_as_one_at_a_time(step, cfg):
     one_by_one = [evaluate_repair(t, r, ok, False, cfg, max_repair_tokens=25_000)
                   for (t, r), ok in zip(pairs, verified)]
     assert_same_evaluations(batched, one_by_one)
+    assert_same_evaluations(one_by_one, [judged_alone(t, r, ok, False, cfg, max_repair_tokens=25_000)
+                                         for (t, r), ok in zip(pairs, verified)])
     # both kinds, so the guard's distances and the alignments both ran (no rewrite without a bound)
     assert any(e.correct and not e.rewrite for e in one_by_one)
     assert any(e.rewrite for e in one_by_one) == math.isfinite(cfg.max_edit_ratio)
@@ -385,3 +418,163 @@ def test_exit_probe_banks_without_steps_hold_the_answers_of_banks_with_them(step
         fast = banks["exit_probe"][group]
         assert (fast.correct_answers, fast.all_answers, fast.sources) == (
             bank.correct_answers, bank.all_answers, bank.sources)
+
+
+# ------------------------------------------------------------------ planning spread over worker processes
+def plan_traces_in_one_loop(traces, settings, tokenizer, task, *, vocab=None, temperature=1.0, repairs=None):
+    """``plan_traces`` before its per-trace part could run in worker processes: one loop over the traces, one planner."""
+    vocab = vocab or settings.boundary_vocab(tokenizer)
+    planner = _Planner(settings, tokenizer, task)
+    texts = planner.probe_tokenizer.decode_batch([t.response_ids for t in traces])
+    own_texts = [text if t.response_mask is None else planner.probe_tokenizer.decode(
+        t.response_ids[t.response_mask.bool()].tolist()) for t, text in zip(traces, texts)]
+    by_prompt = [planner.opened_by_prompt(t.prompt_ids.tolist()) for t in traces]
+    banks = _group_banks(traces, own_texts, by_prompt, settings, task, repairs or {}, planner.profile,
+                         planner.probe_tokenizer.decode_batch)
+    rule = _value_rule(settings)
+    source = settings.probe.value_source
+    plans = []
+    for trace, text, prompt_opened in zip(traces, texts, by_prompt):
+        bank = banks[trace.group]
+        plan = TracePlan(trace.prompt_ids, trace.response_ids, float(trace.outcome), [], value_rule=rule,
+                         success=settings.success_probability(trace.outcome), temperature=float(temperature),
+                         bank_sources=frozenset(bank.sources), response_mask=trace.response_mask)
+        if trace.response_ids.numel() > 0:
+            plan.segment_ends = segment_response(trace.response_ids, trace.entropy, vocab, settings.segmentation,
+                                                 response_mask=trace.response_mask)
+            if plan.segment_ends and rule != "own_continuation":
+                if bank.correct_answers:
+                    response = trace.response_ids.tolist()
+                    reference = source == "reference_continuation"
+                    starts = plan.starts
+                    if not planner.profile.thinks:
+                        answer_start = planner.answer_start(response, text)
+                        starts = [min(start, answer_start) for start in starts]
+                    opened, bodies = _opened_and_bodies(planner, trace, response, starts, prompt_opened, reference)
+                    if reference:
+                        trace_steps = len(task.split_steps(_thinking_text(text, planner.profile, prompt_opened)))
+                        plan.probes = planner.reference_probes(trace, response, starts, bank, opened, bodies,
+                                                               trace_steps)
+                    else:
+                        plan.probes = planner.exit_probes(trace, response, starts, bank, opened)
+                else:
+                    plan.no_candidates = True
+        plans.append(plan)
+    return plans
+
+
+def assert_same_plans(plans, oracle):
+    assert len(plans) == len(oracle)
+    for plan, expected in zip(plans, oracle):
+        for name in ("prompt_ids", "response_ids", "response_mask"):
+            a, b = getattr(plan, name), getattr(expected, name)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+        assert (plan.outcome, plan.success, plan.segment_ends, plan.value_rule, plan.no_candidates, plan.temperature,
+                plan.bank_sources) == (expected.outcome, expected.success, expected.segment_ends, expected.value_rule,
+                                       expected.no_candidates, expected.temperature, expected.bank_sources)
+        assert plan.probes == expected.probes
+
+
+def planning_settings(recipe_settings, value_source="exit_probe", candidates=None, profile=None):
+    probe = dataclasses.replace(recipe_settings.probe, value_source=value_source,
+                                **({"profile": profile} if profile else {}))
+    use = dataclasses.replace(recipe_settings, probe=probe)
+    if candidates:
+        use = dataclasses.replace(use, candidates=dataclasses.replace(use.candidates, source=candidates))
+    return use
+
+
+def step_records(tokenizer, traces, seed, multi_turn=False):
+    """The step's traces as the planner reads them: entropies uniform noise; ``multi_turn``: every other trace has a
+    tool's output (mask 0) inside its response."""
+    generator = torch.Generator().manual_seed(seed)
+    records = []
+    for n, t in enumerate(traces):
+        response = torch.tensor(t["response"])
+        mask = None
+        if multi_turn and n % 2:
+            mask = torch.ones(response.numel(), dtype=torch.int64)
+            mask[response.numel() // 3: response.numel() // 3 + 50] = 0
+        records.append(TraceRecord(torch.tensor(t["prompt"]), response, 2 * torch.rand(response.numel(),
+                                   generator=generator), t["outcome"], t["group"], t["truth"],
+                                   response_mask=mask))
+    return records
+
+
+@pytest.fixture(scope="module")
+def planning_step():
+    """The step's traces at two lengths: 2,500 tokens, and 600 for reference continuations, whose banks hold the
+    group's correct traces whole (each boundary tokenizes every one's rest: minutes at 2,500 tokens)."""
+    recipe = OmegaConf.load(driver_share.PAPER_RECIPE)
+    tokenizer, problems = driver_share.qwen3_tokenizer()
+    steps = {length: driver_share.synthetic_step(tokenizer, problems, driver_share.recipe_shape(recipe, 16, length),
+                                                 seed=1)
+             for length in (600, 2500)}  # 16 traces: every kind of group, 0, 1, 2 and 3 correct of 4
+    return tokenizer, steps, settings_from_config(recipe.algorithm)
+
+
+@pytest.mark.parametrize("case", [
+    {},  # the recipe: exit probes, banks from the group and the dataset
+    {"candidates": "group"},  # all-wrong groups without a candidate
+    {"candidates": "group_and_repairs"},
+    {"value_source": "reference_continuation"},
+    {"value_source": "own_continuation"},
+    {"profile": "plain"},  # no thinking markers: the workers read each trace's text
+    {"multi_turn": True},
+    {"value_source": "reference_continuation", "multi_turn": True},
+])
+def test_plans_from_worker_processes_are_those_of_the_one_loop(planning_step, case):
+    tokenizer, steps, recipe_settings = planning_step
+    case = dict(case)
+    traces = steps[600 if case.get("value_source") == "reference_continuation" else 2500]
+    records = step_records(tokenizer, traces, seed=7, multi_turn=case.pop("multi_turn", False))
+    use = planning_settings(recipe_settings, **case)
+    task = resolve_task(use.task)
+    rng = random.Random(8)
+    repairs = {t["group"]: [t["response"][:30] + rng.choice(traces)["body"][:400]
+                            + driver_share.closing_ids(tokenizer, t["truth"])] for t in traces}
+    oracle = plan_traces_in_one_loop(records, use, tokenizer, task, temperature=0.7, repairs=repairs)
+    assert any(plan.probes for plan in oracle) or use.probe.value_source == "own_continuation"
+    for workers in (1, 2):  # one pool of two workers for the whole file: each starts in seconds (spawn)
+        assert_same_plans(plan_traces(records, use, tokenizer, task, temperature=0.7, repairs=repairs,
+                                      workers=workers), oracle)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 400), min_size=1, max_size=9),
+    seed=st.integers(0, 2**16),
+    value_source=st.sampled_from(["exit_probe", "reference_continuation"]),
+    profile=st.sampled_from([None, "plain"]),
+    workers=st.sampled_from([1, 2]),
+)
+def test_plans_of_random_traces_from_worker_processes_are_those_of_the_one_loop(planning_step, lengths, seed,
+                                                                                 value_source, profile, workers):
+    # Random token ids, thinking markers, boxed answers and special tokens among them; outcomes and groups at random.
+    tokenizer, steps, recipe_settings = planning_step
+    traces = steps[600]
+    rng = random.Random(seed)
+    use = planning_settings(recipe_settings, value_source, "both", profile)
+    task = resolve_task(use.task)
+    markers = tokenizer.encode("<think>\n</think>\n\n\\boxed{4}\n\n", add_special_tokens=False)
+    vocabulary = [*range(len(tokenizer)), *markers * 20]
+    records = []
+    for n, length in enumerate(lengths):
+        response = torch.tensor([rng.choice(vocabulary) for _ in range(length)], dtype=torch.int64)
+        entropy = torch.tensor([rng.random() * 2 for _ in range(length)])
+        records.append(TraceRecord(torch.tensor(traces[n % len(traces)]["prompt"]), response, entropy,
+                                   float(rng.random() < 0.4), f"g{n % 3}", rng.choice(["4", "7", None])))
+    oracle = plan_traces_in_one_loop(records, use, tokenizer, task)
+    assert_same_plans(plan_traces(records, use, tokenizer, task, workers=workers), oracle)
+
+
+def test_planning_workers_follow_the_tokens_and_the_cores():
+    from rredcot_verl.core.planning import PLANNING_TOKENS_PER_WORKER, planning_workers
+
+    def traces(count, length):
+        return [TraceRecord(torch.zeros(1), torch.zeros(length, dtype=torch.int64), None, 0.0, "g")] * count
+
+    assert planning_workers(traces(512, 25_000), cores=16) == 16  # the paper's step on a 16-core driver
+    assert planning_workers(traces(512, 25_000), cores=1) == 1
+    assert planning_workers(traces(64, 200), cores=16) == 1  # a CPU miniature's step: not worth a dispatch
+    assert planning_workers(traces(4, PLANNING_TOKENS_PER_WORKER // 2), cores=16) == 2

@@ -16,10 +16,18 @@ def test_driver_share_smoke(tmp_path):
     assert written["scaled_to_recipe"] == 64
     seconds, scaled = written["phases_seconds"], written["phases_seconds_scaled"]
     assert all(scaled[name] == pytest.approx(64 * value) for name, value in seconds.items())
+    assert written["threads"] == written["planning_workers"] == 1 and written["node_cores"] == 16
     for estimator, phases in driver_share.DRIVER_PHASES.items():
         entry = written["estimators"][estimator]
         assert entry["driver_seconds"] == pytest.approx(sum(seconds[p] for p in phases))
-        assert entry["within_bar"] == (entry["driver_seconds_scaled"] <= driver_share.BAR_SECONDS)
+        # the projection: the one-core phases, and the multi-core ones over the cores
+        multi_core = sum(scaled[p] for p in phases if p in driver_share.MULTI_CORE_PHASES)
+        assert multi_core > 0 and entry["driver_multi_core_part_seconds_scaled"] == pytest.approx(multi_core)
+        assert entry["driver_seconds_projected_at_threads_scaled"] == pytest.approx(entry["driver_seconds_scaled"])
+        assert entry["driver_seconds_projected_at_node_scaled"] == pytest.approx(
+            entry["driver_seconds_scaled"] - multi_core + multi_core / 16)
+        assert entry["within_bar"] == (entry["driver_seconds_projected_at_node_scaled"] <= driver_share.BAR_SECONDS)
+        assert entry["within_bar_on_one_core"] == (entry["driver_seconds_scaled"] <= driver_share.BAR_SECONDS)
     # Both groups with a failure were repaired (resumed, the default) and every repair judged; the plans hold the
     # recipe's 40 segments, and the value pass's request was pickled whole.
     metrics = written["measured"]["repair_metrics"]
@@ -28,3 +36,20 @@ def test_driver_share_smoke(tmp_path):
     assert written["measured"]["segments_per_trace"] == 40
     assert min(written["measured"]["value_pass_request_bytes"].values()) > 8 * 2000 * 8
     assert result["out"] == str(out)
+
+
+def test_driver_share_smoke_with_planning_in_worker_processes(tmp_path):
+    # Two workers: the per-trace planning is their CPU seconds, its dispatch this process's; the plans are the same
+    # (tests/test_driver_equivalence_on_cpu.py), so are the probes and segments counted here.
+    out = tmp_path / "driver_share.json"
+    driver_share.main(["--smoke", "--threads", "2", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["threads"] == written["planning_workers"] == 2
+    seconds = written["phases_seconds"]
+    for estimator in ("rredcot", "rredcot_ibpo"):
+        names = driver_share.value_stage_names(estimator)
+        assert seconds[names["plans_per_trace"]] > 0 and seconds[names["plans_dispatch"]] > 0
+    assert written["measured"]["segments_per_trace"] == 40 and written["measured"]["probes_per_trace"] > 0
+    for entry in written["estimators"].values():
+        assert entry["driver_seconds_projected_at_threads_scaled"] == pytest.approx(
+            entry["driver_seconds_scaled"] - entry["driver_multi_core_part_seconds_scaled"] / 2)

@@ -27,7 +27,7 @@ from typing import Any, Hashable, Mapping, Protocol, Sequence
 import torch
 from rapidfuzz import fuzz
 
-from rredcot_verl.core import outcomes
+from rredcot_verl.core import outcomes, processes
 from rredcot_verl.core.probes import Probe, build_exit_probes, build_reference_probes
 from rredcot_verl.core.profiles import ProbeProfile, ProbeTokenizer, answer_region_start
 from rredcot_verl.core.segmentation import BoundaryVocab, segment_response, turn_spans
@@ -447,6 +447,18 @@ def _value_rule(settings: RRedCoTSettings) -> str:
     return settings.probe.normalization if source == "exit_probe" else "raw"
 
 
+# Probe planning goes to worker processes from this many response tokens per worker (``processes.worker_count``):
+# about 0.1 s of planning on one core, against a chunk's dispatch of a few milliseconds.
+PLANNING_TOKENS_PER_WORKER = 500_000
+
+
+def planning_workers(traces: Sequence[TraceRecord], cores: int | None = None) -> int:
+    """Worker processes for ``plan_traces`` of ``traces``: one per ``PLANNING_TOKENS_PER_WORKER`` response tokens, at
+    most one per core of the driver (``cores``: ``processes.available_cores()``)."""
+    tokens = sum(int(trace.response_ids.numel()) for trace in traces)
+    return processes.worker_count(tokens, PLANNING_TOKENS_PER_WORKER, cores)
+
+
 def plan_traces(
     traces: Sequence[TraceRecord],
     settings: RRedCoTSettings,
@@ -456,6 +468,7 @@ def plan_traces(
     vocab: BoundaryVocab | None = None,
     temperature: float = 1.0,
     repairs: Mapping[Hashable, Sequence[Sequence[int]]] | None = None,
+    workers: int = 1,
 ) -> list[TracePlan]:
     """Segment every trace and build its probes from the whole batch's group banks.
 
@@ -469,6 +482,9 @@ def plan_traces(
             every plan so that probes are scored under the distribution the traces were sampled from.
         repairs: per group, the token ids of its verified repairs (required by ``candidates.source:
             group_and_repairs``, which banks them in the groups without a correct trace; ignored otherwise).
+        workers: processes that segment the traces and build their probes once the banks are built, each a
+            contiguous share of the traces (``processes.map_chunks``; ``planning_workers`` sizes it from the driver's
+            cores); 1: in this process. The plans are the same whatever the number.
 
     Returns:
         One plan per trace, in order.
@@ -487,38 +503,73 @@ def plan_traces(
     banks = _group_banks(traces, own_texts, by_prompt, settings, task, repairs or {}, planner.profile,
                          planner.probe_tokenizer.decode_batch)
     rule = _value_rule(settings)
-    source = settings.probe.value_source
+    # A trace's text is read past its banks only to find the answer region (no thinking markers) or to count its
+    # steps (reference continuations); the workers are not sent it otherwise.
+    reads_text = not planner.profile.thinks or settings.probe.value_source == "reference_continuation"
+    jobs = [(_TraceToPlan(trace.prompt_ids, trace.response_ids, trace.entropy, trace.response_mask),
+             text if reads_text else None, prompt_opened, banks[trace.group])
+            for trace, text, prompt_opened in zip(traces, texts, by_prompt)]
+    planned = processes.map_chunks(_plan_chunk, (settings, tokenizer, task, vocab), jobs, workers)
     plans = []
-    for trace, text, prompt_opened in zip(traces, texts, by_prompt):
+    split_joins = 0
+    for trace, (segment_ends, probes, no_candidates, joins) in zip(traces, planned):
         bank = banks[trace.group]
-        plan = TracePlan(trace.prompt_ids, trace.response_ids, float(trace.outcome), [], value_rule=rule,
-                         success=settings.success_probability(trace.outcome), temperature=float(temperature),
-                         bank_sources=frozenset(bank.sources), response_mask=trace.response_mask)
+        plans.append(TracePlan(trace.prompt_ids, trace.response_ids, float(trace.outcome), segment_ends, probes,
+                               value_rule=rule, success=settings.success_probability(trace.outcome),
+                               no_candidates=no_candidates, temperature=float(temperature),
+                               bank_sources=frozenset(bank.sources), response_mask=trace.response_mask))
+        split_joins += joins
+    if split_joins:
+        logger.warning("%d probe texts could not be joined to their prefix as the tokenizer writes them in one piece; "
+                       "they were tokenized on their own (core/profiles.py)", split_joins)
+    return plans
+
+
+@dataclass
+class _TraceToPlan:
+    """What segmenting a trace and building its probes read of its ``TraceRecord`` (a worker is sent no more)."""
+
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    entropy: torch.Tensor | None
+    response_mask: torch.Tensor | None
+
+    turns = TraceRecord.turns
+
+
+def _plan_chunk(context, jobs) -> list[tuple[list[int], list[Probe], bool, int]]:
+    """Per job (trace, its text or None, thinking opened by its prompt, its group's bank): its segment ends, its
+    probes, whether its group had no candidate, and the probe texts tokenized on their own
+    (``ProbeTokenizer.split_joins``). Runs in ``plan_traces``'s process or in a worker (``processes.map_chunks``)."""
+    settings, tokenizer, task, vocab = context
+    planner = _Planner(settings, tokenizer, task)
+    rule = _value_rule(settings)
+    source = settings.probe.value_source
+    results = []
+    for trace, text, prompt_opened, bank in jobs:
+        joins_before = planner.probe_tokenizer.split_joins
+        segment_ends, probes, no_candidates = [], [], False
         if trace.response_ids.numel() > 0:
-            plan.segment_ends = segment_response(trace.response_ids, trace.entropy, vocab, settings.segmentation,
-                                                 response_mask=trace.response_mask)
-            if plan.segment_ends and rule != "own_continuation":
+            segment_ends = segment_response(trace.response_ids, trace.entropy, vocab, settings.segmentation,
+                                            response_mask=trace.response_mask)
+            if segment_ends and rule != "own_continuation":
                 if bank.correct_answers:
                     response = trace.response_ids.tolist()  # once: 25k ids are a millisecond a copy
                     reference = source == "reference_continuation"
-                    starts = plan.starts
+                    starts = [0, *segment_ends[:-1]]  # TracePlan.starts
                     if not planner.profile.thinks:  # states inside the answer region: probed from its start
                         answer_start = planner.answer_start(response, text)
                         starts = [min(start, answer_start) for start in starts]
                     opened, bodies = _opened_and_bodies(planner, trace, response, starts, prompt_opened, reference)
                     if reference:
                         trace_steps = len(task.split_steps(_thinking_text(text, planner.profile, prompt_opened)))
-                        plan.probes = planner.reference_probes(trace, response, starts, bank, opened, bodies,
-                                                               trace_steps)
+                        probes = planner.reference_probes(trace, response, starts, bank, opened, bodies, trace_steps)
                     else:
-                        plan.probes = planner.exit_probes(trace, response, starts, bank, opened)
+                        probes = planner.exit_probes(trace, response, starts, bank, opened)
                 else:
-                    plan.no_candidates = True
-        plans.append(plan)
-    if planner.probe_tokenizer.split_joins:
-        logger.warning("%d probe texts could not be joined to their prefix as the tokenizer writes them in one piece; "
-                       "they were tokenized on their own (core/profiles.py)", planner.probe_tokenizer.split_joins)
-    return plans
+                    no_candidates = True
+        results.append((segment_ends, probes, no_candidates, planner.probe_tokenizer.split_joins - joins_before))
+    return results
 
 
 def bank_metrics(plans: Sequence[TracePlan], groups: Sequence[Hashable]) -> dict[str, float]:

@@ -20,7 +20,6 @@ from rredcot_verl.core.ibpo.alignment import (
     AlignmentResult,
     align_tokens,
     as_id_list,
-    distance_exceeds,
     kept_prefix_length,
 )
 from rredcot_verl.core.ibpo.revisions import revision_budget
@@ -117,19 +116,8 @@ def evaluate_repair(
         max_repair_tokens: most tokens the whole repair may have; None: :func:`revision_budget` of the trace (the
             rewrite operator's). A resumed repair may have ``max_response_length``, as any rollout.
     """
-    trace = as_id_list(trace_ids, "trace_ids")
-    repair = as_id_list(repair_ids, "repair_ids")
-    failure = repair_failure(len(trace), len(repair), truncated, cfg, max_repair_tokens)
-    if not (verified_correct and failure is None):
-        return RepairEvaluation(correct=False, rewrite=False, failure=failure, alignment=None,
-                                trace_length=len(trace))
-    kept_prefix = kept_prefix_length(trace, repair)
-    bound = _rewrite_bound(len(trace), cfg)
-    rewrite = (not _keeps_prefix(kept_prefix, len(trace), cfg) and bound is not None
-               and distance_exceeds(trace, repair, bound))
-    return RepairEvaluation(correct=True, rewrite=rewrite, failure=None,
-                            alignment=None if rewrite else align_tokens(trace, repair), kept_prefix=kept_prefix,
-                            trace_length=len(trace))
+    return evaluate_repairs([trace_ids], [repair_ids], [verified_correct], [truncated], cfg, [max_repair_tokens],
+                            workers=1)[0]
 
 
 def evaluate_repairs(
@@ -141,12 +129,14 @@ def evaluate_repairs(
     max_repair_tokens: Sequence[Optional[int]],
     workers: int = -1,
 ) -> list[RepairEvaluation]:
-    """:func:`evaluate_repair` of each (trace, repair), the same judgements, the rewrite guard's distances computed
-    together on ``workers`` threads (rapidfuzz's ``cpdist``; -1: every core), as a step's verified repairs are.
+    """:func:`evaluate_repair` of each (trace, repair) (the one implementation of both: a repair's judgement does not
+    depend on the others'), the rewrite guard's distances computed together on ``workers`` threads (rapidfuzz's
+    ``cpdist``; -1: every core), as a step's verified repairs are.
 
     The distances are cut off at the largest bound among the repairs the guard reads: a distance above it is above
     every bound, one at or below it is exact, so each repair's comparison with its own bound is
-    :func:`distance_exceeds`'s.
+    :func:`distance_exceeds`'s (``tests/test_driver_equivalence_on_cpu.py`` checks a batch against its repairs
+    judged alone and against the full alignment).
     """
     if not len(traces) == len(repairs) == len(verified_correct) == len(truncated) == len(max_repair_tokens):
         raise ValueError("traces, repairs, verified_correct, truncated and max_repair_tokens must have one entry per "

@@ -12,7 +12,7 @@ import torch
 from verl import DataProto
 from verl.utils.metric import reduce_metrics
 
-from rredcot_verl.core.planning import bank_metrics, plan_traces
+from rredcot_verl.core.planning import bank_metrics, plan_traces, planning_workers
 from rredcot_verl.core.redistribution import RedistributionResult, redistribute
 from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration.estimators.base import (
@@ -26,7 +26,8 @@ SEGMENT_INPUTS = ("segment_ends", "raw_values")
 
 def probe_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Probes planned here from the whole batch (groups intact, whatever rank a trace lands on), scored by the actor
-    workers with the old weights (``workers.py``).
+    workers with the old weights (``workers.py``). The planning's per-trace part runs in worker processes on the
+    driver's cores where the step is large enough (``planning_workers``).
 
     Args:
         traces: the step's traces, with the log-prob pass's entropies.
@@ -35,7 +36,7 @@ def probe_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.
     """
     plans = plan_traces(
         traces.records, ctx.settings, ctx.tokenizer, ctx.task, vocab=ctx.boundary_vocab, temperature=ctx.temperature,
-        repairs=ctx.carry.get(VERIFIED_REPAIRS),
+        repairs=ctx.carry.get(VERIFIED_REPAIRS), workers=planning_workers(traces.records),
     )  # fmt: skip
     if ctx.settings.snapshot_due(ctx.step):
         # The exact inputs of this step's value pass, to re-score offline (any model, any number of processes): the
