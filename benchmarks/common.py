@@ -469,6 +469,80 @@ def draw_batch(seed: int, num_prompts: int, rollouts: int, batch_prompts: int, g
     return [(int(p), int(r)) for p in picked for r in rng.choice(rollouts, size=group, replace=False)]
 
 
+def add_pool_arguments(cli: argparse.ArgumentParser, pool_rollouts: int) -> None:
+    """The protocol's options: the pool, the paired batches drawn from it, the seed and the ESS bootstrap."""
+    cli.add_argument("--pool-prompts", type=int, default=128, help="≥ the largest batch's prompts")
+    cli.add_argument("--pool-rollouts", type=int, default=pool_rollouts)
+    cli.add_argument("--group-size", type=int, default=4)
+    cli.add_argument("--sizes", type=int, nargs="+", default=[32, 8, 16], help="prompts per batch, all methods")
+    cli.add_argument("--grpo-sizes", type=int, nargs="*", default=[64, 128], help="extra GRPO-only batch prompts")
+    cli.add_argument("--batches", type=int, default=20)
+    cli.add_argument("--seed", type=int, default=0, help="pool draw, sampling, batch draws")
+    cli.add_argument("--bootstrap", type=int, default=1000)
+
+
+def start_pool_protocol(cli: argparse.ArgumentParser, args) -> int:
+    """Refuse batches that do not fit the pool, seed torch, use at most 2 threads; returns the headline size (32
+    prompts, else the largest)."""
+    if max(args.sizes + args.grpo_sizes) > args.pool_prompts or args.group_size > args.pool_rollouts:
+        cli.error("batches must fit in the pool (prompts and rollouts per prompt)")
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    return 32 if 32 in args.sizes else max(args.sizes)
+
+
+def batch_reference(model, pool: dict, gstar: dict, items, logp: torch.Tensor, mask: torch.Tensor):
+    """(g* without the batch's own rollouts, token mean; the batch's token count): the batch's share of g*'s sum
+    (its leave-one-out REINFORCE gradient) is taken out, so that no method is compared with its own noise."""
+    tokens = float(mask.sum())
+    advantage = loo_advantages(pool["scores"])
+    loo = torch.stack([advantage[p, r] for p, r in items])
+    own = flat_grad(-(loo * logp.sum(1)).sum(), list(model.parameters()))
+    return (gstar["sum"] - own) / (gstar["tokens"] - tokens), tokens
+
+
+def gradient_row(model, advantages: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, tokens: float,
+                 reference: torch.Tensor) -> dict:
+    """The token-mean loss −Σ A_t log π(o_t) / tokens: its gradient's cosine, relative squared error and norm
+    ratio against ``reference``, and the share of the batch's tokens with no advantage."""
+    g = flat_grad(-(advantages * logp).sum() / tokens, list(model.parameters()))
+    return {"cosine": cosine(g, reference), "rel_error": float((g - reference).pow(2).sum() / reference.pow(2).sum()),
+            "norm_ratio": float(g.norm() / reference.norm()),
+            "zero_advantage_frac": float(((advantages == 0) & (mask > 0)).sum() / tokens)}
+
+
+def run_batches(args, results: dict, methods, evaluate, written) -> None:
+    """Every (size, batch) a method misses in ``results`` ({method: {size: {batch: row}}}): GRPO first at every
+    size (cheap: its fitted curve exists early), then the other methods at ``args.sizes``; ``evaluate(items,
+    missing, size, b)`` gives the rows, and ``written()`` saves them after each batch (a rerun resumes)."""
+    plan = [(s, ["grpo"]) for s in args.sizes + args.grpo_sizes] + [(s, [m for m in methods if m != "grpo"])
+                                                                      for s in args.sizes]
+    for size, todo in plan:
+        for b in range(args.batches):
+            missing = [m for m in todo if str(b) not in results.get(m, {}).get(str(size), {})]
+            if not missing:
+                continue
+            started = time.perf_counter()
+            items = draw_batch(args.seed, args.pool_prompts, args.pool_rollouts, size, args.group_size, b)
+            rows = evaluate(items, missing, size, b)
+            for method, row in rows.items():
+                results.setdefault(method, {}).setdefault(str(size), {})[str(b)] = row
+            written()
+            print(f"size {size}x{args.group_size} batch {b}: " + " ".join(f"{m}={v['cosine']:.3f}" for m, v in
+                                                                         rows.items())
+                  + f" ({time.perf_counter() - started:.1f}s)", flush=True)
+
+
+def pool_settings(args, scores: torch.Tensor, headline: int, **pool_means) -> dict:
+    """The pool and batch settings a gradient result records; ``pool_means`` follow the pool's accuracy."""
+    return {"pool_prompts": args.pool_prompts, "pool_rollouts_per_prompt": args.pool_rollouts,
+            "pool_accuracy": float(scores.mean()), **pool_means,
+            "pool_prompts_all_correct": int((scores.min(1).values == 1).sum()),
+            "pool_prompts_all_wrong": int((scores.max(1).values == 0).sum()),
+            "group_size": args.group_size, "sizes_prompts": args.sizes, "grpo_only_sizes_prompts": args.grpo_sizes,
+            "batches_per_size": args.batches, "headline_prompts": headline}
+
+
 def fit_inverse_square(sizes, cosines):
     """Least squares of 1/cos² = α + β/n; None when fewer than 2 sizes or a mean cosine is not positive."""
     if len(sizes) < 2 or min(cosines) <= 0:

@@ -57,19 +57,6 @@ if __package__ in (None, ""):  # ``python benchmarks/turn_credit.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common
-from benchmarks.common import (
-    cached_pool,
-    compute_gstar,
-    correlations,
-    cosine,
-    draw_batch,
-    flat_grad,
-    forward_log_probs,
-    localisation_hit,
-    loo_advantages,
-    print_gradient_table,
-    summarise,
-)
 from rredcot_verl.core.outcomes import group_outcome_advantage
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.values import compute_segment_values
@@ -187,19 +174,14 @@ def gradient_concentration(model, tokenizer, flat: torch.Tensor, rows: int = 4) 
 def evaluate_batch(player: Player, pool: dict, gstar: dict, table: dict, items, methods) -> dict:
     """Per method: cosine, relative error and norm ratio of the batch gradient against g* without the batch."""
     model, pad = player.model, player.tokenizer.pad_token_id
-    params = list(model.parameters())
     prompts = [pool["prompts"][p] for p, _ in items]
     responses = [pool["responses"][p][r] for p, r in items]
     masks = [pool["response_masks"][p][r] for p, r in items]
     scores = torch.stack([pool["scores"][p, r] for p, r in items]).float()
     index = np.array([str(p) for p, _ in items], dtype=object)
-    logp, mask, entropy = forward_log_probs(model, [p["prompt_ids"] for p in prompts], responses, pad,
+    logp, mask, entropy = common.forward_log_probs(model, [p["prompt_ids"] for p in prompts], responses, pad,
                                             with_entropy=True, response_masks=masks)
-    tokens = float(mask.sum())
-    pool_loo = loo_advantages(pool["scores"])
-    loo = torch.stack([pool_loo[p, r] for p, r in items])
-    own = flat_grad(-(loo * logp.sum(1)).sum(), params)
-    reference = (gstar["sum"] - own) / (gstar["tokens"] - tokens)
+    reference, tokens = common.batch_reference(model, pool, gstar, items, logp, mask)
     records = trace_records(prompts, responses, masks, scores.tolist(), index,
                             [entropy[i, : len(r)].clone() for i, r in enumerate(responses)])
     results = {}
@@ -218,49 +200,31 @@ def evaluate_batch(player: Player, pool: dict, gstar: dict, table: dict, items, 
                     "traces_without_candidates": values.metrics.get("rredcot/traces_without_candidates", 0.0)}
         if bool((advantages[mask == 0] != 0).any()):
             raise AssertionError(f"{method}: advantage on a tool-output, template or padding token")
-        g = flat_grad(-(advantages * logp).sum() / tokens, params)
-        results[method] = {"cosine": cosine(g, reference),
-                           "rel_error": float((g - reference).pow(2).sum() / reference.pow(2).sum()),
-                           "norm_ratio": float(g.norm() / reference.norm()),
-                           "zero_advantage_frac": float(((advantages == 0) & (mask > 0)).sum() / tokens),
-                           "seconds": time.perf_counter() - started, **info}
+        row = common.gradient_row(model, advantages, logp, mask, tokens, reference)
+        results[method] = {**row, "seconds": time.perf_counter() - started, **info}
     return results
 
 
-def gradient_quality(player: Player, args, cache: Path, table: dict) -> dict:
+def gradient_quality(player: Player, args, cache: Path, table: dict, headline: int) -> dict:
     fingerprint = {"pool_prompts": args.pool_prompts, "pool_rollouts": args.pool_rollouts, "seed": args.seed,
                    "group_size": args.group_size}
-    pool, gstar, records, batches_path = cached_pool(
+    pool, gstar, records, batches_path = common.cached_pool(
         cache, fingerprint, lambda: make_pool(player, args.pool_prompts, args.pool_rollouts, args.seed),
-        lambda pool: compute_gstar(player.model, pool, player.tokenizer.pad_token_id,
+        lambda pool: common.compute_gstar(player.model, pool, player.tokenizer.pad_token_id,
                                    chunk_prompts=max(1, 128 // args.pool_rollouts)))
     print(f"pool: {args.pool_prompts}x{args.pool_rollouts} trajectories ({pool['seconds']:.0f}s), accuracy "
           f"{float(pool['scores'].mean()):.3f}, mean turns {np.mean(pool['turns']):.2f}; g*: split-half cosine "
           f"{gstar['split_half_cosine']:.3f} ({gstar['seconds']:.0f}s)", flush=True)
-    results = records["results"]
-    methods = list(METHODS)
-    plan = [(s, ["grpo"]) for s in args.sizes + args.grpo_sizes] + [(s, methods[1:]) for s in args.sizes]
-    for size, todo in plan:
-        for b in range(args.batches):
-            missing = [m for m in todo if str(b) not in results.get(m, {}).get(str(size), {})]
-            if not missing:
-                continue
-            items = draw_batch(args.seed, args.pool_prompts, args.pool_rollouts, size, args.group_size, b)
-            for method, value in evaluate_batch(player, pool, gstar, table, items, missing).items():
-                results.setdefault(method, {}).setdefault(str(size), {})[str(b)] = value
-            common.write_result(records, batches_path, say=False)
-    headline = 32 if 32 in args.sizes else max(args.sizes)
-    summary = summarise(results, methods, args.sizes, args.grpo_sizes, args.group_size, headline, args.bootstrap,
+    results, methods = records["results"], list(METHODS)
+    common.run_batches(args, results, methods,
+                       lambda items, missing, size, b: evaluate_batch(player, pool, gstar, table, items, missing),
+                       lambda: common.write_result(records, batches_path, say=False))
+    summary = common.summarise(results, methods, args.sizes, args.grpo_sizes, args.group_size, headline, args.bootstrap,
                         args.seed)
     scores = pool["scores"]
     summary["settings"] = {
-        "pool_prompts": args.pool_prompts, "pool_rollouts_per_prompt": args.pool_rollouts,
-        "pool_accuracy": float(scores.mean()), "pool_mean_turns": float(np.mean(pool["turns"])),
-        "pool_mean_calls": float(np.mean(pool["calls"])),
-        "pool_prompts_all_correct": int((scores.min(1).values == 1).sum()),
-        "pool_prompts_all_wrong": int((scores.max(1).values == 0).sum()),
-        "group_size": args.group_size, "sizes_prompts": args.sizes, "grpo_only_sizes_prompts": args.grpo_sizes,
-        "batches_per_size": args.batches, "headline_prompts": headline,
+        **common.pool_settings(args, scores, headline, pool_mean_turns=float(np.mean(pool["turns"])),
+                               pool_mean_calls=float(np.mean(pool["calls"]))),
         "loss": "token mean over the model's tokens of the batch: -sum(A_t log pi(o_t)) / tokens (ratio 1); tool "
                 "answers and template tokens between turns are context, in no sum",
         "gstar": {"estimator": "REINFORCE, leave-one-out baseline per prompt, token mean over the model's tokens of "
@@ -302,7 +266,7 @@ def value_quality(player: Player, args, cache: Path, table: dict) -> dict:
         played = player.play(problems, args.vq_samples, args.seed + 1)
         flat = [(i, t) for i, group in enumerate(played) for t in group]
         prompts = [prompt_entry(problems[i], t["prompt_ids"]) for i, t in flat]
-        _, _, entropy = forward_log_probs(player.model, [p["prompt_ids"] for p in prompts],
+        _, _, entropy = common.forward_log_probs(player.model, [p["prompt_ids"] for p in prompts],
                                           [t["response_ids"] for _, t in flat], player.tokenizer.pad_token_id,
                                           with_entropy=True, response_masks=[t["response_mask"] for _, t in flat])
         records = trace_records(prompts, [t["response_ids"] for _, t in flat], [t["response_mask"] for _, t in flat],
@@ -354,11 +318,11 @@ def value_tables(per_trace: list[dict]) -> dict:
               "failed_with_wrong_call": int(sum(t["holder_segment"] is not None for t in per_trace))}
     sources = {}
     for name in (*VALUE_SOURCES, "mc"):
-        together = correlations([(_series(t[name]), _series(t["mc"])) for t in per_trace])
+        together = common.correlations([(_series(t[name]), _series(t["mc"])) for t in per_trace])
         hits, chance = [], []
         for t in per_trace:
             rewards = np.diff(np.append(_series(t[name]), t["outcome"]))
-            hit = localisation_hit([None if r != r else float(r) for r in rewards], t["holder_segment"])
+            hit = common.localisation_hit([None if r != r else float(r) for r in rewards], t["holder_segment"])
             if hit is not None:
                 hits.append(hit[0])
                 chance.append(hit[1])
@@ -406,7 +370,7 @@ def print_tables(result: dict) -> None:
     gq = result["gradient_quality"]
     print(f"GRADIENT QUALITY ({gq['settings']['pool_prompts']}x{gq['settings']['pool_rollouts_per_prompt']} pool, "
           f"accuracy {gq['settings']['pool_accuracy']:.3f})")
-    print_gradient_table({**gq, "settings": {"gstar": {**gq["settings"]["gstar"], "pool_rollouts":
+    common.print_gradient_table({**gq, "settings": {"gstar": {**gq["settings"]["gstar"], "pool_rollouts":
                                                        gq["settings"]["gstar"]["pool_trajectories"]}}},
                          gq["settings"]["group_size"])
     vq = result["value_quality"]
@@ -422,35 +386,25 @@ def main(argv: list[str] | None = None) -> dict:
     cli = common.parser(__doc__, RESULTS_PATH, "tiny pool, one batch size, MC K=2, no launches; temp cache and output",
                         build=False)
     cli.add_argument("--cache", type=Path, default=None, help=f"caches (default {CACHE_DIR})")
-    cli.add_argument("--pool-prompts", type=int, default=128)
-    cli.add_argument("--pool-rollouts", type=int, default=32)
-    cli.add_argument("--group-size", type=int, default=4)
-    cli.add_argument("--sizes", type=int, nargs="+", default=[32, 8, 16], help="prompts per batch, all methods")
-    cli.add_argument("--grpo-sizes", type=int, nargs="*", default=[64, 128], help="extra GRPO-only batch prompts")
-    cli.add_argument("--batches", type=int, default=20)
+    common.add_pool_arguments(cli, pool_rollouts=32)
     cli.add_argument("--vq-prompts", type=int, default=24)
     cli.add_argument("--vq-samples", type=int, default=4)
     cli.add_argument("--mc-samples", type=int, default=16)
     cli.add_argument("--cost-steps", type=int, default=5, help="steps per launch for the step cost (0: none)")
-    cli.add_argument("--seed", type=int, default=0)
-    cli.add_argument("--bootstrap", type=int, default=1000)
     args = cli.parse_args(argv)
     if args.smoke:
         args.pool_prompts, args.pool_rollouts, args.sizes, args.grpo_sizes, args.batches = 4, 8, [2], [], 2
         args.vq_prompts, args.vq_samples, args.mc_samples, args.cost_steps, args.bootstrap = 2, 2, 2, 0, 20
     cache = args.cache or (Path(tempfile.mkdtemp()) / "turn_credit" if args.smoke else CACHE_DIR)
     out = args.out or (cache / "turn_credit.json" if args.smoke else RESULTS_PATH)
-    if max(args.sizes + args.grpo_sizes) > args.pool_prompts or args.group_size > args.pool_rollouts:
-        cli.error("batches must fit in the pool (prompts and rollouts per prompt)")
+    headline = common.start_pool_protocol(cli, args)
     cache.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     started = time.perf_counter()
     build = cache / "build"
     tasks_build.build(tasks_build.testbed("calculator"), str(build), log=lambda *a, **k: None)  # the shipped warm start
     player = Player(build)
     table = {name: method_settings(name) for name in METHODS}
-    result = {"gradient_quality": gradient_quality(player, args, cache, table),
+    result = {"gradient_quality": gradient_quality(player, args, cache, table, headline),
               "value_quality": value_quality(player, args, cache, table),
               "step_cost": step_cost(build, args, cache) if args.cost_steps else None}
     warm_start = json.loads((build / tasks_build.BUILD_RECORD).read_text())["warm_start"]["sft"]["kept"]
