@@ -128,12 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         for probes_of, continuations in (("references", 1), ("references", 2), ("references", 3), ("exit", 2)):
             rows.append(measure_row(model, shape, probes_of, continuations, 1 if args.smoke else args.repeats))
-    print(f"{'probes':<12}{'C':>3}{'tree tokens':>13}{'plain s':>9}{'dense s':>9}{'blocks s':>10}{'blocks/dense':>14}"
-          f"{'max rel diff':>14}")
-    for row in rows:
-        print(f"{row['probes']:<12}{row['continuations_per_boundary']:>3}{row['tree_tokens_per_trace']:>13}"
-              f"{row['plain_s']:>9.2f}{row['dense_s']:>9.2f}{row['block_by_block_s']:>10.2f}"
-              f"{row['block_by_block_over_dense']:>14.2f}{row['max_relative_difference']:>14.1e}")
+    common.print_table(rows, {"probes": "", "continuations_per_boundary": "d", "tree_tokens_per_trace": "d",
+                              "plain_s": ".2f", "dense_s": ".2f", "block_by_block_s": ".2f",
+                              "block_by_block_over_dense": ".2f", "max_relative_difference": ".1e"})
     result = {"shape": dataclasses.asdict(shape), "model": "tasks.build.PRESETS['long'].model, random weights",
               "blocked_attention_share": scoring.BLOCKED_ATTENTION_SHARE, "rows": rows,
               "timer": "process CPU seconds, torch.set_num_threads(1), minimum of the repeats",
