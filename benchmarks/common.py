@@ -44,7 +44,7 @@ from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.tasks import ArithmeticTaskConfig, first_wrong_step, parse_prompt, write_parquet
 from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, EARLY_TASK, LONG_TASK, build, testbed
 from rredcot_verl.tasks.model import chat_prompt_ids
-from rredcot_verl.runs import median_step_s, step_seconds  # noqa: F401  (re-exported: the one step-time statistic)
+from rredcot_verl.runs import load_metrics, median_step_s, step_seconds  # noqa: F401  (the one step-time statistic)
 from rredcot_verl.tasks.reward import compute_score
 
 BUILD_DIR = ROOT / "outputs" / "tiny_cpu" / "build"
@@ -182,16 +182,39 @@ def write_setting_data(data_dir: Path, setting: Setting, val_size: int, data_see
 
 
 def launch_run(recipe: str, out: Path, steps: int, seed: int, build: Path, overrides: tuple[str, ...] = (),
-               timeout_s: int = 1800, preset: str = "default") -> int:
+               timeout_s: int = 1800, preset: str = "default", attempts: int = 1) -> int:
     """One ``recipes/tiny_cpu/run.sh`` training run into ``out`` (metrics.jsonl, train.log) on the build of
-    ``preset`` (``tasks.build.PRESETS``) in ``build``; returns its exit code."""
+    ``preset`` (``tasks.build.SETTINGS``) in ``build``, tried up to ``attempts`` times; returns its exit code."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "RREDCOT_SEED"}  # data.seed is passed as an int below
     env.update(RREDCOT_BUILD=str(build), OUT=str(out), RREDCOT_STEPS=str(steps), RUN_TIMEOUT=str(timeout_s),
                RREDCOT_SETTING=preset)
-    with open(out / "train.log", "w") as log:
-        return subprocess.run([str(RECIPES / "run.sh"), recipe, f"data.seed={seed}", *overrides], env=env,
-                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    code = 1
+    for _ in range(attempts):
+        with open(out / "train.log", "w") as log:
+            code = subprocess.run([str(RECIPES / "run.sh"), recipe, f"data.seed={seed}", *overrides], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        if code == 0:
+            break
+    return code
+
+
+def cost_runs(runs: dict[str, tuple[Method, Path]], steps: int, seed: int, build: Path, row, *,
+              overrides: tuple[str, ...] = (), preset: str = "default", launch: bool = True) -> dict[str, dict]:
+    """Step-time runs of one sitting, by name (method, run folder): ``row(folder)`` of each, launched first (the
+    method's recipe and overrides, then ``overrides``; one retry, the machine is shared) unless not ``launch`` or
+    its metrics already hold ``steps`` steps (a rerun resumes); a failed launch gives an error row. With each
+    median step over GRPO's (``with_step_ratios``)."""
+    rows = {}
+    for name, (method, out) in runs.items():
+        if launch and len(load_metrics(out / "metrics.jsonl")) < steps:
+            code = launch_run(method.recipe, out, steps, seed, build, (*method.overrides, *overrides),
+                              preset=preset, attempts=2)
+            if code != 0:
+                rows[name] = {"error": f"run.sh exited {code}; see {out / 'train.log'}", "run": str(out)}
+                continue
+        rows[name] = row(out)
+    return with_step_ratios(rows)
 
 
 def step_cost(rows: list[dict]) -> dict:

@@ -1,35 +1,26 @@
 """Turn-level credit on the calculator tool task: gradient quality against a reference gradient, value quality at the
 assistant-turn boundaries against Monte-Carlo values with the tool, and the training step's cost.
 
-The task and model are the calculator miniature (``tasks/calculator.py``, the shipped warm start of
-``tasks/calculator_miniature.py``); trajectories are played by ``calculator_miniature.tool_loop``: verl's
-``ToolAgentLoop`` turn by turn (hermes parser, the calculator tool, verl's Continuous Token builder merging each tool
-answer), HF ``generate`` as the engine at temperature 1, the recipe's limits (6 assistant turns, 160 response tokens).
-A response keeps its tool answers and template tokens in place, with verl's ``response_mask`` (0 there). Problems are
-fresh draws of the task's generator (``--seed``), not the parquet's 64 training rows.
+Trajectories of the shipped calculator warm start (``tasks/calculator_miniature.py``) are played by
+``calculator_miniature.tool_loop``: verl's ``ToolAgentLoop`` turn by turn (hermes parser, the calculator tool, verl's
+Continuous Token builder), HF ``generate`` at temperature 1, the recipe's limits (6 assistant turns, 160 response
+tokens); tool answers and template tokens stay in the response with ``response_mask`` 0. Problems are fresh draws of
+the task's generator (``--seed``).
 
-* **Gradient quality** (the protocol of ``gradient_quality.py``): a pool of ``--pool-prompts`` × ``--pool-rollouts``
-  trajectories; the reference g* is REINFORCE with a leave-one-out baseline over the pool (token mean over the model's
-  tokens only), the batch's own trajectories taken out; paired batches of B prompts × ``--group-size``; per method
-  the token-mean loss −Σ A_t log π(o_t) / tokens over the model's tokens, its gradient and its cosine with g*. Methods
-  (``METHODS``): GRPO and ``rredcot`` as ``recipes/tiny_cpu/calculator.yaml`` runs it (one segment per assistant
-  turn), with each value source: the exit probe (the recipe: the gold answer and the group's correct answers, which
-  on this task are the gold answer, so it is IGPO's p(gold | history), redistributed by telescoping), the same with
-  ``degenerate_groups: value_differences`` (all-wrong groups, where GRPO's gradient is 0, learn from the values'
-  differences), and reference continuation from the group's correct trajectories (the core's bank as it stands,
-  which glues a sibling's turns without their tool answers: measured here to show why the launcher refuses it on
-  multi-turn rollouts). None needs reference solutions. IBPO and ``segment_mc`` are refused on multi-turn rollouts.
-  Every method's advantage on a tool-output or template token is checked to be exactly 0.
-* **Value quality**: ``--vq-prompts`` × ``--vq-samples`` trajectories (groups, so the group banks see siblings);
-  every state S_k at an assistant-turn start gets a Monte-Carlo value from ``--mc-samples`` continuations that resume
-  the conversation there and call the tool (``calculator_miniature.resumed_state``); S_K's value is the outcome.
-  Spearman (pooled over states; within trace) of each value source with MC, and localisation: on failed trajectories
-  with a wrong tool call (``calculator_wrong_step``), how often the most negative segment reward R_k = v_{k+1} − v_k
-  falls on the turn of the first wrong call.
-* **Step cost**: ``python -m rredcot_verl.main`` on ``recipes/tiny_cpu/calculator.yaml`` for ``grpo`` and the
-  ``rredcot`` methods the launcher accepts (``LAUNCHED``: it refuses continuation values on multi-turn rollouts),
-  ``--cost-steps`` steps each in one sitting, same data seed; median ``timing_s/step`` over steps ≥ 2 and its ratio to
-  GRPO's (``--cost-steps 0`` skips it).
+* **Gradient quality**: ``gradient_quality.py``'s protocol (``common``'s gradient protocol), token means over the
+  model's tokens only. Methods (``METHODS``, on ``recipes/tiny_cpu/calculator.yaml``, one segment per assistant
+  turn): GRPO; the recipe's exit probe (the gold answer, which the group's correct answers equal here: IGPO's
+  p(gold | history) redistributed by telescoping); the same with ``degenerate_groups: value_differences`` (all-wrong
+  groups learn from value differences); reference continuation from the group's correct trajectories (which glues a
+  sibling's turns without their tool answers: measured to show why the launcher refuses it on multi-turn rollouts).
+  None needs reference solutions; IBPO and ``segment_mc`` are refused on multi-turn rollouts. An advantage on a
+  tool-output or template token is an error.
+* **Value quality**: ``--vq-prompts`` × ``--vq-samples`` trajectories; each state S_k at an assistant-turn start gets
+  a Monte-Carlo value from ``--mc-samples`` continuations resumed there (``calculator_miniature.resumed_state``);
+  S_K's value is the outcome. Spearman with MC (pooled; within trace) per value source, and localisation: on failed
+  trajectories with a wrong tool call, how often the most negative R_k = v_{k+1} − v_k is the turn of the first one.
+* **Step cost**: ``--cost-steps`` steps of ``recipes/tiny_cpu/run.sh calculator`` (``common.cost_runs``) for the
+  methods the launcher accepts (``LAUNCHED``), one sitting, same data seed: ``common.median_step_s``, ratio to GRPO's.
 
 Caches under ``--cache`` (pool, g*, per-batch results, value quality, runs): a rerun resumes from them.
 
@@ -41,10 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -337,32 +326,19 @@ def value_tables(per_trace: list[dict]) -> dict:
 
 # --------------------------------------------------------------------------------------------------------- step cost
 def step_cost(build: Path, args, cache: Path) -> dict:
-    """``--cost-steps`` steps of the calculator recipe per method, launched one after another (one sitting)."""
-    rows = {}
-    for name in LAUNCHED:
-        overrides = METHODS[name]
-        out = cache / "runs" / name
-        metrics = out / "metrics.jsonl"
-        if len(load_metrics(metrics)) < args.cost_steps:
-            out.mkdir(parents=True, exist_ok=True)
-            metrics.unlink(missing_ok=True)
-            env = {**os.environ, "RREDCOT_BUILD": str(build), "VERL_FILE_LOGGER_PATH": str(metrics)}
-            env.pop("RAY_ADDRESS", None)
-            command = ["timeout", "-k", "30", "1800", "setsid", sys.executable, "-m", "rredcot_verl.main",
-                       "--config-dir", str(common.RECIPES), "--config-name", RECIPE, *overrides,
-                       f"trainer.total_training_steps={args.cost_steps}", f"data.seed={args.seed + 1}",
-                       f"algorithm.rredcot.snapshot_dir={out / 'snapshots'}"]
-            with open(out / "train.log", "w") as log:
-                code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT).returncode
-            if code != 0:
-                raise SystemExit(f"{name}: the launch exited {code}; see {out / 'train.log'}")
-        logged = load_metrics(metrics)
+    """``--cost-steps`` steps of the calculator recipe per launched method, one after another (one sitting)."""
+
+    def row(out: Path) -> dict:
+        logged = load_metrics(out / "metrics.jsonl")
         steps = [r for r in logged if r["step"] >= 2]
-        rows[name] = {"median_step_s": common.median_step_s(logged),
-                      "median_adv_s": statistics.median(r.get("timing_s/adv", float("nan")) for r in steps),
-                      "steps": len(steps), "mean_score": float(np.mean([r["critic/score/mean"] for r in steps])),
-                      "failed_groups": int(sum(r["rollout/failed_groups"] for r in steps))}
-    return common.with_step_ratios(rows)
+        return {"median_step_s": common.median_step_s(logged),
+                "median_adv_s": statistics.median(r.get("timing_s/adv", float("nan")) for r in steps),
+                "steps": len(steps), "mean_score": float(np.mean([r["critic/score/mean"] for r in steps])),
+                "failed_groups": int(sum(r["rollout/failed_groups"] for r in steps))}
+
+    runs = {name: (common.Method(RECIPE, METHODS[name]), cache / "runs" / name) for name in LAUNCHED}
+    return common.cost_runs(runs, args.cost_steps, args.seed + 1, build, row, preset=RECIPE,
+                            overrides=(f"trainer.total_training_steps={args.cost_steps}",))
 
 
 # ---------------------------------------------------------------------------------------------------------------- run

@@ -201,25 +201,16 @@ def measure_values(model, tokenizer, traces, mc_samples: int, repeats: int) -> d
 
 
 def measure_training(runs_dir: Path, steps: int, seed: int, build: Path, launch: bool) -> dict:
-    """One run of each of grpo, rredcot, segment_mc and ibpo (launched, one retry: the machine is shared; or read)."""
+    """One run of each of grpo, rredcot, segment_mc and ibpo (launched, or read): step time and its phases."""
     from benchmarks import common
-    from rredcot_verl.runs import load_metrics
 
-    result = {}
-    for method in ("grpo", "rredcot", "segment_mc", "ibpo"):
-        out = runs_dir / f"{method}_seed{seed}"
-        spec = common.METHODS[method]
-        code = 0
-        for _ in range(2 if launch else 0):
-            code = common.launch_run(spec.recipe, out, steps, seed, build, spec.overrides)
-            if code == 0:
-                break
-        if code != 0:
-            result[method] = {"error": f"run.sh exited {code}; see {out / 'train.log'}"}
-            continue
-        rows = load_metrics(out / "metrics.jsonl")
-        result[method] = {**common.step_cost(rows), "phase_median_s": common.phase_medians(rows), "run": str(out)}
-    return common.with_step_ratios(result)
+    def row(out: Path) -> dict:
+        rows = common.load_metrics(out / "metrics.jsonl")
+        return {**common.step_cost(rows), "phase_median_s": common.phase_medians(rows), "run": str(out)}
+
+    runs = {method: (common.METHODS[method], runs_dir / f"{method}_seed{seed}")
+            for method in ("grpo", "rredcot", "segment_mc", "ibpo")}
+    return common.cost_runs(runs, steps, seed, build, row, launch=launch)
 
 
 def run_values(args) -> dict:
