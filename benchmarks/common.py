@@ -105,6 +105,12 @@ def paired_differences(mine: dict, theirs: dict) -> list[float]:
     return [mine[key] - theirs[key] for key in sorted(set(mine) & set(theirs))]
 
 
+def on_shared_steps(mine: list[dict], theirs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Two runs' validation points at the steps both have: a pair compared up to the shorter run's horizon."""
+    shared = {p["step"] for p in mine} & {p["step"] for p in theirs}
+    return [p for p in mine if p["step"] in shared], [p for p in theirs if p["step"] in shared]
+
+
 def _varying(x, y) -> tuple[np.ndarray, np.ndarray] | None:
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     return None if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0 else (x, y)

@@ -531,14 +531,12 @@ def paired_with_grpo(runs: dict[str, dict], grpo_runs: dict[str, dict]) -> dict 
     A seed fixes the order of the training prompts, which both runs of a pair then see alike."""
     auc_differences, final_differences, last_steps = [], [], set()
     for seed in sorted(set(runs) & set(grpo_runs), key=int):
-        mine, theirs = ({p["step"]: p for p in run["validation"]} for run in (runs[seed], grpo_runs[seed]))
-        shared = sorted(set(mine) & set(theirs))
-        if len(shared) < 2:
+        mine, theirs = common.on_shared_steps(runs[seed]["validation"], grpo_runs[seed]["validation"])
+        if len(mine) < 2:
             continue
-        auc_differences.append(area_under_curve([mine[step] for step in shared])
-                               - area_under_curve([theirs[step] for step in shared]))
-        final_differences.append(mine[shared[-1]]["accuracy"] - theirs[shared[-1]]["accuracy"])
-        last_steps.add(shared[-1])
+        auc_differences.append(area_under_curve(mine) - area_under_curve(theirs))
+        final_differences.append(mine[-1]["accuracy"] - theirs[-1]["accuracy"])
+        last_steps.add(mine[-1]["step"])
     if not auc_differences:
         return None
     return {"seeds": len(auc_differences), "up_to_step": max(last_steps),
