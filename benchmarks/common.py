@@ -31,6 +31,7 @@ from scipy import stats
 from benchmarks.output import (  # noqa: F401  (the library's light half, re-exported)
     RESULTS_DIR,
     ROOT,
+    cpu_seconds,
     fmt,
     machine_meta,
     out_path,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -80,15 +79,6 @@ def batch(shape: Shape, vocab: int, probes_of: str, continuations: int, seed: in
     return prompts, responses, probes
 
 
-def cpu_seconds(fn, repeats: int):
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        started = time.process_time()
-        result = fn()
-        best = min(best, time.process_time() - started)
-    return best, result
-
-
 def measure_row(model, shape: Shape, probes_of: str, continuations: int, repeats: int) -> dict:
     prompts, responses, probes = batch(shape, model.config.vocab_size, probes_of, continuations)
     default_share = scoring.BLOCKED_ATTENTION_SHARE
@@ -96,11 +86,11 @@ def measure_row(model, shape: Shape, probes_of: str, continuations: int, repeats
     try:
         for name, share in (("dense", 0.0), ("block_by_block", default_share)):
             scoring.BLOCKED_ATTENTION_SHARE = share
-            timed[name] = cpu_seconds(lambda: scoring.score_batch_packed(model, prompts, responses, probes,
+            timed[name] = common.cpu_seconds(lambda: scoring.score_batch_packed(model, prompts, responses, probes,
                                                                          max_token_len=1 << 20), repeats)
     finally:
         scoring.BLOCKED_ATTENTION_SHARE = default_share
-    plain, _ = cpu_seconds(lambda: [trace_log_probs_and_entropy(model, p, r) for p, r in zip(prompts, responses)],
+    plain, _ = common.cpu_seconds(lambda: [trace_log_probs_and_entropy(model, p, r) for p, r in zip(prompts, responses)],
                            repeats)
     dense, blocked = timed["dense"][1], timed["block_by_block"][1]
     difference = max(((b.probe_logp - d.probe_logp).abs() / d.probe_logp.abs().clamp_min(1e-12)).max().item()

@@ -108,12 +108,6 @@ def spread(length: int, count: int) -> list[int]:
     return torch.linspace(0, length, count).round().long().tolist()
 
 
-def cpu_seconds(fn) -> float:
-    start = time.process_time()
-    fn()
-    return time.process_time() - start
-
-
 # --------------------------------------------------------------------------------------------------------- values
 def probe_batch(model, tokenizer, traces):
     """Per sampled trace: (boundaries S_0..S_{K-1}, exit probes for the ground truth and the group's other boxed
@@ -273,7 +267,7 @@ def overhead_row(model, name: str, trace: Trace, num_boundaries: int, candidates
     for repeat in range(repeats):
         pair = [(plain_times, run_plain), (packed_times, run_packed)]
         for times, run in pair if repeat % 2 == 0 else pair[::-1]:
-            times.append(cpu_seconds(run))
+            times.append(output.cpu_seconds(run)[0])
     ratio = statistics.median(packed / plain for packed, plain in zip(packed_times, plain_times))
     length = trace.response.numel()
     limit = (length + num_boundaries * candidates * OVERHEAD_PROBE) / length
@@ -282,11 +276,9 @@ def overhead_row(model, name: str, trace: Trace, num_boundaries: int, candidates
            "packed_over_plain": ratio, "limit": limit, "ratio_over_limit": ratio / limit, "repeats": repeats,
            "naive_s": None, "max_rel_err_vs_naive": None}
     if naive:
-        naive_scores = []
-        row["naive_s"] = cpu_seconds(lambda: naive_scores.append(
-            score_probes_naive(model, trace.prompt, trace.response, trace.probes)))
-        packed_scores = run_packed().probe_logp
-        row["max_rel_err_vs_naive"] = float(((packed_scores - naive_scores[0]).abs() / naive_scores[0].abs()).max())
+        row["naive_s"], naive = output.cpu_seconds(lambda: score_probes_naive(model, trace.prompt, trace.response,
+                                                                               trace.probes))
+        row["max_rel_err_vs_naive"] = float(((run_packed().probe_logp - naive).abs() / naive.abs()).max())
     return row
 
 
@@ -309,7 +301,7 @@ def run_overhead(args) -> dict:
         torch.manual_seed(0)
         model = qwen2_model(name, max_positions=OVERHEAD_PROMPT + max(lengths[name]) + 64)
         for length in lengths[name]:
-            warm_up = cpu_seconds(lambda: trace_log_probs_and_entropy(
+            warm_up, _ = output.cpu_seconds(lambda: trace_log_probs_and_entropy(
                 model, torch.zeros(OVERHEAD_PROMPT, dtype=torch.long), torch.zeros(length, dtype=torch.long)))
             repeats = max(min_repeats, min(25, int(MIN_MEASURED_SECONDS / max(warm_up, 1e-3))))
             for num_boundaries in boundary_counts:
@@ -377,7 +369,7 @@ def measure_scale(spec: dict) -> dict:
     Path("/proc/self/clear_refs").write_text("5")
     resident_mib = status_mib("VmRSS")
     with torch.no_grad():
-        seconds = cpu_seconds(passes[spec["pass"]])
+        seconds, _ = output.cpu_seconds(passes[spec["pass"]])
     return {"cpu_s": seconds, "peak_mib": status_mib("VmHWM"), "resident_before_mib": resident_mib,
             "probes": len(plan.probes)}
 
