@@ -1,12 +1,13 @@
 """The benchmarks' library: what every benchmark script shares, so that each script is one question.
 
 * Records and CLI: paths, the task build, ``parser``; from ``benchmarks.output`` (re-exported) ``write_result`` (the
-  one JSON writer), ``print_table`` (the one table printer), ``out_path``.
-* Statistics (scipy): t intervals, paired differences, Pearson / Spearman, binomial intervals, curve areas.
-* Training runs: the task settings and their data, ``launch_run`` (``recipes/tiny_cpu/run.sh``); ``median_step_s``,
-  the one step-time statistic, on rows of the package's metrics reader (both from ``rredcot_verl.runs``).
-* Sampling: problems and traces of the embedded task, the one left-padded ``generate`` loop, and Monte-Carlo values
-  through the package's own ``core.montecarlo`` (planning and tallying of continuations).
+  one JSON writer), ``print_table`` (the one table printer), ``cpu_seconds`` (the one CPU timer), ``out_path``.
+* Statistics (scipy): t intervals, paired differences, runs paired on shared steps, correlations, curve areas.
+* Training runs: the task settings and their data, ``launch_run`` (``recipes/tiny_cpu/run.sh``), ``cost_runs`` (runs
+  for their step time); ``median_step_s`` and ``load_metrics`` are the package's (``rredcot_verl.runs``).
+* Sampling: the embedded task's problems and traces, the one ``generate`` loop, Monte-Carlo values through the
+  package's ``core.montecarlo``.
+* Gradient protocol (gradient_quality.py, turn_credit.py): pool, g*, paired batches, cosines, effective sample sizes.
 * Methods: ``METHODS``, the one table of estimator variants (a recipe and hydra overrides), by name.
 
 Results and their history live in ``benchmarks/RESULTS.md``; ``benchmarks/results/*.json`` are the scripts' output.
