@@ -41,8 +41,11 @@ from benchmarks.output import (  # noqa: F401  (the library's light half, re-exp
     write_result,
 )
 from rredcot_verl.core import montecarlo
+from rredcot_verl.core.planning import TraceRecord
+from rredcot_verl.core.probes import ProbeSettings
 from rredcot_verl.core.profiles import PROFILE_PRESETS
 from rredcot_verl.core.segmentation import SegmentationSettings
+from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
 from rredcot_verl.tasks import ArithmeticTaskConfig, first_wrong_step, parse_prompt, write_parquet
 from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, EARLY_TASK, LONG_TASK, build, testbed
 from rredcot_verl.tasks.model import chat_prompt_ids
@@ -274,6 +277,19 @@ class Trace:
     group: int
     ground_truth: str
     reference_steps: list[str]
+
+    def record(self, entropy: torch.Tensor, reference_steps: list[str] | None = None) -> TraceRecord:
+        """The trace as a training step's ``TraceRecord`` (``reference_steps`` in place of the dataset's)."""
+        return TraceRecord(self.prompt_ids, self.response_ids, entropy, self.outcome, self.group, self.ground_truth,
+                           self.reference_steps if reference_steps is None else reference_steps)
+
+
+def embedded_settings(value_source: str, normalization: str = "raw", candidates: str = "both",
+                      segmentation: SegmentationSettings = RECIPE_SEGMENTATION, **probe) -> RRedCoTSettings:
+    """The value pass's settings on the embedded task (the tiny recipes' probe profile): ``value_source`` with
+    ``normalization`` over the bank of ``candidates``; ``probe``: further ``ProbeSettings`` fields."""
+    probe = ProbeSettings(value_source=value_source, normalization=normalization, profile="embedded", **probe)
+    return RRedCoTSettings(segmentation=segmentation, candidates=CandidateSettings(source=candidates), probe=probe)
 
 
 def load_problems(val_path: Path, num_prompts: int) -> list[tuple]:

@@ -137,9 +137,6 @@ def probe_batch(model, tokenizer, traces):
 
 def measure_values(model, tokenizer, traces, mc_samples: int, repeats: int) -> dict:
     from benchmarks import common
-    from rredcot_verl.core.planning import TraceRecord
-    from rredcot_verl.core.probes import ProbeSettings
-    from rredcot_verl.core.settings import RRedCoTSettings
     from rredcot_verl.core.values import compute_segment_values
     from rredcot_verl.tasks.base import ARITHMETIC
 
@@ -163,10 +160,8 @@ def measure_values(model, tokenizer, traces, mc_samples: int, repeats: int) -> d
         naive_times.append(seconds)
     max_error = max([float((p.probe_logp - n).abs().max()) for p, n in zip(packed, naive) if n.numel()], default=0.0)
     # What a training step of the tiny_cpu recipe runs on the actor: reference-continuation probes, packed.
-    records = [TraceRecord(t.prompt_ids, t.response_ids, entropy, t.outcome, t.group, t.ground_truth,
-                           t.reference_steps) for t, (_, _, entropy) in zip(traces, batch)]
-    settings = RRedCoTSettings(segmentation=common.RECIPE_SEGMENTATION, probe=ProbeSettings(
-        value_source="reference_continuation", normalization="raw", profile="embedded"))
+    records = [t.record(entropy) for t, (_, _, entropy) in zip(traces, batch)]
+    settings = common.embedded_settings("reference_continuation")
     recipe_seconds = statistics.median(
         timed(lambda: compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC))[0]
         for _ in range(repeats))
