@@ -211,14 +211,15 @@ def launch_run(recipe: str, out: Path, steps: int, seed: int, build: Path, overr
 
 
 def cost_runs(runs: dict[str, tuple[Method, Path]], steps: int, seed: int, build: Path, row, *,
-              overrides: tuple[str, ...] = (), preset: str = "default", launch: bool = True) -> dict[str, dict]:
+              overrides: tuple[str, ...] = (), preset: str = "default", launch: bool = True,
+              resume: bool = True) -> dict[str, dict]:
     """Step-time runs of one sitting, by name (method, run folder): ``row(folder)`` of each, launched first (the
-    method's recipe and overrides, then ``overrides``; one retry, the machine is shared) unless not ``launch`` or
-    its metrics already hold ``steps`` steps (a rerun resumes); a failed launch gives an error row. With each
-    median step over GRPO's (``with_step_ratios``)."""
+    method's recipe and overrides, then ``overrides``; one retry, the machine is shared) unless not ``launch`` or,
+    with ``resume``, its metrics already hold ``steps`` steps; a failed launch gives an error row. With each median
+    step over GRPO's (``with_step_ratios``)."""
     rows = {}
     for name, (method, out) in runs.items():
-        if launch and len(load_metrics(out / "metrics.jsonl")) < steps:
+        if launch and (not resume or len(load_metrics(out / "metrics.jsonl")) < steps):
             code = launch_run(method.recipe, out, steps, seed, build, (*method.overrides, *overrides),
                               preset=preset, attempts=2)
             if code != 0:

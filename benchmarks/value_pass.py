@@ -199,7 +199,7 @@ def measure_training(runs_dir: Path, steps: int, seed: int, build: Path, launch:
 
     runs = {method: (common.METHODS[method], runs_dir / f"{method}_seed{seed}")
             for method in ("grpo", "rredcot", "segment_mc", "ibpo")}
-    return common.cost_runs(runs, steps, seed, build, row, launch=launch)
+    return common.cost_runs(runs, steps, seed, build, row, launch=launch, resume=False)  # one sitting with the values
 
 
 def run_values(args) -> dict:
