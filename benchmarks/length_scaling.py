@@ -98,18 +98,9 @@ def cost_entry(out: Path) -> dict:
 def measure_cost(length: str, steps: int, seed: int) -> dict:
     """Every role's run at ``length`` (a run with ``steps`` logged steps is kept, so a rerun resumes)."""
     build, overrides = length_build(length)
-    rows = {}
-    for role, method in ROLES.items():
-        out = RUNS_DIR / length / role
-        if len(load_metrics(out / "metrics.jsonl")) < steps:
-            spec = common.METHODS[method]
-            code = common.launch_run(spec.recipe, out, steps, seed, build, (*spec.overrides, *overrides),
-                                     preset=SETTINGS[length].preset)
-            if code != 0:
-                rows[role] = {"error": f"run.sh exited {code}; see {out / 'train.log'}", "run": str(out)}
-                continue
-        rows[role] = cost_entry(out)
-    return common.with_step_ratios(rows)
+    runs = {role: (common.METHODS[method], RUNS_DIR / length / role) for role, method in ROLES.items()}
+    return common.cost_runs(runs, steps, seed, build, cost_entry, overrides=overrides,
+                            preset=SETTINGS[length].preset)
 
 
 def print_table(result: dict) -> None:

@@ -1,4 +1,4 @@
-"""The light half of the benchmarks' library: the one JSON writer and the one table printer.
+"""The light half of the benchmarks' library: the one JSON writer, the one table printer and the one CPU timer.
 
 Standard library, torch and transformers only: ``value_pass.py gpu`` runs on a GPU image that has nothing else.
 ``benchmarks.common`` re-exports all of it.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import platform
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +22,16 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 def machine_meta() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "machine": platform.machine(),
             "python": platform.python_version()}
+
+
+def cpu_seconds(fn, repeats: int = 1) -> tuple[float, object]:
+    """The fewest process CPU seconds of ``repeats`` calls of ``fn`` (the machine is shared), and its last result."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        started = time.process_time()
+        result = fn()
+        best = min(best, time.process_time() - started)
+    return best, result
 
 
 def relative_to_repository(value):

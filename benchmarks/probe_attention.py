@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -80,23 +79,14 @@ def batch(shape: Shape, vocab: int, probes_of: str, continuations: int, seed: in
     return prompts, responses, probes
 
 
-def cpu_seconds(fn, repeats: int):
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        started = time.process_time()
-        result = fn()
-        best = min(best, time.process_time() - started)
-    return best, result
-
-
 def measure_row(model, shape: Shape, probes_of: str, continuations: int, repeats: int) -> dict:
     prompts, responses, probes = batch(shape, model.config.vocab_size, probes_of, continuations)
     timed = {}
     for name, share in (("dense", 0.0), ("block_by_block", scoring.BLOCKED_ATTENTION_SHARE)):
-        timed[name] = cpu_seconds(lambda: scoring.score_batch_packed(
+        timed[name] = common.cpu_seconds(lambda: scoring.score_batch_packed(
             model, prompts, responses, probes, max_token_len=1 << 20, blocked_attention_share=share), repeats)
-    plain, _ = cpu_seconds(lambda: [trace_log_probs_and_entropy(model, p, r) for p, r in zip(prompts, responses)],
-                           repeats)
+    plain, _ = common.cpu_seconds(
+        lambda: [trace_log_probs_and_entropy(model, p, r) for p, r in zip(prompts, responses)], repeats)
     dense, blocked = timed["dense"][1], timed["block_by_block"][1]
     difference = max(((b.probe_logp - d.probe_logp).abs() / d.probe_logp.abs().clamp_min(1e-12)).max().item()
                      for b, d in zip(blocked, dense))
@@ -123,12 +113,9 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         for probes_of, continuations in (("references", 1), ("references", 2), ("references", 3), ("exit", 2)):
             rows.append(measure_row(model, shape, probes_of, continuations, 1 if args.smoke else args.repeats))
-    print(f"{'probes':<12}{'C':>3}{'tree tokens':>13}{'plain s':>9}{'dense s':>9}{'blocks s':>10}{'blocks/dense':>14}"
-          f"{'max rel diff':>14}")
-    for row in rows:
-        print(f"{row['probes']:<12}{row['continuations_per_boundary']:>3}{row['tree_tokens_per_trace']:>13}"
-              f"{row['plain_s']:>9.2f}{row['dense_s']:>9.2f}{row['block_by_block_s']:>10.2f}"
-              f"{row['block_by_block_over_dense']:>14.2f}{row['max_relative_difference']:>14.1e}")
+    common.print_table(rows, {"probes": "", "continuations_per_boundary": "d", "tree_tokens_per_trace": "d",
+                              "plain_s": ".2f", "dense_s": ".2f", "block_by_block_s": ".2f",
+                              "block_by_block_over_dense": ".2f", "max_relative_difference": ".1e"})
     result = {"shape": dataclasses.asdict(shape), "model": "tasks.build.PRESETS['long'].model, random weights",
               "blocked_attention_share": scoring.BLOCKED_ATTENTION_SHARE, "rows": rows,
               "timer": "process CPU seconds, torch.set_num_threads(1), minimum of the repeats",

@@ -1,26 +1,20 @@
 """Does a segment-level estimator reach GRPO's accuracy in fewer training steps on the embedded task?
 
-Real verl runs (``recipes/tiny_cpu/run.sh``) of the methods of ``common.METHODS`` named in ``METHODS``, in two
-stages: a learning-rate sweep (``--sweep``: each method that has a sweep of its own, ``--sweep-steps`` steps at each
-rate of ``SWEEP_LRS``, seed 0, on problems of a generator stream the main runs do not validate on; the rate with the
-highest validation AUC wins, ties to the smaller rate), then main runs at the chosen rates, seeds ``--seeds`` ×
-``--steps`` steps (segment_mc ``--segment-mc-steps``), greedy validation on ``--val-size`` problems every
-``--test-freq`` steps, on the task setting ``--setting`` (``common.SETTINGS``: ``default``, ``hard``, ``long`` or
-``early``, the answer-early setting: ``EARLY_METHODS``, on its own build, every method at GRPO's rate).
-
-The long setting (``LONG_METHODS``, on the long build) asks why a better gradient buys fewer steps than it is worth:
-every method trains at GRPO's swept rate, and each method but GRPO again at the rate that matches GRPO's update
-norm (``<method>_norm_matched``: GRPO's rate × GRPO's median Adam update norm / the method's, both from the first
-seed's runs at GRPO's rate, read from the optimizer state of every checkpoint; ``matched_learning_rate``; a method
-whose matched rate rounds to GRPO's has no second runs, its runs at GRPO's rate are matched). Its runs keep every
-checkpoint, so each run's summary has its update norms (``update_norms``).
+Real verl runs (``recipes/tiny_cpu/run.sh``) of ``common.METHODS`` variants, in two stages: a learning-rate sweep
+(``--sweep``: ``--sweep-steps`` steps at each rate of ``SWEEP_LRS``, seed 0, on problems of a generator stream the
+main runs do not validate on; the highest validation AUC wins, ties to the smaller rate), then main runs at the
+chosen rates, seeds ``--seeds`` × ``--steps`` steps (segment_mc ``--segment-mc-steps``), greedy validation on
+``--val-size`` problems every ``--test-freq`` steps, on the setting ``--setting`` (``common.SETTINGS``; its methods:
+``methods_of``). On the answer-early and long settings every method trains at GRPO's swept rate; on the long one each
+method but GRPO also at the rate matching GRPO's update norm (``<method>_norm_matched``: GRPO's rate × GRPO's median
+Adam update norm / the method's, from the first seed's checkpoints at GRPO's rate, ``matched_learning_rate``; no
+second runs where that rounds to GRPO's rate), and runs keep every checkpoint (``update_norms`` in each summary).
 
 Every finished run is summarised in a ledger committed with the results (``results/sample_efficiency_runs/<setting>/
 {sweep,main}/<run>.json``: launch settings and summary); a run the ledger holds is read, not launched, and an
-interrupted main run resumes from its last verl checkpoint, so a study goes on from any checkout. The JSON (seed-mean
-curves with seed t and binomial intervals, AUC, steps and seconds to GRPO's final accuracy, differences from GRPO
-paired by seed, diagnostics and localisation over the first and last 10 steps) is recomputed from the ledger alone
-with ``--from-runs``. Protocol, history and measured tables: RESULTS.md §3.
+interrupted main run resumes from its last verl checkpoint. ``--from-runs`` recomputes the JSON (seed-mean curves
+with seed t and binomial intervals, AUC, steps and seconds to GRPO's final accuracy, differences from GRPO paired by
+seed, diagnostics and localisation over the first and last 10 steps) from the ledger alone. RESULTS.md §3.
 
     python -m benchmarks.sample_efficiency --sweep                # the sweep only
     nohup nice -n 10 python -m benchmarks.sample_efficiency --setting hard > outputs/se_hard.log 2>&1 &
@@ -531,14 +525,12 @@ def paired_with_grpo(runs: dict[str, dict], grpo_runs: dict[str, dict]) -> dict 
     A seed fixes the order of the training prompts, which both runs of a pair then see alike."""
     auc_differences, final_differences, last_steps = [], [], set()
     for seed in sorted(set(runs) & set(grpo_runs), key=int):
-        mine, theirs = ({p["step"]: p for p in run["validation"]} for run in (runs[seed], grpo_runs[seed]))
-        shared = sorted(set(mine) & set(theirs))
-        if len(shared) < 2:
+        mine, theirs = common.on_shared_steps(runs[seed]["validation"], grpo_runs[seed]["validation"])
+        if len(mine) < 2:
             continue
-        auc_differences.append(area_under_curve([mine[step] for step in shared])
-                               - area_under_curve([theirs[step] for step in shared]))
-        final_differences.append(mine[shared[-1]]["accuracy"] - theirs[shared[-1]]["accuracy"])
-        last_steps.add(shared[-1])
+        auc_differences.append(area_under_curve(mine) - area_under_curve(theirs))
+        final_differences.append(mine[-1]["accuracy"] - theirs[-1]["accuracy"])
+        last_steps.add(mine[-1]["step"])
     if not auc_differences:
         return None
     return {"seeds": len(auc_differences), "up_to_step": max(last_steps),

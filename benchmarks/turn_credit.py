@@ -1,35 +1,26 @@
 """Turn-level credit on the calculator tool task: gradient quality against a reference gradient, value quality at the
 assistant-turn boundaries against Monte-Carlo values with the tool, and the training step's cost.
 
-The task and model are the calculator miniature (``tasks/calculator.py``, the shipped warm start of
-``tasks/calculator_miniature.py``); trajectories are played by ``calculator_miniature.tool_loop``: verl's
-``ToolAgentLoop`` turn by turn (hermes parser, the calculator tool, verl's Continuous Token builder merging each tool
-answer), HF ``generate`` as the engine at temperature 1, the recipe's limits (6 assistant turns, 160 response tokens).
-A response keeps its tool answers and template tokens in place, with verl's ``response_mask`` (0 there). Problems are
-fresh draws of the task's generator (``--seed``), not the parquet's 64 training rows.
+Trajectories of the shipped calculator warm start (``tasks/calculator_miniature.py``) are played by
+``calculator_miniature.tool_loop``: verl's ``ToolAgentLoop`` turn by turn (hermes parser, the calculator tool, verl's
+Continuous Token builder), HF ``generate`` at temperature 1, the recipe's limits (6 assistant turns, 160 response
+tokens); tool answers and template tokens stay in the response with ``response_mask`` 0. Problems are fresh draws of
+the task's generator (``--seed``).
 
-* **Gradient quality** (the protocol of ``gradient_quality.py``): a pool of ``--pool-prompts`` × ``--pool-rollouts``
-  trajectories; the reference g* is REINFORCE with a leave-one-out baseline over the pool (token mean over the model's
-  tokens only), the batch's own trajectories taken out; paired batches of B prompts × ``--group-size``; per method
-  the token-mean loss −Σ A_t log π(o_t) / tokens over the model's tokens, its gradient and its cosine with g*. Methods
-  (``METHODS``): GRPO and ``rredcot`` as ``recipes/tiny_cpu/calculator.yaml`` runs it (one segment per assistant
-  turn), with each value source: the exit probe (the recipe: the gold answer and the group's correct answers, which
-  on this task are the gold answer, so it is IGPO's p(gold | history), redistributed by telescoping), the same with
-  ``degenerate_groups: value_differences`` (all-wrong groups, where GRPO's gradient is 0, learn from the values'
-  differences), and reference continuation from the group's correct trajectories (the core's bank as it stands,
-  which glues a sibling's turns without their tool answers: measured here to show why the launcher refuses it on
-  multi-turn rollouts). None needs reference solutions. IBPO and ``segment_mc`` are refused on multi-turn rollouts.
-  Every method's advantage on a tool-output or template token is checked to be exactly 0.
-* **Value quality**: ``--vq-prompts`` × ``--vq-samples`` trajectories (groups, so the group banks see siblings);
-  every state S_k at an assistant-turn start gets a Monte-Carlo value from ``--mc-samples`` continuations that resume
-  the conversation there and call the tool (``calculator_miniature.resumed_state``); S_K's value is the outcome.
-  Spearman (pooled over states; within trace) of each value source with MC, and localisation: on failed trajectories
-  with a wrong tool call (``calculator_wrong_step``), how often the most negative segment reward R_k = v_{k+1} − v_k
-  falls on the turn of the first wrong call.
-* **Step cost**: ``python -m rredcot_verl.main`` on ``recipes/tiny_cpu/calculator.yaml`` for ``grpo`` and the
-  ``rredcot`` methods the launcher accepts (``LAUNCHED``: it refuses continuation values on multi-turn rollouts),
-  ``--cost-steps`` steps each in one sitting, same data seed; median ``timing_s/step`` over steps ≥ 2 and its ratio to
-  GRPO's (``--cost-steps 0`` skips it).
+* **Gradient quality**: ``gradient_quality.py``'s protocol (``common``'s gradient protocol), token means over the
+  model's tokens only. Methods (``METHODS``, on ``recipes/tiny_cpu/calculator.yaml``, one segment per assistant
+  turn): GRPO; the recipe's exit probe (the gold answer, which the group's correct answers equal here: IGPO's
+  p(gold | history) redistributed by telescoping); the same with ``degenerate_groups: value_differences`` (all-wrong
+  groups learn from value differences); reference continuation from the group's correct trajectories (which glues a
+  sibling's turns without their tool answers: measured to show why the launcher refuses it on multi-turn rollouts).
+  None needs reference solutions; IBPO and ``segment_mc`` are refused on multi-turn rollouts. An advantage on a
+  tool-output or template token is an error.
+* **Value quality**: ``--vq-prompts`` × ``--vq-samples`` trajectories; each state S_k at an assistant-turn start gets
+  a Monte-Carlo value from ``--mc-samples`` continuations resumed there (``calculator_miniature.resumed_state``);
+  S_K's value is the outcome. Spearman with MC (pooled; within trace) per value source, and localisation: on failed
+  trajectories with a wrong tool call, how often the most negative R_k = v_{k+1} − v_k is the turn of the first one.
+* **Step cost**: ``--cost-steps`` steps of ``recipes/tiny_cpu/run.sh calculator`` (``common.cost_runs``) for the
+  methods the launcher accepts (``LAUNCHED``), one sitting, same data seed: ``common.median_step_s``, ratio to GRPO's.
 
 Caches under ``--cache`` (pool, g*, per-batch results, value quality, runs): a rerun resumes from them.
 
@@ -41,10 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,19 +46,6 @@ if __package__ in (None, ""):  # ``python benchmarks/turn_credit.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common
-from benchmarks.common import (
-    cached_pool,
-    compute_gstar,
-    correlations,
-    cosine,
-    draw_batch,
-    flat_grad,
-    forward_log_probs,
-    localisation_hit,
-    loo_advantages,
-    print_gradient_table,
-    summarise,
-)
 from rredcot_verl.core.outcomes import group_outcome_advantage
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.values import compute_segment_values
@@ -187,19 +163,14 @@ def gradient_concentration(model, tokenizer, flat: torch.Tensor, rows: int = 4) 
 def evaluate_batch(player: Player, pool: dict, gstar: dict, table: dict, items, methods) -> dict:
     """Per method: cosine, relative error and norm ratio of the batch gradient against g* without the batch."""
     model, pad = player.model, player.tokenizer.pad_token_id
-    params = list(model.parameters())
     prompts = [pool["prompts"][p] for p, _ in items]
     responses = [pool["responses"][p][r] for p, r in items]
     masks = [pool["response_masks"][p][r] for p, r in items]
     scores = torch.stack([pool["scores"][p, r] for p, r in items]).float()
     index = np.array([str(p) for p, _ in items], dtype=object)
-    logp, mask, entropy = forward_log_probs(model, [p["prompt_ids"] for p in prompts], responses, pad,
+    logp, mask, entropy = common.forward_log_probs(model, [p["prompt_ids"] for p in prompts], responses, pad,
                                             with_entropy=True, response_masks=masks)
-    tokens = float(mask.sum())
-    pool_loo = loo_advantages(pool["scores"])
-    loo = torch.stack([pool_loo[p, r] for p, r in items])
-    own = flat_grad(-(loo * logp.sum(1)).sum(), params)
-    reference = (gstar["sum"] - own) / (gstar["tokens"] - tokens)
+    reference, tokens = common.batch_reference(model, pool, gstar, items, logp, mask)
     records = trace_records(prompts, responses, masks, scores.tolist(), index,
                             [entropy[i, : len(r)].clone() for i, r in enumerate(responses)])
     results = {}
@@ -218,49 +189,31 @@ def evaluate_batch(player: Player, pool: dict, gstar: dict, table: dict, items, 
                     "traces_without_candidates": values.metrics.get("rredcot/traces_without_candidates", 0.0)}
         if bool((advantages[mask == 0] != 0).any()):
             raise AssertionError(f"{method}: advantage on a tool-output, template or padding token")
-        g = flat_grad(-(advantages * logp).sum() / tokens, params)
-        results[method] = {"cosine": cosine(g, reference),
-                           "rel_error": float((g - reference).pow(2).sum() / reference.pow(2).sum()),
-                           "norm_ratio": float(g.norm() / reference.norm()),
-                           "zero_advantage_frac": float(((advantages == 0) & (mask > 0)).sum() / tokens),
-                           "seconds": time.perf_counter() - started, **info}
+        row = common.gradient_row(model, advantages, logp, mask, tokens, reference)
+        results[method] = {**row, "seconds": time.perf_counter() - started, **info}
     return results
 
 
-def gradient_quality(player: Player, args, cache: Path, table: dict) -> dict:
+def gradient_quality(player: Player, args, cache: Path, table: dict, headline: int) -> dict:
     fingerprint = {"pool_prompts": args.pool_prompts, "pool_rollouts": args.pool_rollouts, "seed": args.seed,
                    "group_size": args.group_size}
-    pool, gstar, records, batches_path = cached_pool(
+    pool, gstar, records, batches_path = common.cached_pool(
         cache, fingerprint, lambda: make_pool(player, args.pool_prompts, args.pool_rollouts, args.seed),
-        lambda pool: compute_gstar(player.model, pool, player.tokenizer.pad_token_id,
+        lambda pool: common.compute_gstar(player.model, pool, player.tokenizer.pad_token_id,
                                    chunk_prompts=max(1, 128 // args.pool_rollouts)))
     print(f"pool: {args.pool_prompts}x{args.pool_rollouts} trajectories ({pool['seconds']:.0f}s), accuracy "
           f"{float(pool['scores'].mean()):.3f}, mean turns {np.mean(pool['turns']):.2f}; g*: split-half cosine "
           f"{gstar['split_half_cosine']:.3f} ({gstar['seconds']:.0f}s)", flush=True)
-    results = records["results"]
-    methods = list(METHODS)
-    plan = [(s, ["grpo"]) for s in args.sizes + args.grpo_sizes] + [(s, methods[1:]) for s in args.sizes]
-    for size, todo in plan:
-        for b in range(args.batches):
-            missing = [m for m in todo if str(b) not in results.get(m, {}).get(str(size), {})]
-            if not missing:
-                continue
-            items = draw_batch(args.seed, args.pool_prompts, args.pool_rollouts, size, args.group_size, b)
-            for method, value in evaluate_batch(player, pool, gstar, table, items, missing).items():
-                results.setdefault(method, {}).setdefault(str(size), {})[str(b)] = value
-            common.write_result(records, batches_path, say=False)
-    headline = 32 if 32 in args.sizes else max(args.sizes)
-    summary = summarise(results, methods, args.sizes, args.grpo_sizes, args.group_size, headline, args.bootstrap,
+    results, methods = records["results"], list(METHODS)
+    common.run_batches(args, results, methods,
+                       lambda items, missing, size, b: evaluate_batch(player, pool, gstar, table, items, missing),
+                       lambda: common.write_result(records, batches_path, say=False))
+    summary = common.summarise(results, methods, args.sizes, args.grpo_sizes, args.group_size, headline, args.bootstrap,
                         args.seed)
     scores = pool["scores"]
     summary["settings"] = {
-        "pool_prompts": args.pool_prompts, "pool_rollouts_per_prompt": args.pool_rollouts,
-        "pool_accuracy": float(scores.mean()), "pool_mean_turns": float(np.mean(pool["turns"])),
-        "pool_mean_calls": float(np.mean(pool["calls"])),
-        "pool_prompts_all_correct": int((scores.min(1).values == 1).sum()),
-        "pool_prompts_all_wrong": int((scores.max(1).values == 0).sum()),
-        "group_size": args.group_size, "sizes_prompts": args.sizes, "grpo_only_sizes_prompts": args.grpo_sizes,
-        "batches_per_size": args.batches, "headline_prompts": headline,
+        **common.pool_settings(args, scores, headline, pool_mean_turns=float(np.mean(pool["turns"])),
+                               pool_mean_calls=float(np.mean(pool["calls"]))),
         "loss": "token mean over the model's tokens of the batch: -sum(A_t log pi(o_t)) / tokens (ratio 1); tool "
                 "answers and template tokens between turns are context, in no sum",
         "gstar": {"estimator": "REINFORCE, leave-one-out baseline per prompt, token mean over the model's tokens of "
@@ -302,7 +255,7 @@ def value_quality(player: Player, args, cache: Path, table: dict) -> dict:
         played = player.play(problems, args.vq_samples, args.seed + 1)
         flat = [(i, t) for i, group in enumerate(played) for t in group]
         prompts = [prompt_entry(problems[i], t["prompt_ids"]) for i, t in flat]
-        _, _, entropy = forward_log_probs(player.model, [p["prompt_ids"] for p in prompts],
+        _, _, entropy = common.forward_log_probs(player.model, [p["prompt_ids"] for p in prompts],
                                           [t["response_ids"] for _, t in flat], player.tokenizer.pad_token_id,
                                           with_entropy=True, response_masks=[t["response_mask"] for _, t in flat])
         records = trace_records(prompts, [t["response_ids"] for _, t in flat], [t["response_mask"] for _, t in flat],
@@ -354,11 +307,11 @@ def value_tables(per_trace: list[dict]) -> dict:
               "failed_with_wrong_call": int(sum(t["holder_segment"] is not None for t in per_trace))}
     sources = {}
     for name in (*VALUE_SOURCES, "mc"):
-        together = correlations([(_series(t[name]), _series(t["mc"])) for t in per_trace])
+        together = common.correlations([(_series(t[name]), _series(t["mc"])) for t in per_trace])
         hits, chance = [], []
         for t in per_trace:
             rewards = np.diff(np.append(_series(t[name]), t["outcome"]))
-            hit = localisation_hit([None if r != r else float(r) for r in rewards], t["holder_segment"])
+            hit = common.localisation_hit([None if r != r else float(r) for r in rewards], t["holder_segment"])
             if hit is not None:
                 hits.append(hit[0])
                 chance.append(hit[1])
@@ -373,32 +326,19 @@ def value_tables(per_trace: list[dict]) -> dict:
 
 # --------------------------------------------------------------------------------------------------------- step cost
 def step_cost(build: Path, args, cache: Path) -> dict:
-    """``--cost-steps`` steps of the calculator recipe per method, launched one after another (one sitting)."""
-    rows = {}
-    for name in LAUNCHED:
-        overrides = METHODS[name]
-        out = cache / "runs" / name
-        metrics = out / "metrics.jsonl"
-        if len(load_metrics(metrics)) < args.cost_steps:
-            out.mkdir(parents=True, exist_ok=True)
-            metrics.unlink(missing_ok=True)
-            env = {**os.environ, "RREDCOT_BUILD": str(build), "VERL_FILE_LOGGER_PATH": str(metrics)}
-            env.pop("RAY_ADDRESS", None)
-            command = ["timeout", "-k", "30", "1800", "setsid", sys.executable, "-m", "rredcot_verl.main",
-                       "--config-dir", str(common.RECIPES), "--config-name", RECIPE, *overrides,
-                       f"trainer.total_training_steps={args.cost_steps}", f"data.seed={args.seed + 1}",
-                       f"algorithm.rredcot.snapshot_dir={out / 'snapshots'}"]
-            with open(out / "train.log", "w") as log:
-                code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT).returncode
-            if code != 0:
-                raise SystemExit(f"{name}: the launch exited {code}; see {out / 'train.log'}")
-        logged = load_metrics(metrics)
+    """``--cost-steps`` steps of the calculator recipe per launched method, one after another (one sitting)."""
+
+    def row(out: Path) -> dict:
+        logged = load_metrics(out / "metrics.jsonl")
         steps = [r for r in logged if r["step"] >= 2]
-        rows[name] = {"median_step_s": common.median_step_s(logged),
-                      "median_adv_s": statistics.median(r.get("timing_s/adv", float("nan")) for r in steps),
-                      "steps": len(steps), "mean_score": float(np.mean([r["critic/score/mean"] for r in steps])),
-                      "failed_groups": int(sum(r["rollout/failed_groups"] for r in steps))}
-    return common.with_step_ratios(rows)
+        return {"median_step_s": common.median_step_s(logged),
+                "median_adv_s": statistics.median(r.get("timing_s/adv", float("nan")) for r in steps),
+                "steps": len(steps), "mean_score": float(np.mean([r["critic/score/mean"] for r in steps])),
+                "failed_groups": int(sum(r["rollout/failed_groups"] for r in steps))}
+
+    runs = {name: (common.Method(RECIPE, METHODS[name]), cache / "runs" / name) for name in LAUNCHED}
+    return common.cost_runs(runs, args.cost_steps, args.seed + 1, build, row, preset=RECIPE,
+                            overrides=(f"trainer.total_training_steps={args.cost_steps}",))
 
 
 # ---------------------------------------------------------------------------------------------------------------- run
@@ -406,7 +346,7 @@ def print_tables(result: dict) -> None:
     gq = result["gradient_quality"]
     print(f"GRADIENT QUALITY ({gq['settings']['pool_prompts']}x{gq['settings']['pool_rollouts_per_prompt']} pool, "
           f"accuracy {gq['settings']['pool_accuracy']:.3f})")
-    print_gradient_table({**gq, "settings": {"gstar": {**gq["settings"]["gstar"], "pool_rollouts":
+    common.print_gradient_table({**gq, "settings": {"gstar": {**gq["settings"]["gstar"], "pool_rollouts":
                                                        gq["settings"]["gstar"]["pool_trajectories"]}}},
                          gq["settings"]["group_size"])
     vq = result["value_quality"]
@@ -422,35 +362,25 @@ def main(argv: list[str] | None = None) -> dict:
     cli = common.parser(__doc__, RESULTS_PATH, "tiny pool, one batch size, MC K=2, no launches; temp cache and output",
                         build=False)
     cli.add_argument("--cache", type=Path, default=None, help=f"caches (default {CACHE_DIR})")
-    cli.add_argument("--pool-prompts", type=int, default=128)
-    cli.add_argument("--pool-rollouts", type=int, default=32)
-    cli.add_argument("--group-size", type=int, default=4)
-    cli.add_argument("--sizes", type=int, nargs="+", default=[32, 8, 16], help="prompts per batch, all methods")
-    cli.add_argument("--grpo-sizes", type=int, nargs="*", default=[64, 128], help="extra GRPO-only batch prompts")
-    cli.add_argument("--batches", type=int, default=20)
+    common.add_pool_arguments(cli, pool_rollouts=32)
     cli.add_argument("--vq-prompts", type=int, default=24)
     cli.add_argument("--vq-samples", type=int, default=4)
     cli.add_argument("--mc-samples", type=int, default=16)
     cli.add_argument("--cost-steps", type=int, default=5, help="steps per launch for the step cost (0: none)")
-    cli.add_argument("--seed", type=int, default=0)
-    cli.add_argument("--bootstrap", type=int, default=1000)
     args = cli.parse_args(argv)
     if args.smoke:
         args.pool_prompts, args.pool_rollouts, args.sizes, args.grpo_sizes, args.batches = 4, 8, [2], [], 2
         args.vq_prompts, args.vq_samples, args.mc_samples, args.cost_steps, args.bootstrap = 2, 2, 2, 0, 20
     cache = args.cache or (Path(tempfile.mkdtemp()) / "turn_credit" if args.smoke else CACHE_DIR)
     out = args.out or (cache / "turn_credit.json" if args.smoke else RESULTS_PATH)
-    if max(args.sizes + args.grpo_sizes) > args.pool_prompts or args.group_size > args.pool_rollouts:
-        cli.error("batches must fit in the pool (prompts and rollouts per prompt)")
+    headline = common.start_pool_protocol(cli, args)
     cache.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     started = time.perf_counter()
     build = cache / "build"
     tasks_build.build(tasks_build.testbed("calculator"), str(build), log=lambda *a, **k: None)  # the shipped warm start
     player = Player(build)
     table = {name: method_settings(name) for name in METHODS}
-    result = {"gradient_quality": gradient_quality(player, args, cache, table),
+    result = {"gradient_quality": gradient_quality(player, args, cache, table, headline),
               "value_quality": value_quality(player, args, cache, table),
               "step_cost": step_cost(build, args, cache) if args.cost_steps else None}
     warm_start = json.loads((build / tasks_build.BUILD_RECORD).read_text())["warm_start"]["sft"]["kept"]

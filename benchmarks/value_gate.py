@@ -35,11 +35,8 @@ import torch
 from benchmarks import common
 from benchmarks.common import RECIPE_SEGMENTATION, SETTINGS, mean_interval
 from rredcot_verl.core.concordance import ConcordanceCounts, ConcordanceWindow, gate_is_open, value_outcome_concordance
-from rredcot_verl.core.planning import TraceRecord
-from rredcot_verl.core.probes import ProbeSettings
 from benchmarks.reference_scorers import trace_log_probs_and_entropy
 from rredcot_verl.core.redistribution import RedistributionSettings, redistribute
-from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
 from rredcot_verl.core.values import compute_segment_values
 from rredcot_verl.tasks import load_model_dir
 from rredcot_verl.tasks.base import ARITHMETIC
@@ -84,11 +81,7 @@ def gate_open_shares(counts: list[ConcordanceCounts]) -> dict:
 def warm_start_batch(model, tokenizer, problems, samples: int, seed: int, rng: np.random.Generator) -> dict:
     """One batch (``samples`` traces per problem): per source its concordance counts and localisation hits."""
     traces = common.sample_traces(model, tokenizer, problems, samples, seed)
-    records = []
-    for trace in traces:
-        _, entropy = trace_log_probs_and_entropy(model, trace.prompt_ids, trace.response_ids)
-        records.append(TraceRecord(trace.prompt_ids, trace.response_ids, entropy, trace.outcome, trace.group,
-                                   trace.ground_truth, trace.reference_steps))
+    records = [t.record(trace_log_probs_and_entropy(model, t.prompt_ids, t.response_ids)[1]) for t in traces]
     outcomes = torch.tensor([t.outcome for t in traces], dtype=torch.float32)
     lengths = torch.tensor([len(t.response_ids) for t in traces])
     index = [t.group for t in traces]
@@ -102,10 +95,7 @@ def warm_start_batch(model, tokenizer, problems, samples: int, seed: int, rng: n
             mapping = SOURCES["reference_both"][3]
         else:
             value_source, normalization, candidates, mapping = SOURCES[name]
-            settings = RRedCoTSettings(
-                segmentation=RECIPE_SEGMENTATION, candidates=CandidateSettings(source=candidates),
-                probe=ProbeSettings(value_source=value_source, normalization=normalization, profile="embedded"),
-            )  # fmt: skip
+            settings = common.embedded_settings(value_source, normalization, candidates)
             values = compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC,
                                             max_positions=model.config.max_position_embeddings)
             ends, raw = values.segment_ends, values.raw_values

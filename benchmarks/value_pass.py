@@ -108,12 +108,6 @@ def spread(length: int, count: int) -> list[int]:
     return torch.linspace(0, length, count).round().long().tolist()
 
 
-def cpu_seconds(fn) -> float:
-    start = time.process_time()
-    fn()
-    return time.process_time() - start
-
-
 # --------------------------------------------------------------------------------------------------------- values
 def probe_batch(model, tokenizer, traces):
     """Per sampled trace: (boundaries S_0..S_{K-1}, exit probes for the ground truth and the group's other boxed
@@ -143,9 +137,6 @@ def probe_batch(model, tokenizer, traces):
 
 def measure_values(model, tokenizer, traces, mc_samples: int, repeats: int) -> dict:
     from benchmarks import common
-    from rredcot_verl.core.planning import TraceRecord
-    from rredcot_verl.core.probes import ProbeSettings
-    from rredcot_verl.core.settings import RRedCoTSettings
     from rredcot_verl.core.values import compute_segment_values
     from rredcot_verl.tasks.base import ARITHMETIC
 
@@ -169,10 +160,8 @@ def measure_values(model, tokenizer, traces, mc_samples: int, repeats: int) -> d
         naive_times.append(seconds)
     max_error = max([float((p.probe_logp - n).abs().max()) for p, n in zip(packed, naive) if n.numel()], default=0.0)
     # What a training step of the tiny_cpu recipe runs on the actor: reference-continuation probes, packed.
-    records = [TraceRecord(t.prompt_ids, t.response_ids, entropy, t.outcome, t.group, t.ground_truth,
-                           t.reference_steps) for t, (_, _, entropy) in zip(traces, batch)]
-    settings = RRedCoTSettings(segmentation=common.RECIPE_SEGMENTATION, probe=ProbeSettings(
-        value_source="reference_continuation", normalization="raw", profile="embedded"))
+    records = [t.record(entropy) for t, (_, _, entropy) in zip(traces, batch)]
+    settings = common.embedded_settings("reference_continuation")
     recipe_seconds = statistics.median(
         timed(lambda: compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC))[0]
         for _ in range(repeats))
@@ -201,25 +190,16 @@ def measure_values(model, tokenizer, traces, mc_samples: int, repeats: int) -> d
 
 
 def measure_training(runs_dir: Path, steps: int, seed: int, build: Path, launch: bool) -> dict:
-    """One run of each of grpo, rredcot, segment_mc and ibpo (launched, one retry: the machine is shared; or read)."""
+    """One run of each of grpo, rredcot, segment_mc and ibpo (launched, or read): step time and its phases."""
     from benchmarks import common
-    from rredcot_verl.runs import load_metrics
 
-    result = {}
-    for method in ("grpo", "rredcot", "segment_mc", "ibpo"):
-        out = runs_dir / f"{method}_seed{seed}"
-        spec = common.METHODS[method]
-        code = 0
-        for _ in range(2 if launch else 0):
-            code = common.launch_run(spec.recipe, out, steps, seed, build, spec.overrides)
-            if code == 0:
-                break
-        if code != 0:
-            result[method] = {"error": f"run.sh exited {code}; see {out / 'train.log'}"}
-            continue
-        rows = load_metrics(out / "metrics.jsonl")
-        result[method] = {**common.step_cost(rows), "phase_median_s": common.phase_medians(rows), "run": str(out)}
-    return common.with_step_ratios(result)
+    def row(out: Path) -> dict:
+        rows = common.load_metrics(out / "metrics.jsonl")
+        return {**common.step_cost(rows), "phase_median_s": common.phase_medians(rows), "run": str(out)}
+
+    runs = {method: (common.METHODS[method], runs_dir / f"{method}_seed{seed}")
+            for method in ("grpo", "rredcot", "segment_mc", "ibpo")}
+    return common.cost_runs(runs, steps, seed, build, row, launch=launch, resume=False)  # one sitting with the values
 
 
 def run_values(args) -> dict:
@@ -282,7 +262,7 @@ def overhead_row(model, name: str, trace: Trace, num_boundaries: int, candidates
     for repeat in range(repeats):
         pair = [(plain_times, run_plain), (packed_times, run_packed)]
         for times, run in pair if repeat % 2 == 0 else pair[::-1]:
-            times.append(cpu_seconds(run))
+            times.append(output.cpu_seconds(run)[0])
     ratio = statistics.median(packed / plain for packed, plain in zip(packed_times, plain_times))
     length = trace.response.numel()
     limit = (length + num_boundaries * candidates * OVERHEAD_PROBE) / length
@@ -291,11 +271,9 @@ def overhead_row(model, name: str, trace: Trace, num_boundaries: int, candidates
            "packed_over_plain": ratio, "limit": limit, "ratio_over_limit": ratio / limit, "repeats": repeats,
            "naive_s": None, "max_rel_err_vs_naive": None}
     if naive:
-        naive_scores = []
-        row["naive_s"] = cpu_seconds(lambda: naive_scores.append(
-            score_probes_naive(model, trace.prompt, trace.response, trace.probes)))
-        packed_scores = run_packed().probe_logp
-        row["max_rel_err_vs_naive"] = float(((packed_scores - naive_scores[0]).abs() / naive_scores[0].abs()).max())
+        row["naive_s"], naive = output.cpu_seconds(lambda: score_probes_naive(model, trace.prompt, trace.response,
+                                                                               trace.probes))
+        row["max_rel_err_vs_naive"] = float(((run_packed().probe_logp - naive).abs() / naive.abs()).max())
     return row
 
 
@@ -318,7 +296,7 @@ def run_overhead(args) -> dict:
         torch.manual_seed(0)
         model = qwen2_model(name, max_positions=OVERHEAD_PROMPT + max(lengths[name]) + 64)
         for length in lengths[name]:
-            warm_up = cpu_seconds(lambda: trace_log_probs_and_entropy(
+            warm_up, _ = output.cpu_seconds(lambda: trace_log_probs_and_entropy(
                 model, torch.zeros(OVERHEAD_PROMPT, dtype=torch.long), torch.zeros(length, dtype=torch.long)))
             repeats = max(min_repeats, min(25, int(MIN_MEASURED_SECONDS / max(warm_up, 1e-3))))
             for num_boundaries in boundary_counts:
@@ -386,7 +364,7 @@ def measure_scale(spec: dict) -> dict:
     Path("/proc/self/clear_refs").write_text("5")
     resident_mib = status_mib("VmRSS")
     with torch.no_grad():
-        seconds = cpu_seconds(passes[spec["pass"]])
+        seconds, _ = output.cpu_seconds(passes[spec["pass"]])
     return {"cpu_s": seconds, "peak_mib": status_mib("VmHWM"), "resident_before_mib": resident_mib,
             "probes": len(plan.probes)}
 

@@ -38,9 +38,6 @@ from benchmarks import common
 from benchmarks.attribution import gradient_times_input_attribution, leave_one_out_attribution
 from benchmarks.common import EXIT_TEXT, RECIPE_SEGMENTATION, correlations, fmt, spearman
 from benchmarks.reference_scorers import trace_log_probs_and_entropy
-from rredcot_verl.core.planning import TraceRecord
-from rredcot_verl.core.probes import ProbeSettings
-from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
 from rredcot_verl.core.values import compute_segment_values
 from rredcot_verl.tasks import first_wrong_step, load_model_dir
 from rredcot_verl.tasks.base import ARITHMETIC
@@ -104,14 +101,12 @@ def value_sources(model, tokenizer, traces, sources: dict[str, Source] = PROBE_S
     entropies = [trace_log_probs_and_entropy(model, t.prompt_ids, t.response_ids)[1] for t in traces]
     ends, values, timings = None, {}, {}
     for name, source in sources.items():
-        records = [TraceRecord(t.prompt_ids, t.response_ids, entropy, t.outcome, t.group, t.ground_truth,
-                               coarse_steps(t.reference_steps) if source.coarse else t.reference_steps)
+        records = [t.record(entropy, coarse_steps(t.reference_steps) if source.coarse else None)
                    for t, entropy in zip(traces, entropies)]
         # The coarse reference stands alone: the group's correct traces would bring back the fine steps.
-        candidates = CandidateSettings(source="ground_truth" if source.coarse else "both")
-        settings = RRedCoTSettings(segmentation=segmentation, candidates=candidates, probe=ProbeSettings(
-            value_source=source.value_source, normalization=source.normalization, profile="embedded",
-            reference_alignment=source.alignment))
+        candidates = "ground_truth" if source.coarse else "both"
+        settings = common.embedded_settings(source.value_source, source.normalization, candidates, segmentation,
+                                            reference_alignment=source.alignment)
         started = time.perf_counter()
         result = compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC,
                                         max_positions=model.config.max_position_embeddings)

@@ -269,10 +269,8 @@ def compare(runs: dict[int, dict], reference_runs: dict[int, dict], horizon: int
     auc = {seed: area_under_curve(curve) for seed, curve in curves.items()}
     reference_auc = {seed: area_under_curve(curve) for seed, curve in reference.items()}
     paired_auc = {}
-    for seed in sorted(set(curves) & set(reference)):  # each pair on the validation steps both runs have
-        shared = {p["step"] for p in curves[seed]} & {p["step"] for p in reference[seed]}
-        paired_auc[seed] = (area_under_curve([p for p in curves[seed] if p["step"] in shared]),
-                            area_under_curve([p for p in reference[seed] if p["step"] in shared]))
+    for seed in sorted(set(curves) & set(reference)):
+        paired_auc[seed] = tuple(map(area_under_curve, common.on_shared_steps(curves[seed], reference[seed])))
     mean_reference = mean_curve(list(reference.values())) if reference else []
     shifts = {"paired": [time_shift(curves[seed], reference[seed]) for seed in sorted(paired_auc)],
               "unpaired": [time_shift(curve, mean_reference) for curve in curves.values()] if mean_reference else []}
