@@ -17,6 +17,7 @@ committed default and hard results of the repair-filled bank measured the rewrit
 
     python -m benchmarks.length_scaling                        # every length: benchmarks/results/length_scaling.json
     python -m benchmarks.length_scaling --settings long        # the long length's cost runs only (resumable)
+    python -m benchmarks.length_scaling --settings long --roles rredcot_dataset_references   # and GRPO's only
     python -m benchmarks.length_scaling --cost-steps 0         # gain only, from the committed protocol results
 """
 
@@ -95,10 +96,10 @@ def cost_entry(out: Path) -> dict:
     return {**common.step_cost(load_metrics(out / "metrics.jsonl")), "run": str(out)}
 
 
-def measure_cost(length: str, steps: int, seed: int) -> dict:
-    """Every role's run at ``length`` (a run with ``steps`` logged steps is kept, so a rerun resumes)."""
+def measure_cost(length: str, steps: int, seed: int, roles: list[str]) -> dict:
+    """``roles``' runs at ``length`` (a run with ``steps`` logged steps is kept, so a rerun resumes)."""
     build, overrides = length_build(length)
-    runs = {role: (common.METHODS[method], RUNS_DIR / length / role) for role, method in ROLES.items()}
+    runs = {role: (common.METHODS[ROLES[role]], RUNS_DIR / length / role) for role in roles}
     return common.cost_runs(runs, steps, seed, build, cost_entry, overrides=overrides,
                             preset=SETTINGS[length].preset)
 
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
                      help="lengths whose cost runs to launch (the others' runs are read if present)")
     cli.add_argument("--cost-steps", type=int, default=4, help="steps per cost run (0: no launches)")
     cli.add_argument("--seed", type=int, default=1, help="data seed of the cost runs")
+    cli.add_argument("--roles", nargs="+", choices=list(ROLES), default=list(ROLES),
+                     help="roles whose cost runs to launch (GRPO's is always launched: the ratios are to it)")
     args = cli.parse_args(argv)
     if args.smoke:
         args.cost_steps = 0
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     for length in LENGTHS:
         gradient = {role: gradient_entry(*gradient_source(length, role, common.RESULTS_DIR)) for role in ROLES}
         if args.cost_steps and length in args.settings:
-            cost = measure_cost(length, args.cost_steps, args.seed)
+            cost = measure_cost(length, args.cost_steps, args.seed, ["grpo", *(r for r in args.roles if r != "grpo")])
         else:
             cost = common.with_step_ratios({role: cost_entry(RUNS_DIR / length / role) for role in ROLES
                                             if (RUNS_DIR / length / role / "metrics.jsonl").exists()})
