@@ -18,7 +18,8 @@ from rredcot_verl.core.profiles import ProbeTokenizer
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.tasks import math_data
 from rredcot_verl.tasks.math_reward import compute_score
-from rredcot_verl.tasks.build import build, testbed
+from rredcot_verl.tasks.build import build
+from rredcot_verl.tasks.build import testbed as named_testbed  # a name pytest would collect as a test
 from rredcot_verl.tasks.miniature import DATA_SOURCE, FAMILIES, MathRow, load_problems
 from rredcot_verl.tasks.model import load_model_dir
 from rredcot_verl.tasks.reward import extract_boxed_answer
@@ -36,7 +37,7 @@ def built(request, tmp_path_factory):
     torch.set_num_threads(2)
     try:
         with shared_build_folder(f"miniature_{request.param}", tmp_path_factory) as out:
-            record = build(testbed(request.param), str(out))
+            record = build(named_testbed(request.param), str(out))
         yield request.param, out, record
     finally:
         torch.set_num_threads(threads)
@@ -122,7 +123,7 @@ def test_warm_start_writes_boxed_answers(built):
 def test_a_second_build_is_cached(built):
     family, out, record = built
     messages = []
-    assert build(testbed(family), str(out), log=messages.append) == record
+    assert build(named_testbed(family), str(out), log=messages.append) == record
     assert messages == [f"{family}: reusing {out} (settings unchanged)"]
 
 
