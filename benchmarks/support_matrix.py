@@ -83,7 +83,9 @@ MODEL_FAMILY_ROWS = (
     ("phi3", "Phi-3", ""),
     ("gemma2", "Gemma2 (softcapped attention and logits, sliding layers)", ""),
     ("qwen3_next", "hybrid attention: Qwen3-Next (linear-attention and full-attention layers)", ""),
-    ("qwen2_vl", "a vision-language model: Qwen2-VL (text-only rows)", ""),
+    ("qwen2_vl", "a vision-language model: Qwen2-VL (text-only rows)",
+     "vLLM's Qwen2-VL imports torchvision, whose PyPI build is CUDA-only and breaks next to CPU torch (the CPU install "
+     "removes it; a launch failed in vLLM's model inspection); the value pass's refusal is tested on the tiny model"),
 )
 
 
