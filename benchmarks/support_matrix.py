@@ -266,7 +266,10 @@ def launched_outcome(estimator: str, out: Path, returncode: int, log: str) -> tu
         key.startswith(f"{estimator}/") or key.startswith("rollout/failed") or key in (
             "critic/score/mean", "actor/grad_norm", "critic/advantages/max", "val-core/embedded/acc/mean@1"))}  # fmt: skip
     problems = []
-    if "Error in _run_prompt" in log or "Traceback" in log:
+    # What follows verl's last line is the teardown: a tensor-parallel vLLM server's workers exit before its engine's
+    # output handler, which logs EngineDeadError then.
+    training_log = log.split("Final validation metrics:")[0]
+    if "Error in _run_prompt" in training_log or "Traceback" in training_log:
         problems.append("the log holds an error verl caught and carried on from")
     if any(row.get("rollout/failed_groups", 0) for row in rows):
         problems.append("failed groups")

@@ -133,3 +133,16 @@ def test_the_launcher_still_answers_each_cell_as_recorded(build, tmp_path_factor
 
 def test_the_usage_doc_shows_the_committed_table():
     assert markdown(MATRIX) in (ROOT / "docs" / "usage.md").read_text()
+
+
+def test_a_run_is_silent_on_an_error_verl_caught_while_training_not_on_the_teardowns(tmp_path):
+    from benchmarks.support_matrix import launched_outcome
+
+    step = {"rollout/failed_groups": 0.0, "actor/grad_norm": 1.0}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "data": step}) + "\n")
+    caught = "ERROR Error in _run_prompt\nTraceback (most recent call last):\n"
+    teardown = "ERROR [async_llm.py:906] Traceback (most recent call last):\nEngineDeadError\n"
+    end = "(TaskRunnerV1 pid=1) 'Final validation metrics: None'\n"
+    assert launched_outcome("rredcot", tmp_path, 0, "step:1\n" + end + teardown)[0] == "runs"
+    outcome, evidence = launched_outcome("rredcot", tmp_path, 0, caught + "step:1\n" + end)
+    assert outcome == "silent" and evidence["problems"] == ["the log holds an error verl caught and carried on from"]
