@@ -91,15 +91,10 @@ def cpu_seconds(fn, repeats: int):
 
 def measure_row(model, shape: Shape, probes_of: str, continuations: int, repeats: int) -> dict:
     prompts, responses, probes = batch(shape, model.config.vocab_size, probes_of, continuations)
-    default_share = scoring.BLOCKED_ATTENTION_SHARE
     timed = {}
-    try:
-        for name, share in (("dense", 0.0), ("block_by_block", default_share)):
-            scoring.BLOCKED_ATTENTION_SHARE = share
-            timed[name] = cpu_seconds(lambda: scoring.score_batch_packed(model, prompts, responses, probes,
-                                                                         max_token_len=1 << 20), repeats)
-    finally:
-        scoring.BLOCKED_ATTENTION_SHARE = default_share
+    for name, share in (("dense", 0.0), ("block_by_block", scoring.BLOCKED_ATTENTION_SHARE)):
+        timed[name] = cpu_seconds(lambda: scoring.score_batch_packed(
+            model, prompts, responses, probes, max_token_len=1 << 20, blocked_attention_share=share), repeats)
     plain, _ = cpu_seconds(lambda: [trace_log_probs_and_entropy(model, p, r) for p, r in zip(prompts, responses)],
                            repeats)
     dense, blocked = timed["dense"][1], timed["block_by_block"][1]

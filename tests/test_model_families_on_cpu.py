@@ -19,6 +19,7 @@ from composing import compose_recipe
 from rredcot_verl.core import scoring
 from rredcot_verl.core.model_support import LogitTransform, logit_transform, value_pass_refusal
 from rredcot_verl.core.probes import Probe
+from rredcot_verl.integration.estimators import ESTIMATORS
 from rredcot_verl.integration.launcher import LaunchError, check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,6 +173,30 @@ def test_the_launch_accepts_the_families_the_value_pass_reproduces(build, monkey
     monkeypatch.setenv("RREDCOT_CPU", "1")
     _family_folder(build, family)
     assert check(compose_recipe(str(ROOT / "recipes" / "tiny_cpu"), "rredcot")) == []
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_the_trainer_refuses_them_before_its_workers_start(build, make_trainer, family):
+    """The launch reads the model's config only where it is on its machine (a hub model not yet downloaded is named
+    as skipped); the trainer asks the same predicate of the config verl's driver has fetched, before the workers are
+    built and before any rollout. verl's own estimators and IBPO, which need no value pass, are left to verl."""
+    from rredcot_verl.integration.trainer import SegmentActorRolloutRefWorker
+
+    _family_folder(build, family)
+    for estimator in ("rredcot", "rredcot_ibpo", "ibpo", "grpo"):
+        trainer = make_trainer(f"algorithm.adv_estimator={estimator}")
+        trainer.config.actor_rollout_ref.model.path = str(build / "model")
+        if ESTIMATORS.get(estimator) is not None and ESTIMATORS[estimator].uses_value_pass:
+            with pytest.raises(ValueError) as error:
+                trainer._init_resource_pool_mgr()
+            assert str(error.value).startswith(f"actor_rollout_ref.model.path is a "
+                                               f"{tiny_model(family, VOCAB).config.model_type} model with "
+                                               f"{REFUSED[family]}")  # fmt: skip
+            assert not hasattr(trainer, "role_worker_mapping")
+        else:
+            trainer._init_resource_pool_mgr()
+            workers = [getattr(cls, "__ray_actor_class__", None) for cls in trainer.role_worker_mapping.values()]
+            assert SegmentActorRolloutRefWorker in workers
 
 
 def test_check_only_refuses_a_hybrid_model_folder_in_one_line_and_writes_nothing(build, tmp_path):

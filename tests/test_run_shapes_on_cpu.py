@@ -128,6 +128,45 @@ def test_rows_that_choose_the_single_turn_loop_and_the_multi_turn_flag_alone_are
     check(_config(estimator, ["actor_rollout_ref.rollout.multi_turn.enable=true"]))
 
 
+def _as_json(build: Path, name: str, suffix: str, **columns) -> Path:
+    """The build's ``name`` parquet rows (with ``columns`` set) written as JSON lines, which verl reads by the ending
+    ``.jsonl`` or ``.json`` through ``datasets``."""
+    path = build / "data" / f"{name}{suffix}"
+    pd.read_parquet(build / "data" / f"{name}.parquet").assign(**columns).to_json(path, orient="records", lines=True)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_json_training_files_are_read_as_verl_reads_them(cpu_build, suffix):
+    """verl's RLHFDataset reads JSON files beside parquet ones: the launch checks read the same columns from them
+    (ground truths, prompts, each row's agent loop, the data sources' scale) instead of stopping in pyarrow."""
+    val = f"data.val_files={_as_json(cpu_build, 'val', suffix)}"
+    train = f"data.train_files={_as_json(cpu_build, 'train', suffix)}"
+    for estimator in ("grpo", *OURS):
+        assert check(_config(estimator, [train, val])) == []
+    with pytest.raises(LaunchError, match="^every sampled prompt of .* is longer than data.max_prompt_length=4 "):
+        check(_config("grpo", [train, val, "data.max_prompt_length=4", "data.filter_overlong_prompts=true"]))
+    tool_rows = f"data.train_files={_as_json(cpu_build, 'tool_rows', suffix)}"
+    with pytest.raises(LaunchError, match=r"^data.train_files rows with agent_name=tool_agent \(multi-turn rollouts\)"):
+        check(_config("ibpo", [tool_rows, val]))
+    dapo_rows = f"data.train_files={_as_json(cpu_build, 'train', suffix, data_source='math_dapo')}"
+    verls_scorer = ["reward.custom_reward_function.path=pkg://verl.utils.reward_score",
+                    "reward.custom_reward_function.name=default_compute_score"]  # fmt: skip
+    config = _config("rredcot", [dapo_rows, val, *verls_scorer])
+    check(config)
+    assert list(config.algorithm.rredcot.reward_range) == [-1.0, 1.0]
+
+
+def test_a_training_file_verl_cannot_read_is_refused_in_one_line(cpu_build):
+    csv = cpu_build / "data" / "train.csv"
+    pd.read_parquet(cpu_build / "data" / "train.parquet").to_csv(csv)
+    for estimator in ("grpo", "rredcot"):
+        with pytest.raises(LaunchError) as error:
+            check(_config(estimator, [f"data.train_files={csv}"]))
+        assert str(error.value) == (f"data.train_files file '{csv}' is neither parquet nor JSON: verl reads .parquet, "
+                                    ".json, .jsonl files (by their ending)")  # fmt: skip
+
+
 def test_verls_v1_trainer_never_reads_the_multi_turn_flag():
     """What makes the flag a no-op here, in verl's installed source: it is read only by the legacy trainer (refused
     for these estimators) and the fully-async entry point (refused too)."""
@@ -165,6 +204,19 @@ def test_extra_generations_at_another_temperature_than_the_rollouts_are_refused(
 def test_the_value_pass_scores_at_the_rollout_temperature_whatever_it_is(cpu_build):
     """rredcot's probes are scored under logits / the rollout temperature: nothing of its own to mismatch."""
     check(_config("rredcot", [COOLER]))
+
+
+@pytest.mark.parametrize("estimator", sorted(name for name, spec in ESTIMATORS.items() if spec.uses_value_pass))
+def test_greedy_rollouts_are_refused_where_the_value_pass_scores_them(cpu_build, estimator):
+    """The value pass refuses a temperature of 0 before scoring (core.scoring), after the first rollouts: the launch
+    refuses it first. verl's own estimators train on it as verl does (its log-prob pass clamps it to 1e-8)."""
+    greedy = ["actor_rollout_ref.rollout.temperature=0", "algorithm.rredcot.ibpo.revision_temperature=0"]
+    with pytest.raises(LaunchError) as error:
+        check(_config(estimator, greedy))
+    assert str(error.value).startswith(f"actor_rollout_ref.rollout.temperature=0 (greedy rollouts) is not supported "
+                                       f"with algorithm.adv_estimator={estimator}: ")  # fmt: skip
+    assert "\n" not in str(error.value)
+    check(_config("grpo", greedy[:1]))
 
 
 @pytest.mark.parametrize("estimator", OURS)

@@ -7,8 +7,10 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from rredcot_verl.core import scoring
 from rredcot_verl.core.scoring import _chunked_head, execution_device, score_batch_packed
 from test_probes_on_cpu import random_ids, random_probes
+from test_value_pass_on_cpu import continuation_batch
 
 QWEN3_VOCAB = 151_936
 
@@ -62,6 +64,31 @@ def test_value_pass_under_verls_fused_kernel_forward_matches_the_plain_model(fus
         torch.testing.assert_close(b.probe_logp, a.probe_logp, rtol=0, atol=1e-5, equal_nan=True)
         torch.testing.assert_close(b.trace_log_probs, a.trace_log_probs, rtol=0, atol=1e-5)
         assert torch.isfinite(a.probe_logp[~a.probe_logp.isnan()]).all() and (~a.probe_logp.isnan()).any()
+
+
+def test_continuations_attend_block_by_block_under_verls_fused_kernel_forward(fused_kernel_patch, monkeypatch):
+    """verl's fused-kernel forward calls the decoder with its named arguments only, so the value pass hands the probe
+    blocks to that call itself: continuations still attend block by block there, with the dense mask's log-probs."""
+    model = _tiny_qwen3()
+    prompts, responses, probes = continuation_batch(1)
+    blocked_calls = []
+    blocked = scoring._blocked_probe_attention
+
+    def counting(*args):
+        blocked_calls.append(1)
+        return blocked(*args)
+
+    monkeypatch.setattr(scoring, "_blocked_probe_attention", counting)
+    with torch.no_grad():
+        # 0: never block by block; 1: wherever the trees cut into blocks
+        dense = score_batch_packed(model, prompts, responses, probes, blocked_attention_share=0.0)
+        assert not blocked_calls
+        fused_kernel_patch(model)
+        fused = score_batch_packed(model, prompts, responses, probes, blocked_attention_share=1.0)
+    assert blocked_calls
+    for a, b in zip(dense, fused):
+        torch.testing.assert_close(b.probe_logp, a.probe_logp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.trace_log_probs, a.trace_log_probs, rtol=0, atol=1e-5)
 
 
 class _Head(torch.nn.Module):

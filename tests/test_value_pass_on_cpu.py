@@ -310,6 +310,9 @@ def test_models_that_cannot_take_the_value_pass_attention_are_refused(model, mon
     monkeypatch.undo()
     with pytest.raises(ValueError, match="return_trace_stats has 2 entries"):
         score_batch_packed(model, [torch.tensor([1])], [torch.tensor([3])], [[]], return_trace_stats=[True, False])
+    for share in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="blocked_attention_share must be in"):
+            score_batch_packed(model, [torch.tensor([1])], [torch.tensor([3])], [[]], blocked_attention_share=share)
     assert math.isnan(
         score_batch_packed(model, [torch.tensor([1])], [torch.tensor([3])], [[Probe(1, [], [4], value_index=0)]],
                            max_positions=2)[0].probe_logp[0]
@@ -368,8 +371,8 @@ def test_probe_attention_block_by_block_gives_the_dense_masks_log_probs(model, m
     monkeypatch.setattr(scoring_module, "_blocked_probe_attention", counting)
     scores = {}
     for share in (0.0, 1.0):  # 0: never block by block; 1: wherever the trees cut into blocks
-        monkeypatch.setattr(scoring_module, "BLOCKED_ATTENTION_SHARE", share)
-        scores[share] = score_batch_packed(model, prompts, responses, probe_lists, max_token_len=16384)
+        scores[share] = score_batch_packed(model, prompts, responses, probe_lists, max_token_len=16384,
+                                           blocked_attention_share=share)
         if share == 0.0:
             assert not blocked_calls
         elif batch == "continuations":  # mixed: only where a micro-batch's trees cut into blocks
@@ -378,6 +381,29 @@ def test_probe_attention_block_by_block_gives_the_dense_masks_log_probs(model, m
         assert relative_error(by_block.probe_logp, dense.probe_logp) < REL_TOL
         assert relative_error(by_block.probe_logp, score_probes_naive(model, prompt, response, probes)) < REL_TOL
         torch.testing.assert_close(by_block.trace_log_probs, dense.trace_log_probs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_that_drops_the_probe_blocks_fails_instead_of_attending_densely(model):
+    """The blocks reach the attention as a keyword of the model call; a forward that loses it on the way (as verl's
+    fused-kernel forward would, were the blocks not handed to its decoder call) must not run the probe mask densely
+    without saying so."""
+    rng = random.Random(5)
+    row = scoring_module._build_row(random_ids(rng, 4), random_ids(rng, 12), [Probe(6, [], [1, 2, 3], value_index=0)],
+                                    None, False)
+    trace_len, tree_len = row.tokens.numel(), len(row.tree_ids)
+    allowed = scoring_module._probe_allowed(torch.tensor(row.tree_prefix_lengths), torch.tensor(row.tree_parents),
+                                            trace_len)
+    inputs = {"input_ids": torch.cat([row.tokens, torch.tensor(row.tree_ids)])[None],
+              "position_ids": torch.cat([torch.arange(trace_len), torch.tensor(row.tree_positions)])[None],
+              "attention_mask": allowed[None, None]}
+    with torch.no_grad(), scoring_module.value_pass_attention(model):
+        with pytest.raises(RuntimeError, match=scoring_module.PROBE_BLOCKS_ARGUMENT):
+            model(**inputs)
+        dense = model(**inputs, **{scoring_module.PROBE_BLOCKS_ARGUMENT: None}).logits
+        blocks = scoring_module._probe_blocks([row], trace_len, tree_len, share=1.0)  # one probe: only so
+        assert blocks is not None
+        by_block = model(**inputs, **{scoring_module.PROBE_BLOCKS_ARGUMENT: blocks}).logits
+    torch.testing.assert_close(by_block, dense, rtol=1e-5, atol=1e-5)
 
 
 def test_reference_continuations_attend_block_by_block_and_exit_probes_densely():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -85,9 +84,10 @@ def probe_fits(probe: Probe, prompt_len: int, max_positions: int | None) -> bool
 # One forward per micro-batch of traces. Row r of a micro-batch holds its trace (prompt + response, right-padded to
 # T) followed by its probe-tree tokens (right-padded to Tp): input (B, T + Tp). The value-pass attention function
 # (registered below) attends the first T queries causally (the trace: padding sits after every real token, so it is
-# never seen) and the last Tp queries with the probe mask (B, 1, Tp, T + Tp). No KV cache is kept (memory ≈ a plain
-# forward over T + Tp tokens), and the model is called once per micro-batch, which is what FSDP2's per-forward
-# all-gathers need to be counted (``score_batch_packed(synchronize=True)``).
+# never seen) and the last Tp queries with the probe mask (B, 1, Tp, T + Tp), block by block where the forward's
+# ``probe_blocks`` keyword gives the blocks. No KV cache is kept (memory ≈ a plain forward over T + Tp tokens), and
+# the model is called once per micro-batch, which is what FSDP2's per-forward all-gathers need to be counted
+# (``score_batch_packed(synchronize=True)``).
 
 VALUE_PASS_ATTENTION = "rredcot_value_pass"
 # Rows of logits computed at once when log-probs are read from hidden states: (rows, V) fp32 stays ≤ 64 MiB.
@@ -149,6 +149,11 @@ def build_probe_mask(
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
+# The keyword under which a value-pass forward hands its probe blocks to ``_value_pass_attention``: transformers passes
+# the model call's extra keyword arguments down to the attention function.
+PROBE_BLOCKS_ARGUMENT = "probe_blocks"
+
+
 def _value_pass_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """Attention of a value-pass forward, whatever backend the model was configured with.
 
@@ -156,19 +161,27 @@ def _value_pass_attention(module, query, key, value, attention_mask, scaling=Non
         query: (B, H, T + Tp, D); key, value: (B, H_kv, T + Tp, D).
         attention_mask: None (no probe tokens: Tp = 0) or (B, 1, Tp, T + Tp) bool, True where a probe token may
             attend (``_probe_allowed``).
+        kwargs[PROBE_BLOCKS_ARGUMENT]: with a mask, per row its probe blocks (``_probe_blocks``), or None: the probe
+            tokens attend densely. Required with a mask, so that a forward which drops it fails instead of
+            silently attending densely.
 
     Returns:
         ((B, T + Tp, H, D), None), as transformers' attention functions.
     """
     if attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, is_causal=True)
+    if PROBE_BLOCKS_ARGUMENT not in kwargs:
+        raise RuntimeError(
+            f"the value pass's attention got a probe mask without {PROBE_BLOCKS_ARGUMENT!r}: the model's forward did "
+            "not pass the value pass's keyword arguments down to its attention"
+        )
+    blocks = kwargs[PROBE_BLOCKS_ARGUMENT]
     trace_len = query.shape[2] - attention_mask.shape[-2]
     # The trace part is plain causal attention (sdpa's fastest kernels); only the few probe queries need the mask.
     trace_out, _ = sdpa_attention_forward(
         module, query[:, :, :trace_len], key[:, :, :trace_len], value[:, :, :trace_len], None,
         scaling=scaling, is_causal=True,
     )
-    blocks = _PROBE_BLOCKS.get()
     if blocks is None:
         probe_out, _ = sdpa_attention_forward(
             module, query[:, :, trace_len:], key, value, attention_mask, scaling=scaling, is_causal=False
@@ -178,9 +191,6 @@ def _value_pass_attention(module, query, key, value, attention_mask, scaling=Non
     return torch.cat([trace_out, probe_out], dim=1), None
 
 
-# Per row of the running micro-batch, its probe blocks (``_probe_blocks``), or None: the probe tokens attend densely.
-_PROBE_BLOCKS: ContextVar[list[list[tuple[int, int, int]]] | None] = ContextVar("_PROBE_BLOCKS", default=None)
-
 BLOCKED_ATTENTION_SHARE = 0.25
 """The probe tokens attend block by block (``_blocked_probe_attention``) when the blocks' query-key pairs are at most
 this share of the dense mask's: reference continuations (long chains at every boundary, a few blocks) cut it to
@@ -188,11 +198,13 @@ about a fifth on the long setting, while exit probes (a few tokens at each of 40
 many small calls would cost more than the masked pairs."""
 
 
-def _probe_blocks(rows: Sequence[_Row], trace_len: int, tree_len: int) -> list[list[tuple[int, int, int]]] | None:
+def _probe_blocks(
+    rows: Sequence[_Row], trace_len: int, tree_len: int, share: float = BLOCKED_ATTENTION_SHARE
+) -> list[list[tuple[int, int, int]]] | None:
     """Per row, its probe tree cut into blocks (tree start, tree stop, trace keys): maximal runs of consecutive tree
     tokens with one prefix length (one boundary's probes), each token's ancestors inside its own run, so that a
     block's tokens see only the first ``trace keys`` trace positions and the block itself. None where a row's tree
-    does not cut so, or where the blocks would not save enough (``BLOCKED_ATTENTION_SHARE``)."""
+    does not cut so, or where the blocks' query-key pairs exceed ``share`` of the dense mask's."""
     blocks, pairs = [], 0
     for row in rows:
         cuts, start = [], 0
@@ -205,7 +217,7 @@ def _probe_blocks(rows: Sequence[_Row], trace_len: int, tree_len: int) -> list[l
                 return None
         blocks.append(cuts)
         pairs += sum((stop - begin) * (keys + stop - begin) for begin, stop, keys in cuts)
-    if pairs > BLOCKED_ATTENTION_SHARE * len(rows) * tree_len * (trace_len + tree_len):
+    if pairs > share * len(rows) * tree_len * (trace_len + tree_len):
         return None
     return blocks
 
@@ -421,10 +433,15 @@ def plan_micro_batches(shapes: Sequence[tuple[int, int]], max_token_len: int) ->
 
 
 def _forward_micro_batch(
-    model, rows: Sequence[_Row], temperature: float = 1.0, transform: LogitTransform = LogitTransform()
+    model,
+    rows: Sequence[_Row],
+    temperature: float = 1.0,
+    transform: LogitTransform = LogitTransform(),
+    blocked_attention_share: float = BLOCKED_ATTENTION_SHARE,
 ) -> list[dict]:
     """One forward over ``rows`` (trace then probe tokens per row); returns per row the log-probs it reads, under
     the sampling distribution softmax(logits / temperature), the logits being ``transform`` of the head's output.
+    The probe tokens attend block by block where ``_probe_blocks`` allows it under ``blocked_attention_share``.
 
     Returns:
         Per row: ``reads`` (len(row.reads),), ``nodes`` (len(row.nodes),) and, with trace stats, ``log_probs``
@@ -488,21 +505,31 @@ def _forward_micro_batch(
         output.last_hidden_state = read(output[0])
         return output
 
+    blocks = _probe_blocks(rows, trace_len, tree_len, blocked_attention_share) if tree_len else None
+    probe_blocks = {PROBE_BLOCKS_ARGUMENT: blocks}
+
+    def pass_probe_blocks(module, args, kwargs):
+        # verl's fused-kernel forward calls the decoder with its named arguments only: hand the blocks to that call.
+        return args, {**kwargs, **probe_blocks}
+
+    forward_kwargs = _one_position_kwargs(model, len(rows), device)
     if _fused_kernel_forward(model):
-        handle = model.get_decoder().register_forward_hook(on_decoder_output)
+        decoder = model.get_decoder()
+        handles = [decoder.register_forward_pre_hook(pass_probe_blocks, with_kwargs=True),
+                   decoder.register_forward_hook(on_decoder_output)]
     else:
-        handle = head.register_forward_pre_hook(on_head_input)
-    blocks = _PROBE_BLOCKS.set(_probe_blocks(rows, trace_len, tree_len) if tree_len else None)
+        handles = [head.register_forward_pre_hook(on_head_input)]
+        forward_kwargs.update(probe_blocks)
     try:
         model(
             input_ids=input_ids.to(device),
             position_ids=position_ids.to(device),
             attention_mask=allowed.to(device) if tree_len else None,
-            **_one_position_kwargs(model, len(rows), device),
+            **forward_kwargs,
         )
     finally:
-        _PROBE_BLOCKS.reset(blocks)
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
     points, (span_log_probs, span_entropy) = results["points"].cpu(), results["span"]
     span_log_probs, span_entropy = span_log_probs.cpu(), span_entropy.cpu()
@@ -573,6 +600,7 @@ def score_batch_packed_with_stats(
     max_token_len: int = ValuePassSettings.max_token_len,
     synchronize: bool = False,
     temperature: float = 1.0,
+    blocked_attention_share: float = BLOCKED_ATTENTION_SHARE,
 ) -> tuple[list[PackedScores], BatchStats]:
     """Score the probes of a batch of traces, one forward per micro-batch of at most ``max_token_len`` tokens.
 
@@ -593,6 +621,9 @@ def score_batch_packed_with_stats(
             (one-token dummy forwards), so that FSDP's per-forward all-gathers pair up across ranks whatever the
             data. Uses the default process group: the ranks that shard the model.
         temperature: log-probs under softmax(logits / temperature), the rollout's sampling distribution.
+        blocked_attention_share: a micro-batch's probe tokens attend block by block where the blocks' query-key
+            pairs are at most this share of the dense mask's (``BLOCKED_ATTENTION_SHARE``): 0 never, 1 wherever the
+            probe trees cut into blocks. The log-probs are the same either way; only the time differs.
 
     Returns:
         n PackedScores: probe_logp (n_probes_i,), trace_log_probs / trace_entropy (L_i,) or None, num_skipped;
@@ -615,6 +646,8 @@ def score_batch_packed_with_stats(
         raise ValueError(f"return_trace_stats has {len(return_trace_stats)} entries for {len(prompt_ids)} traces")
     if max_token_len < 1:
         raise ValueError(f"max_token_len must be >= 1, got {max_token_len}")
+    if not 0 <= blocked_attention_share <= 1:
+        raise ValueError(f"blocked_attention_share must be in [0, 1], got {blocked_attention_share}")
     rows = []
     for prompt, response, trace_probes, stats in zip(prompt_ids, response_ids, probes, return_trace_stats):
         check_inputs(prompt, response, trace_probes)
@@ -627,7 +660,9 @@ def score_batch_packed_with_stats(
     outputs: dict[int, dict] = {}
     with value_pass_attention(model):
         for batch in batches:
-            outputs.update(zip(batch, _forward_micro_batch(model, [rows[i] for i in batch], temperature, transform)))
+            micro_batch = [rows[i] for i in batch]
+            outputs.update(zip(batch, _forward_micro_batch(model, micro_batch, temperature, transform,
+                                                           blocked_attention_share)))
         for _ in range(total - len(batches)):
             _dummy_forward(model)
 

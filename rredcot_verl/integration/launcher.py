@@ -6,15 +6,15 @@ Config: verl's ``ppo_trainer`` composed with ``conf/rredcot_trainer.yaml`` (hydr
 sync trainer plus the estimators' hooks. Before Ray starts, the launcher checks what would otherwise fail late or
 degrade silently. For every estimator: an environment variable the config reads that is not set, one of verl's async
 trainer modes, an unknown estimator, a missing or broken local model folder (hub ids are verl's to download), local
-dataset files that do not exist. For this package's estimators also: unknown ``algorithm.rredcot`` keys, datasets
-without ``reward_model.ground_truth`` or whose prompts all exceed ``data.max_prompt_length``, reference continuations of
-worked solutions the training rows do not have, extra generations without a rule reward to judge them, an engine
-context too short for IBPO's revisions, Ulysses sequence parallelism, and the run shapes of ``run_shapes.py`` (legacy
-trainer, bypass mode, a critic, groups of one, multi-turn rollouts, KL in reward, DAPO's overlong penalty, a reward
-model, Megatron, a model the value pass cannot score exactly). The ``algorithm.rredcot`` keys left at ``auto`` are
-chosen there from the training rows (``choose_auto_settings``) and written into the config, in one line saying which
-and why. Where verl scores the rows with its own scorer, the scale of that scorer becomes
-``algorithm.rredcot.reward_range`` unless the recipe set one (``adopt_scorer_reward_range``).
+dataset files that do not exist or that verl cannot read (``dataset_files``). For this package's estimators also:
+unknown ``algorithm.rredcot`` keys, datasets without ``reward_model.ground_truth`` or whose prompts all exceed
+``data.max_prompt_length``, reference continuations of worked solutions the training rows do not have, extra generations
+without a rule reward to judge them, an engine context too short for IBPO's revisions, Ulysses sequence parallelism, and
+the run shapes of ``run_shapes.py`` (legacy trainer, bypass mode, a critic, groups of one, multi-turn rollouts, KL in
+reward, DAPO's overlong penalty, a reward model, Megatron, a model the value pass cannot score exactly). The
+``algorithm.rredcot`` keys left at ``auto`` are chosen there from the training rows (``choose_auto_settings``) and
+written into the config, in one line saying which and why. Where verl scores the rows with its own scorer, the scale of
+that scorer becomes ``algorithm.rredcot.reward_range`` unless the recipe set one (``adopt_scorer_reward_range``).
 
 ``python -m rredcot_verl.main --check-only ...`` runs every check, prints ``ok`` (naming the checks it had to skip: a
 hub model or tokenizer not in the local cache, remote dataset files) or the refusal, and exits 0 / 2 without starting
@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rredcot_verl.compat.cpu import CPU_ENV, CPU_PROCESS_ENV, accelerator_present, enable_cpu_mode, vllm_thread_binding
 from rredcot_verl.core.settings import AUTO, AUTO_KEYS, DataOffer, resolve_auto, settings_from_config
+from rredcot_verl.integration import dataset_files
 
 # Config for a CPU-only run of verl 0.9.1 (docs/cpu.md): fake Ray GPU for verl's resource pools, enough
 # logical CPUs for TransferQueue's actors (under-declaring hangs silently), FSDP2 over gloo, sdpa attention, no vLLM
@@ -132,8 +133,6 @@ def is_remote_uri(path: str) -> bool:
 def check_dataset(path, key: str, need_ground_truth: bool, skipped: list[str]) -> None:
     """Local files must exist; for this package's estimators every row needs ``reward_model.ground_truth`` (its
     extra generations and outcomes are judged by the rule reward). Remote URIs are verl's to fetch: skipped."""
-    import pyarrow.parquet as pq
-
     files = [path] if isinstance(path, str) else list(path)
     for file in files:
         if is_remote_uri(file):
@@ -141,11 +140,14 @@ def check_dataset(path, key: str, need_ground_truth: bool, skipped: list[str]) -
             continue
         if not Path(file).is_file():
             raise LaunchError(f"{key} file {file!r} does not exist")
+        refusal = dataset_files.format_refusal(file, key)
+        if refusal:
+            raise LaunchError(refusal)
         if not need_ground_truth:
             continue
-        if "reward_model" not in pq.read_schema(file).names:
+        if "reward_model" not in dataset_files.column_names(file):
             raise LaunchError(f"{key} file {file!r} has no reward_model column (need reward_model.ground_truth)")
-        rows = pq.read_table(file, columns=["reward_model"]).column("reward_model").to_pylist()
+        rows = dataset_files.read_column(file, "reward_model")
         bad = sum(1 for row in rows if not isinstance(row, dict) or row.get("ground_truth") is None)
         if bad:
             raise LaunchError(f"{key} file {file!r}: {bad} of {len(rows)} rows lack reward_model.ground_truth")
@@ -154,8 +156,6 @@ def check_dataset(path, key: str, need_ground_truth: bool, skipped: list[str]) -
 def check_task_answers(config: DictConfig, settings, skipped: list[str], sample: int = 64) -> None:
     """Refuse a task that reads no answer from a sample of the training rows (``tasks.check_dataset_rows``: e.g.
     ``boxed_math`` on verl's GSM8K rows, whose answers follow ``####``): every probe would score nothing."""
-    import pyarrow.parquet as pq
-
     from rredcot_verl.tasks.base import check_dataset_rows
 
     if settings.task == "code":  # its ground truths are tests, which the sandbox reads, not an answer text
@@ -166,9 +166,7 @@ def check_task_answers(config: DictConfig, settings, skipped: list[str], sample:
         skipped.append(f"algorithm.rredcot.task={settings.task} against {first!r} (remote)")
         return
     prompt_key = config.data.get("prompt_key", "prompt")
-    columns = [c for c in (prompt_key, "reward_model", "extra_info") if c in pq.read_schema(first).names]
-    batch = next(pq.ParquetFile(first).iter_batches(batch_size=sample, columns=columns), None)
-    rows = [] if batch is None else batch.to_pylist()
+    rows = dataset_files.first_rows(first, (prompt_key, "reward_model", "extra_info"), sample)
     problem = check_dataset_rows(settings.task, [{**row, "prompt": row.get(prompt_key)} for row in rows])
     if problem:
         raise LaunchError(problem)
@@ -177,15 +175,11 @@ def check_task_answers(config: DictConfig, settings, skipped: list[str], sample:
 def training_sample(config: DictConfig, columns: tuple[str, ...], sample: int = 64) -> list[dict] | None:
     """The first ``sample`` rows of the first training file (the ``columns`` it has), as dicts; None when the file is
     remote (verl copies it at start)."""
-    import pyarrow.parquet as pq
-
     files = config.data.train_files
     first = files if isinstance(files, str) else list(files)[0]
     if is_remote_uri(first):
         return None
-    present = [c for c in columns if c in pq.read_schema(first).names]
-    batch = next(pq.ParquetFile(first).iter_batches(batch_size=sample, columns=present), None)
-    return [] if batch is None else batch.to_pylist()
+    return dataset_files.first_rows(first, columns, sample)
 
 
 def worked_solutions(config: DictConfig, task: str) -> tuple[int, int] | None:
@@ -268,15 +262,12 @@ def _local_pretrained(loader, path: str):
 def sampled_prompt_lengths(config: DictConfig, tokenizer, sample: int = 64) -> list[int]:
     """Token counts of the first ``sample`` training prompts with the chat template, as verl renders them; empty
     where the tokenizer or the file is not on this machine."""
-    import pyarrow.parquet as pq
-
     files = config.data.train_files
     first = files if isinstance(files, str) else list(files)[0]
     if tokenizer is None or is_remote_uri(first):
         return []
     key = config.data.get("prompt_key", "prompt")
-    first_rows = next(pq.ParquetFile(first).iter_batches(batch_size=sample, columns=[key]), None)
-    prompts = [] if first_rows is None else first_rows.column(key).to_pylist()
+    prompts = [row[key] for row in dataset_files.first_rows(first, (key,), sample) if key in row]
     kwargs = dict(config.data.get("apply_chat_template_kwargs", None) or {})
     return [
         len(tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs))
@@ -677,21 +668,6 @@ CHECK_ONLY_HYDRA = ("hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_lo
 HYDRA_FULL_ERROR = "HYDRA_FULL_ERROR"
 
 
-@hydra.main(config_path="../conf", config_name="rredcot_trainer", version_base=None)
-def _main(config: DictConfig) -> None:
-    if _RAISE_COMPOSITION_ERRORS:
-        os.environ.pop(HYDRA_FULL_ERROR)  # composed: errors of the run itself are reported as hydra reports them
-    try:
-        check_only(config) if _CHECK_ONLY else run(config)
-    except LaunchError as error:
-        print(f"rredcot_verl: {error}", file=sys.stderr)
-        sys.exit(2)
-
-
-_CHECK_ONLY = False
-_RAISE_COMPOSITION_ERRORS = False
-
-
 def composition_refusal(error: Exception) -> str:
     """hydra's composition error (and the omegaconf error under it) in one line: ``Could not override 'a.b'. To append
     to your config use +a.b=1 (Key 'b' is not in struct)``."""
@@ -704,14 +680,25 @@ def main() -> None:
     """The command line: hydra's, plus ``--check-only`` (taken out before hydra parses the rest)."""
     from hydra.errors import CompactHydraException
 
-    global _CHECK_ONLY, _RAISE_COMPOSITION_ERRORS
-    _CHECK_ONLY = CHECK_ONLY_FLAG in sys.argv[1:]
-    sys.argv = [arg for arg in sys.argv if arg != CHECK_ONLY_FLAG] + (list(CHECK_ONLY_HYDRA) if _CHECK_ONLY else [])
-    _RAISE_COMPOSITION_ERRORS = HYDRA_FULL_ERROR not in os.environ
-    if _RAISE_COMPOSITION_ERRORS:
+    only_check = CHECK_ONLY_FLAG in sys.argv[1:]
+    sys.argv = [arg for arg in sys.argv if arg != CHECK_ONLY_FLAG] + (list(CHECK_ONLY_HYDRA) if only_check else [])
+    raise_composition_errors = HYDRA_FULL_ERROR not in os.environ
+    if raise_composition_errors:
         os.environ[HYDRA_FULL_ERROR] = "1"
+
+    # Defined here so that hydra's task function reads the flags above from this call, not from module globals.
+    @hydra.main(config_path="../conf", config_name="rredcot_trainer", version_base=None)
+    def hydra_task(config: DictConfig) -> None:
+        if raise_composition_errors:
+            os.environ.pop(HYDRA_FULL_ERROR)  # composed: errors of the run itself are reported as hydra reports them
+        try:
+            check_only(config) if only_check else run(config)
+        except LaunchError as error:
+            print(f"rredcot_verl: {error}", file=sys.stderr)
+            sys.exit(2)
+
     try:
-        _main()
+        hydra_task()
     except CompactHydraException as error:  # overrides that do not parse or compose: before any check ran
         print(f"rredcot_verl: {composition_refusal(error)}", file=sys.stderr)
         sys.exit(2)

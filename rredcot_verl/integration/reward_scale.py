@@ -61,14 +61,14 @@ def uses_default_scorer(config) -> bool:
 
 def train_data_sources(config) -> list[str]:
     """The distinct ``data_source`` values of the local training files (empty where a file is remote or has none)."""
-    import pyarrow.parquet as pq
+    from rredcot_verl.integration import dataset_files
 
     files = config.data.train_files
     sources: set[str] = set()
     for file in [files] if isinstance(files, str) else list(files):
-        if "://" in str(file) or "data_source" not in pq.read_schema(file).names:
+        if "://" in str(file) or "data_source" not in dataset_files.column_names(file):
             return []
-        sources.update(str(value) for value in pq.read_table(file, columns=["data_source"]).column(0).unique())
+        sources.update(str(value) for value in dataset_files.read_column(file, "data_source"))
     return sorted(sources)
 
 

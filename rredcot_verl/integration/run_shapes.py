@@ -9,7 +9,6 @@ matrix (``benchmarks/support_matrix.py``, docs/usage.md) records each shape's ou
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rredcot_verl.core.model_support import value_pass_refusal
 from rredcot_verl.core.settings import settings_from_config
+from rredcot_verl.integration import dataset_files
 from rredcot_verl.integration.estimators import generates
 from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE
 from rredcot_verl.integration.estimators.segment_mc import CONTINUATION_STAGE
@@ -75,17 +75,14 @@ def training_agent_loops(config: DictConfig) -> set[str]:
     own loop, one without it ``agent.default_agent_loop`` (verl's agent-loop worker). The whole column of every local
     training file (one column of a parquet file: cheap); a remote file, which verl copies at start, counts as the
     default."""
-    import pyarrow.parquet as pq
-
     default = str(_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", SINGLE_TURN_AGENT_LOOP))
     files = _get(config, "data.train_files", [])
     loops: set[str] = set()
     for file in [files] if isinstance(files, str) else list(files):
-        local = "://" not in str(file) and os.path.isfile(str(file))
-        if not local or "agent_name" not in pq.read_schema(file).names:
+        if not dataset_files.is_local_file(file) or "agent_name" not in dataset_files.column_names(file):
             loops.add(default)
             continue
-        loops |= {str(name) for name in pq.read_table(file, columns=["agent_name"]).column(0).to_pylist()}
+        loops |= {str(name) for name in dataset_files.read_column(file, "agent_name")}
     return loops or {default}
 
 
@@ -141,9 +138,17 @@ def sampling(config: DictConfig, spec, hf_config) -> str | None:
     softmax(logits / rollout temperature) over the whole vocabulary, and IBPO's repairs and ``segment_mc``'s
     continuations sample at their own temperature with neither top-p nor top-k. A temperature that differs from the
     rollout's, or a rollout that truncates its distribution (top_p < 1, top_k > 0), would make every value one of
-    another policy."""
+    another policy; greedy rollouts (temperature 0) leave the value pass's distribution undefined."""
     rollout = "actor_rollout_ref.rollout"
     temperature = float(_get(config, f"{rollout}.temperature", 1.0))
+    if spec.uses_value_pass and not temperature > 0:
+        # verl's own log-prob pass clamps the temperature to 1e-8; the value pass refuses it before scoring, which
+        # would stop the run after its first rollouts.
+        return (
+            f"{rollout}.temperature={temperature:g} (greedy rollouts) is not supported with algorithm.adv_estimator="
+            f"{spec.name}: the value pass scores probes under softmax(logits / temperature), which a temperature of 0 "
+            "leaves undefined; sample the rollouts at a temperature > 0"
+        )
     settings = settings_from_config(_get(config, "algorithm"))
     stages = spec.stages(settings)
     own_temperatures = []

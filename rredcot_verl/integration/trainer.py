@@ -3,7 +3,9 @@
 Registered as ``trainer.v1.trainer_mode=rredcot`` (the launcher selects it); to verl's base class it is a sync trainer
 (sync replay buffer, the configured ``data.gen_batch_size``, sync checkpoints and resume). Compared with verl's
 ``PPOTrainerSync``:
-- the actor worker class gains ``value_pass`` (``workers.py``);
+- the actor worker class gains ``value_pass`` (``workers.py``); before the workers are built, a model the value
+  pass cannot score is refused by the launch's own check (``run_shapes.value_pass_model``), which the launch
+  skips for a hub model not yet on its machine;
 - the estimator's stages (its ``SPEC`` in ``estimators/``) write its per-trace inputs, given the step's
   ``StepContext``: ``rredcot`` plans probes from the whole batch after verl's old-log-prob pass and scores them on the
   actor; ``ibpo`` generates repairs through the rollout engine before that pass; ``rredcot_ibpo`` (and ``rredcot``
@@ -33,12 +35,14 @@ import ray
 import torch
 import transfer_queue as tq
 from tensordict import TensorDict
+from transformers import AutoConfig
 from verl import DataProto
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
+from verl.utils.fs import copy_to_local
 from verl.workers.utils.padding import response_to_nested
 
 from rredcot_verl.compat import REPLAY_POLL_INTERVAL_S, cpu_mode_requested
@@ -50,6 +54,7 @@ from rredcot_verl.integration import failures, rollouts
 from rredcot_verl.integration.estimators import (
     ESTIMATORS, AdvantageBatch, AdvantageResult, EngineUse, Stage, StepContext, StepTraces, generates,
 )
+from rredcot_verl.integration.run_shapes import value_pass_model
 from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
 from rredcot_verl.tasks import resolve_task
 
@@ -194,7 +199,18 @@ class SegmentCreditTrainer(PPOTrainerSync):
 
     def _init_resource_pool_mgr(self):
         """verl's ``PPOTrainer._init_resource_pool_mgr``, with the actor worker class that has the value pass (verl
-        builds the workers from ``role_worker_mapping``, which only this hook sees before they start)."""
+        builds the workers from ``role_worker_mapping``, which only this hook sees before they start). First the
+        launch's model check (``run_shapes.value_pass_model``) on the model's config, which verl's ``_init_tokenizer``
+        has fetched by now: the launch skips it for a hub model not yet on its machine, and the value pass's own guard
+        would stop such a run only after its first rollouts."""
+        if self.spec is not None:
+            model = self.config.actor_rollout_ref.model
+            hf_config = AutoConfig.from_pretrained(
+                copy_to_local(str(model.path)), trust_remote_code=bool(model.get("trust_remote_code", False))
+            )
+            refusal = value_pass_model(self.config, self.spec, hf_config)
+            if refusal:
+                raise ValueError(refusal)
         super()._init_resource_pool_mgr()
         for role in (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef):
             if role in self.role_worker_mapping:
