@@ -19,11 +19,12 @@ ARTEFACT = ROOT / "rredcot_verl" / "tasks" / "assets" / "warmstart"
 BY_SHAPE = {shape.name: shape for shape in SHAPES}
 
 
-def test_every_cell_is_there_and_none_crashed_or_degraded_silently():
+def test_every_cell_is_there_and_none_crashed_degraded_silently_or_was_left_unlaunched():
     assert sorted((c["estimator"], c["shape"]) for c in MATRIX) == sorted(
         (e, s.name) for s in SHAPES for e in ESTIMATORS
     )
-    bad = [(c["estimator"], c["shape"], c["outcome"]) for c in MATRIX if c["outcome"] in ("crashed", "silent")]
+    bad = [(c["estimator"], c["shape"], c["outcome"]) for c in MATRIX
+           if c["outcome"] not in ("runs", "refused", "not_run_here")]  # crashed, silent or not_launched
     assert not bad
     for c in MATRIX:
         if c["outcome"] == "runs" and "launched_in_ci" in c["evidence"]:
