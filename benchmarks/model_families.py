@@ -72,10 +72,11 @@ FAMILIES = {
     # Gemma2 with full attention only and no attention softcap: its logits softcap alone.
     "gemma2_full_attention": Family("Gemma2Config", {"head_dim": 32, "layer_types": ["full_attention"] * 2,
                                                      "attn_logit_softcapping": None, "final_logit_softcapping": 5.0}),
-    # Hybrid attention: Gated-DeltaNet linear-attention layers and full-attention layers, as Qwen3.5 has them.
+    # Hybrid attention: Gated-DeltaNet linear-attention layers and full-attention layers, as Qwen3.5 has them
+    # (linear heads of 64: vLLM's CPU Gated-DeltaNet kernel takes head dims 64 and 128 only).
     "qwen3_next": Family("Qwen3NextConfig", {"head_dim": 32, "layer_types": ["linear_attention", "full_attention"],
                                              "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                                             "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+                                             "linear_key_head_dim": 64, "linear_value_head_dim": 64,
                                              "num_experts": 4, "num_experts_per_tok": 2,
                                              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
     # A vision-language model: Qwen2-VL's language model (multimodal rotary sections over its heads of 32) and a

@@ -53,11 +53,26 @@ def test_local_cluster_declares_one_fake_gpu_per_actor_rank(build, monkeypatch):
     assert config.ray_kwargs.ray_init.num_gpus == 2
 
 
-def test_tensor_parallel_engines_keep_vllms_multiprocess_executor(build, monkeypatch):
+def test_tensor_parallel_engines_keep_vllms_multiprocess_executor_and_bind_a_core_group_a_rank(build, monkeypatch):
+    """vLLM's CPU default binds each rank to a NUMA node and refuses more ranks than nodes (a one-node machine: a
+    launch crashed at the engine's start); the launcher splits the cores instead, unless the user bound them."""
+    tensor_parallel = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
     monkeypatch.setenv("RREDCOT_CPU", "1")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    config = prepare(_config(["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")  # recorded as absent, so that the test leaves it unset
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    config = prepare(_config(tensor_parallel))
     assert "distributed_executor_backend" not in config.actor_rollout_ref.rollout.engine_kwargs.vllm
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_OMP_THREADS_BIND == "0,1|2,3"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"  # the local cluster's workers inherit it
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|3")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in prepare(_config(tensor_parallel)).ray_kwargs.ray_init.runtime_env.env_vars
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(LaunchError, match=r"^actor_rollout_ref.rollout.tensor_model_parallel_size=2: 2 tensor-parallel "
+                                          r"ranks need as many cores; this machine has 1"):
+        prepare(_config(tensor_parallel))
 
 
 @pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])

@@ -67,6 +67,19 @@ REPLAY_POLL_INTERVAL_S = 0.1
 _applied = False
 
 
+def vllm_thread_binding(tensor_parallel_size: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a tensor-parallel vLLM server on this machine's cores: one disjoint group of
+    cores a rank (``"0|1"``). vLLM's own ``auto`` binds each rank to a NUMA node and refuses more ranks than nodes,
+    which a one-node machine always has. Raises ValueError when there are fewer cores than ranks."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tensor_parallel_size:
+        raise ValueError(
+            f"{tensor_parallel_size} tensor-parallel ranks need as many cores; this machine has {len(cores)}"
+        )
+    share = len(cores) // tensor_parallel_size
+    return "|".join(",".join(map(str, cores[rank * share:(rank + 1) * share])) for rank in range(tensor_parallel_size))
+
+
 def cpu_mode_requested() -> bool:
     return os.environ.get(CPU_ENV, "0") == "1"
 

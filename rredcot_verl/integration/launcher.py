@@ -34,7 +34,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from rredcot_verl.compat.cpu import CPU_ENV, CPU_PROCESS_ENV, accelerator_present, enable_cpu_mode
+from rredcot_verl.compat.cpu import CPU_ENV, CPU_PROCESS_ENV, accelerator_present, enable_cpu_mode, vllm_thread_binding
 from rredcot_verl.core.settings import AUTO, AUTO_KEYS, DataOffer, resolve_auto, settings_from_config
 from rredcot_verl.integration import dataset_files
 
@@ -608,10 +608,17 @@ def prepare(config: DictConfig) -> DictConfig:
         env.update(CPU_PROCESS_ENV)
         for key, value in CPU_CONFIG.items():
             _set(config, key, value)
-        if int(config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1) == 1:
+        tensor_parallel = int(config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1)
+        if tensor_parallel == 1:
             # The engine core runs the model itself instead of in a worker process of its own (one vLLM import fewer
             # per server); verl's args put engine_kwargs after its own "mp" (tests/test_compat_on_cpu.py).
             _set(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend", "uni")
+        elif "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            try:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = vllm_thread_binding(tensor_parallel)
+            except ValueError as error:
+                raise LaunchError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel}: {error} "
+                                  "(vLLM's CPU workers bind cores of their own)") from None
     os.environ.update(env)
     # Workers on a remote cluster do not inherit this process's environment: pass it through Ray's runtime_env.
     for key, value in env.items():
