@@ -148,7 +148,8 @@ def gpu_check_fits() -> dict:
 def driver_inputs() -> dict:
     share = json.loads((common.RESULTS_DIR / "driver_share.json").read_text())
     return {"file": "benchmarks/results/driver_share.json", "shape": share["shape"],
-            "seconds": {name: entry["driver_seconds_projected_at_node_scaled"] + entry["workers_seconds_per_rank_scaled"]
+            "seconds": {name: (entry["driver_seconds_projected_at_node_scaled"]
+                               + entry["workers_seconds_per_rank_scaled"])
                         for name, entry in share["estimators"].items()},
             "node_cores": share["node_cores"],
             # measured over driver_share's traces (--traces N), scaled to the recipe's as its seconds are

@@ -422,7 +422,8 @@ def test_exit_probe_banks_without_steps_hold_the_answers_of_banks_with_them(step
 
 # ------------------------------------------------------------------ planning spread over worker processes
 def plan_traces_in_one_loop(traces, settings, tokenizer, task, *, vocab=None, temperature=1.0, repairs=None):
-    """``plan_traces`` before its per-trace part could run in worker processes: one loop over the traces, one planner."""
+    """``plan_traces`` before its per-trace part could run in worker processes: one loop over the traces, one
+    planner."""
     vocab = vocab or settings.boundary_vocab(tokenizer)
     planner = _Planner(settings, tokenizer, task)
     texts = planner.probe_tokenizer.decode_batch([t.response_ids for t in traces])
