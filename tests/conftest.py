@@ -27,6 +27,23 @@ def build(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture()
+def blocked_attention_calls(monkeypatch) -> list:
+    """One entry per call of the value pass's block-by-block probe attention (``scoring._blocked_probe_attention``),
+    which still runs: whether a forward took that path."""
+    from rredcot_verl.core import scoring
+
+    calls = []
+    blocked = scoring._blocked_probe_attention
+
+    def counting(*args):
+        calls.append(1)
+        return blocked(*args)
+
+    monkeypatch.setattr(scoring, "_blocked_probe_attention", counting)
+    return calls
+
+
 @functools.lru_cache(maxsize=None)
 def _trainer_config(overrides: tuple[str, ...]):
     """The package's composed config (verl's ppo_trainer and algorithm.rredcot) with hydra ``overrides``; composed once

@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from rredcot_verl.core import scoring
 from rredcot_verl.core.scoring import _chunked_head, execution_device, score_batch_packed
 from test_probes_on_cpu import random_ids, random_probes
 from test_value_pass_on_cpu import continuation_batch
@@ -66,19 +65,13 @@ def test_value_pass_under_verls_fused_kernel_forward_matches_the_plain_model(fus
         assert torch.isfinite(a.probe_logp[~a.probe_logp.isnan()]).all() and (~a.probe_logp.isnan()).any()
 
 
-def test_continuations_attend_block_by_block_under_verls_fused_kernel_forward(fused_kernel_patch, monkeypatch):
+def test_continuations_attend_block_by_block_under_verls_fused_kernel_forward(fused_kernel_patch,
+                                                                              blocked_attention_calls):
     """verl's fused-kernel forward calls the decoder with its named arguments only, so the value pass hands the probe
     blocks to that call itself: continuations still attend block by block there, with the dense mask's log-probs."""
     model = _tiny_qwen3()
     prompts, responses, probes = continuation_batch(1)
-    blocked_calls = []
-    blocked = scoring._blocked_probe_attention
-
-    def counting(*args):
-        blocked_calls.append(1)
-        return blocked(*args)
-
-    monkeypatch.setattr(scoring, "_blocked_probe_attention", counting)
+    blocked_calls = blocked_attention_calls
     with torch.no_grad():
         # 0: never block by block; 1: wherever the trees cut into blocks
         dense = score_batch_packed(model, prompts, responses, probes, blocked_attention_share=0.0)

@@ -359,16 +359,9 @@ def continuation_batch(seed, count=5):
 
 
 @pytest.mark.parametrize("batch", ["continuations", "mixed"])
-def test_probe_attention_block_by_block_gives_the_dense_masks_log_probs(model, monkeypatch, batch):
+def test_probe_attention_block_by_block_gives_the_dense_masks_log_probs(model, blocked_attention_calls, batch):
     prompts, responses, probe_lists = continuation_batch(1) if batch == "continuations" else mixed_batch(2)
-    blocked_calls = []
-    blocked = scoring_module._blocked_probe_attention
-
-    def counting(*args):
-        blocked_calls.append(1)
-        return blocked(*args)
-
-    monkeypatch.setattr(scoring_module, "_blocked_probe_attention", counting)
+    blocked_calls = blocked_attention_calls
     scores = {}
     for share in (0.0, 1.0):  # 0: never block by block; 1: wherever the trees cut into blocks
         scores[share] = score_batch_packed(model, prompts, responses, probe_lists, max_token_len=16384,

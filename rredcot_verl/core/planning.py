@@ -101,6 +101,11 @@ class TraceRecord:
         return turn_spans(self.response_mask.bool())
 
 
+def state_starts(segment_ends: Sequence[int]) -> list[int]:
+    """Boundaries of the valued states S_0..S_{K-1} of a trace cut at ``segment_ends``."""
+    return [0, *segment_ends[:-1]]
+
+
 @dataclass
 class TracePlan:
     """What a worker needs to value one trace: its tokens, its boundaries and its probes.
@@ -138,7 +143,7 @@ class TracePlan:
     @property
     def starts(self) -> list[int]:
         """Boundaries of the valued states S_0..S_{K-1}."""
-        return [0, *self.segment_ends[:-1]]
+        return state_starts(self.segment_ends)
 
 
 # Where a group's bank of correct answers and continuations came from (``TracePlan.bank_sources``).
@@ -556,7 +561,7 @@ def _plan_chunk(context, jobs) -> list[tuple[list[int], list[Probe], bool, int]]
                 if bank.correct_answers:
                     response = trace.response_ids.tolist()  # once: 25k ids are a millisecond a copy
                     reference = source == "reference_continuation"
-                    starts = [0, *segment_ends[:-1]]  # TracePlan.starts
+                    starts = state_starts(segment_ends)
                     if not planner.profile.thinks:  # states inside the answer region: probed from its start
                         answer_start = planner.answer_start(response, text)
                         starts = [min(start, answer_start) for start in starts]
