@@ -47,10 +47,11 @@ from rredcot_verl.core.planning import (
     _value_rule,
     plan_traces,
 )
+from rredcot_verl.core import profiles
 from rredcot_verl.core.profiles import decode_batch
 from rredcot_verl.core.segmentation import _Layout, segment_response, turn_spans
 from rredcot_verl.core.settings import settings_from_config
-from rredcot_verl.tasks import resolve_task
+from rredcot_verl.tasks import miniature, resolve_task
 
 torch.set_num_threads(1)
 
@@ -343,6 +344,50 @@ def test_batched_decoding_gives_the_tokenizers_texts(step):
         assert decode_batch(tokenizer, sequences, skip_special_tokens=skip, clean_up_tokenization_spaces=True) == [
             tokenizer.decode(s, skip_special_tokens=skip, clean_up_tokenization_spaces=True) for s in sequences]
     assert decode_batch(tokenizer, [], skip_special_tokens=True) == []
+
+
+def random_ids(tokenizer, rng, length):
+    """Ids the byte-level table must decode as the backend does: single bytes (UTF-8 cut mid-character), any token,
+    every added token."""
+    added = sorted(tokenizer.backend_tokenizer.get_added_tokens_decoder())
+    return [rng.choice(added) if r < 0.1 else rng.randrange(300) if r < 0.6 else rng.randrange(len(tokenizer))
+            for r in (rng.random() for _ in range(length))]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "r1_distill"])
+def test_byte_level_tokenizers_decode_by_table_as_the_backend_does(family):
+    """The table path (a lone ``ByteLevel`` decoder) on both kinds of added token: spelled with byte-level characters
+    (``<|im_end|>``) and without (R1's ``<｜User｜>``); invalid UTF-8 replaced as the backend replaces it; an id the
+    vocabulary lacks or a token added after the first decode left to the backend or a rebuilt table."""
+    tokenizer = miniature.family_tokenizer(miniature.FAMILIES[family], ["the sum of 12 and 30 is 42\n\n"] * 4,
+                                           miniature.MiniatureConfig(vocab_size=400))
+    assert profiles._ByteLevelTable.of(tokenizer.backend_tokenizer) is not None
+    rng = random.Random(5)
+    sequences = [random_ids(tokenizer, rng, 400) for _ in range(30)]
+    for skip in (True, False):
+        assert decode_batch(tokenizer, sequences, skip_special_tokens=skip) == [
+            tokenizer.decode(s, skip_special_tokens=skip) for s in sequences]
+    assert any("\ufffd" in tokenizer.decode(s) for s in sequences)
+    outside = [sequences[0][:50] + [len(tokenizer) + 7] + sequences[0][50:100]]
+    assert decode_batch(tokenizer, outside, skip_special_tokens=False) == [tokenizer.decode(outside[0])]
+    tokenizer.add_tokens(["<|later|>"])
+    later = [sequences[1][:20] + [len(tokenizer) - 1] + sequences[1][20:40]]
+    assert "<|later|>" in decode_batch(tokenizer, later, skip_special_tokens=True)[0]
+    assert decode_batch(tokenizer, later, skip_special_tokens=True) == [
+        tokenizer.decode(later[0], skip_special_tokens=True)]
+
+
+def test_tokenizers_without_a_byte_level_decoder_decode_in_the_backend():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "▁the": 1, "▁sum": 2, "▁is": 3, "▁42": 4}, unk_token="[UNK]"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=False)
+    assert profiles._ByteLevelTable.of(tokenizer.backend_tokenizer) is None
+    sequences = [[1, 2, 3, 4], [4, 0, 1]]
+    assert decode_batch(tokenizer, sequences, skip_special_tokens=False) == [tokenizer.decode(s) for s in sequences]
+    assert decode_batch(tokenizer, sequences, skip_special_tokens=False)[0] == "the sum is 42"
 
 
 def tail_by_scan(probe_tokenizer, context):
