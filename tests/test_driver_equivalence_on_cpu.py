@@ -361,7 +361,7 @@ def test_byte_level_tokenizers_decode_by_table_as_the_backend_does(family):
     vocabulary lacks or a token added after the first decode left to the backend or a rebuilt table."""
     tokenizer = miniature.family_tokenizer(miniature.FAMILIES[family], ["the sum of 12 and 30 is 42\n\n"] * 4,
                                            miniature.MiniatureConfig(vocab_size=400))
-    assert profiles._ByteLevelTable.of(tokenizer.backend_tokenizer) is not None
+    assert profiles._ByteLevelTable.of(tokenizer) is not None
     rng = random.Random(5)
     sequences = [random_ids(tokenizer, rng, 400) for _ in range(30)]
     for skip in (True, False):
@@ -384,7 +384,7 @@ def test_tokenizers_without_a_byte_level_decoder_decode_in_the_backend():
     backend = Tokenizer(models.WordLevel({"[UNK]": 0, "▁the": 1, "▁sum": 2, "▁is": 3, "▁42": 4}, unk_token="[UNK]"))
     backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=False)
-    assert profiles._ByteLevelTable.of(tokenizer.backend_tokenizer) is None
+    assert profiles._ByteLevelTable.of(tokenizer) is None
     sequences = [[1, 2, 3, 4], [4, 0, 1]]
     assert decode_batch(tokenizer, sequences, skip_special_tokens=False) == [tokenizer.decode(s) for s in sequences]
     assert decode_batch(tokenizer, sequences, skip_special_tokens=False)[0] == "the sum is 42"

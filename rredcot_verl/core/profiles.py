@@ -328,7 +328,7 @@ def decode_batch(tokenizer, sequences: Sequence, *, skip_special_tokens: bool,
                 else clean_up_tokenization_spaces)
     if backend is not None and not clean_up:
         arrays = [np.asarray(s, dtype=np.int64) for s in sequences]
-        table = _ByteLevelTable.of(backend)
+        table = _ByteLevelTable.of(tokenizer)
         if table is not None and table.covers(arrays):
             return [table.decode(ids, skip_special_tokens) for ids in arrays]
         return backend.decode_batch([ids.tolist() for ids in arrays], skip_special_tokens=skip_special_tokens)
@@ -346,7 +346,7 @@ class _ByteLevelTable:
     UTF-8; the tokens' bytes are joined and decoded once, an invalid sequence becoming U+FFFD (Rust's
     ``from_utf8_lossy`` and Python's ``errors="replace"`` replace the same maximal invalid parts). Ids the vocabulary
     lacks are dropped, as the backend drops them; special added tokens are dropped under ``skip_special_tokens``.
-    Built once per backend (a Qwen vocabulary: about 0.2 s), only for a decoder that is ``ByteLevel`` alone.
+    Built once per tokenizer (one loop over its vocabulary), only for a decoder that is ``ByteLevel`` alone.
     """
 
     _built: "weakref.WeakKeyDictionary[object, _ByteLevelTable | None]" = weakref.WeakKeyDictionary()
@@ -372,16 +372,17 @@ class _ByteLevelTable:
         self.pieces, self.without_special = np.array(pieces, dtype=object), np.array(without_special, dtype=object)
 
     @classmethod
-    def of(cls, backend) -> "_ByteLevelTable | None":
-        """The table of ``backend`` (built once, dropped with it), or None if its decoder is not a lone
-        ``ByteLevel``."""
+    def of(cls, tokenizer) -> "_ByteLevelTable | None":
+        """The table of ``tokenizer``'s backend (built once, dropped with the tokenizer: some tokenizers versions'
+        backends take no weak reference), or None if its decoder is not a lone ``ByteLevel``."""
         from tokenizers.decoders import ByteLevel
 
-        table = cls._built.get(backend)
-        if backend not in cls._built or (table is not None and table.size != backend.get_vocab_size(True)):
+        backend = tokenizer.backend_tokenizer
+        table = cls._built.get(tokenizer)
+        if tokenizer not in cls._built or (table is not None and table.size != backend.get_vocab_size(True)):
             # rebuilt after tokens were added to the tokenizer
             table = cls(backend) if isinstance(backend.decoder, ByteLevel) else None
-            cls._built[backend] = table
+            cls._built[tokenizer] = table
         return table
 
     def covers(self, arrays: list[np.ndarray]) -> bool:
