@@ -129,6 +129,19 @@ def test_choice_table_gains_steps_and_costs_are_the_json(label):
         assert cells[5] == f"- (n = {rollouts})", (label, run)
 
 
+# The projected GPU step of each row's setting (gpu_projection.json's estimators), three significant digits.
+PROJECTED_FOR_ROW = {"A": "rredcot_reference", "B": "ibpo", "C": "rredcot_repair_bank", "D": "rredcot_ibpo",
+                     "E": "rredcot_exit_probe", "F": "segment_mc"}
+
+
+def test_the_projected_gpu_step_of_each_row_is_the_json():
+    projection = json.loads((RESULTS / "gpu_projection.json").read_text())["estimators"]
+    shown = {label: f"{label} {projection[name]['over_grpo']:.3g}x" for label, name in PROJECTED_FOR_ROW.items()}
+    low, high = projection["rredcot_repair_bank"]["over_grpo_range"]
+    shown["C"] += f" ({low:.1f}-{high:.0f}x over its assumptions)"
+    assert "(H200s, the paper recipe, not run; RESULTS.md §2), rows below: " + ", ".join(shown.values()) in FLAT
+
+
 def test_choice_table_footnotes_are_the_json():
     text = FLAT
     rate = {label: HARD["methods"][run]["lr"] / HARD["methods"]["grpo"]["lr"] for label, run in row_runs().items()}
