@@ -262,7 +262,10 @@ class ProbeTokenizer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        """The tokenizer's ``decode`` (special tokens kept, no clean-up), through :func:`decode_batch`'s table where
+        there is one: planning decodes prefixes of a trace many times (a model without thinking markers: about 15
+        per trace to find its answer region)."""
+        return decode_batch(self.tokenizer, [ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)[0]
 
     def decode_batch(self, sequences: Sequence) -> list[str]:
         """:meth:`decode` of each sequence (lists or 1-D tensors), in one call (:func:`decode_batch`)."""

@@ -84,7 +84,7 @@ def ibpo_repairs(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.
 
     def text(i: int) -> str:
         if i not in texts:
-            texts[i] = tokenizer.decode(responses[i], skip_special_tokens=True)
+            texts[i] = decode_batch(tokenizer, [responses[i]], skip_special_tokens=True)[0]
         return texts[i]
 
     def request(i: int, j: int) -> _RepairRequest:

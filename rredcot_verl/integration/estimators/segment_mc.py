@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from rredcot_verl.core import montecarlo
+from rredcot_verl.core.profiles import decode_batch
 from rredcot_verl.core.segmentation import segment_response
 from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration import rollouts
@@ -50,7 +51,7 @@ def monte_carlo_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, 
     def judge(i: int, response_ids: list[int]) -> float:
         # On the probability scale of the other value sources: 1 = the top of the reward range.
         truth, extra, source = rollouts.reward_inputs(records[i])
-        reward = ctx.score(source, tokenizer.decode(response_ids, skip_special_tokens=True), truth, extra)
+        reward = ctx.score(source, decode_batch(tokenizer, [response_ids], skip_special_tokens=True)[0], truth, extra)
         return ctx.settings.success_probability(reward)
 
     # Requested and judged a chunk of traces at a time (MonteCarloSettings.max_prefix_tokens_per_call).
