@@ -3,7 +3,9 @@ driver's cores.
 
 Synthetic traces of the paper recipe's shape (``recipes/paper/qwen3_4b_numina_rredcot.yaml``: 25,000-token responses,
 up to 40 segments, groups of ``rollout.n`` = 4, ``train_batch_size`` 128 prompts, so 512 traces a step), with that
-recipe's ``algorithm.rredcot`` (boxed-maths task, Qwen3 thinking profile, exit-probe values). The text is the shipped
+recipe's ``algorithm.rredcot`` (boxed-maths task, Qwen3 thinking profile, exit-probe values; ``--profile plain``: the
+same traces read as a model's without thinking markers, whose answer region planning finds by decoding prefixes of
+each trace). The text is the shipped
 word problems' solution paragraphs (``tasks/assets/math_problems.jsonl``), shuffled per trace behind an opening the
 group shares, closed by the Qwen3 answer (``</think> ... **Final Answer** \\boxed{a}``), right or wrong by group
 (0, 1, 2 or 3 correct of 4: a third of the traces right, a quarter of the groups all wrong); tokenised by the
@@ -378,7 +380,7 @@ def start_planning_workers(workers: int, records, settings_of_estimators, tokeni
     return time.perf_counter() - started
 
 
-def measure(shape: Shape, seed: int, planning_workers: int) -> dict:
+def measure(shape: Shape, seed: int, planning_workers: int, profile: str | None = None) -> dict:
     from verl import DataProto
 
     from rredcot_verl.integration.estimators.base import StepContext, object_array
@@ -388,6 +390,8 @@ def measure(shape: Shape, seed: int, planning_workers: int) -> dict:
 
     torch.set_num_threads(1)
     recipe = OmegaConf.load(PAPER_RECIPE)
+    if profile:
+        recipe.algorithm.rredcot.probe.profile = profile
     settings = settings_from_config(recipe.algorithm)
     bank_settings = dataclasses.replace(settings, candidates=dataclasses.replace(settings.candidates,
                                                                                  source="group_and_repairs"))
@@ -545,6 +549,9 @@ def main(argv: list[str] | None = None) -> dict:
     cli.add_argument("--threads", type=int, default=1,
                      help="cores for decoding, the rewrite guard and planning's worker processes (default 1: all on "
                           "this process's one core; 0: every core)")
+    cli.add_argument("--profile", default=None,
+                     help="probe.profile instead of the recipe's (plain: the traces read as a model's without thinking "
+                          "markers, whose answer region planning finds by decoding prefixes)")
     cli.add_argument("--node-cores", type=int, default=DRIVER_NODE_CORES,
                      help=f"a GPU node driver's cores, for the projection (default {DRIVER_NODE_CORES})")
     args = cli.parse_args(argv)
@@ -557,7 +564,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--traces must be a multiple of the group size {shape.group_size}")
     started = time.perf_counter()
     with driver_threads(threads):
-        measured = measure(shape, args.seed, threads)
+        measured = measure(shape, args.seed, threads, args.profile)
     result = {
         **summarise(measured, shape, threads, args.node_cores),
         "scaled_to_recipe": shape.recipe_traces / shape.traces,
@@ -583,6 +590,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "(per _trace_batch read) and measured.put_bytes are what our hooks move through it",
                       "snapshots (off unless algorithm.rredcot.snapshot_dir is set)"],
         "recipe": str(PAPER_RECIPE.relative_to(common.ROOT)),
+        "probe_profile": args.profile or OmegaConf.select(recipe, "algorithm.rredcot.probe.profile", default="auto"),
         "command": " ".join(["python benchmarks/driver_share.py", *(argv if argv is not None else sys.argv[1:])]),
         "wall_seconds": time.perf_counter() - started,
         **common.machine_meta(),

@@ -390,6 +390,57 @@ def test_tokenizers_without_a_byte_level_decoder_decode_in_the_backend():
     assert decode_batch(tokenizer, sequences, skip_special_tokens=False)[0] == "the sum is 42"
 
 
+def tokens_before_by_search(probe_tokenizer, response, offset):
+    """``_Planner.tokens_before`` as it searched before every prefix's length came from one pass: a binary search over
+    decoded prefixes."""
+    low, high = 0, len(response)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if len(probe_tokenizer.tokenizer.decode(response[:middle], skip_special_tokens=False,
+                                                clean_up_tokenization_spaces=False)) <= offset:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+@pytest.mark.parametrize("family", ["qwen3", "r1_distill"])
+def test_prefix_lengths_are_the_decoded_prefixes(family):
+    """Every prefix's decoded length from one pass over the bytes: prefixes cut inside a multi-byte character (one
+    U+FFFD), added tokens; a sequence that is not valid UTF-8 gets None (its prefixes are decoded)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokenizer = miniature.family_tokenizer(miniature.FAMILIES[family], ["the sum of 12 and 30 is 42\n\n"] * 4,
+                                           miniature.MiniatureConfig(vocab_size=400))
+    probe_tokenizer = profiles.ProbeTokenizer(tokenizer)
+    text = "Été: 12 + 30 = 42 — 数学 😀 <think>\nso 42</think>\n\n**Final Answer** \\boxed{42}<|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prefixes = [tokenizer.decode(ids[:m], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                for m in range(len(ids) + 1)]
+    assert probe_tokenizer.prefix_lengths(ids).tolist() == [len(prefix) for prefix in prefixes]
+    assert any(prefix.endswith("\ufffd") for prefix in prefixes)
+    lead_byte = tokenizer.convert_tokens_to_ids(bytes_to_unicode()[0xE4])
+    broken = ids[:5] + [lead_byte] + ids[5:9]
+    assert "\ufffd" in tokenizer.decode(broken) and probe_tokenizer.prefix_lengths(broken) is None
+
+
+def test_answer_regions_found_in_one_pass_are_those_the_binary_search_found(step):
+    tokenizer, traces, _ = step
+    recipe = OmegaConf.load(driver_share.PAPER_RECIPE)
+    recipe.algorithm.rredcot.probe.profile = "plain"
+    plain = settings_from_config(recipe.algorithm)
+    planner = _Planner(plain, tokenizer, resolve_task(plain.task))
+    rng = random.Random(7)
+    for trace in traces:
+        response = trace["response"]
+        length = len(planner.probe_tokenizer.decode(response))
+        offsets = [0, 1, length - 1, length] + [rng.randrange(length) for _ in range(20)]
+        assert [planner.tokens_before(response, o) for o in offsets] == [
+            tokens_before_by_search(planner.probe_tokenizer, response, o) for o in offsets]
+        text = planner.probe_tokenizer.decode(response)
+        assert planner.answer_start(response, text) < len(response)  # the step's traces write an answer
+
+
 def tail_by_scan(probe_tokenizer, context):
     """The tail ``ProbeTokenizer`` joined text to before it cached tails: the longest that decodes and encodes back."""
     for length in probe_tokenizer.tail_lengths:

@@ -24,6 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, Protocol, Sequence
 
+import numpy as np
 import torch
 from rapidfuzz import fuzz
 
@@ -340,7 +341,16 @@ class _Planner:
         offset = answer_region_start(text, self.profile)
         if offset >= len(text):
             return len(response)
-        low, high = 0, len(response)  # decoded prefix lengths grow with the token count
+        return self.tokens_before(response, offset)
+
+    def tokens_before(self, response: list[int], offset: int) -> int:
+        """The most tokens of ``response`` whose decoded text is at most ``offset`` characters long (decoded prefix
+        lengths grow with the token count): every prefix's length at once where the tokenizer allows
+        (``ProbeTokenizer.prefix_lengths``), else a binary search over decoded prefixes."""
+        lengths = self.probe_tokenizer.prefix_lengths(response)
+        if lengths is not None:
+            return int(np.searchsorted(lengths, offset, side="right")) - 1
+        low, high = 0, len(response)
         while low < high:
             middle = (low + high + 1) // 2
             if len(self.probe_tokenizer.decode(response[:middle])) <= offset:

@@ -271,6 +271,16 @@ class ProbeTokenizer:
         """:meth:`decode` of each sequence (lists or 1-D tensors), in one call (:func:`decode_batch`)."""
         return decode_batch(self.tokenizer, sequences, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def prefix_lengths(self, ids: Sequence[int]) -> np.ndarray | None:
+        """``len(self.decode(ids[:m]))`` for every m = 0 .. len(ids), in one pass where the tokenizer decodes by
+        table (:func:`decode_batch`) and the text is valid UTF-8; None otherwise (decode the prefixes)."""
+        if getattr(self.tokenizer, "backend_tokenizer", None) is None:
+            return None
+        table, ids = _ByteLevelTable.of(self.tokenizer), np.asarray(ids, dtype=np.int64)
+        if table is None or not table.covers([ids]):
+            return None
+        return table.prefix_lengths(ids)
+
     def continuation(self, context_ids: Sequence[int], text: str, *, exit_line: bool = False) -> tuple[int, ...]:
         """Tokens of ``text`` written right after ``context_ids``.
 
@@ -373,6 +383,7 @@ class _ByteLevelTable:
                            for token_id, piece in enumerate(pieces)]
         # object arrays: a sequence's pieces are gathered in one indexing, not a Python loop over its ids
         self.pieces, self.without_special = np.array(pieces, dtype=object), np.array(without_special, dtype=object)
+        self.piece_bytes = np.array([len(piece) for piece in pieces], dtype=np.int64)
 
     @classmethod
     def of(cls, tokenizer) -> "_ByteLevelTable | None":
@@ -395,6 +406,19 @@ class _ByteLevelTable:
     def decode(self, ids: np.ndarray, skip_special_tokens: bool) -> str:
         pieces = self.without_special if skip_special_tokens else self.pieces
         return b"".join(pieces[ids].tolist()).decode("utf-8", errors="replace")
+
+    def prefix_lengths(self, ids: np.ndarray) -> np.ndarray | None:
+        """``len(decode(ids[:m]))`` for m = 0 .. len(ids) (special tokens kept), or None where the sequence's bytes
+        are not valid UTF-8. In valid UTF-8 every character has one lead byte (any byte but a continuation
+        ``10xxxxxx``), and a prefix cut inside a character decodes that character as one U+FFFD: a prefix's length is
+        the lead bytes among its bytes."""
+        joined = b"".join(self.pieces[ids].tolist())
+        try:
+            joined.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        leads = np.concatenate(([0], np.cumsum((np.frombuffer(joined, dtype=np.uint8) & 0xC0) != 0x80)))
+        return leads[np.concatenate(([0], np.cumsum(self.piece_bytes[ids])))]
 
 
 def _whitespace_overlap(before: str, text: str) -> int:
