@@ -53,3 +53,12 @@ def test_driver_share_smoke_with_planning_in_worker_processes(tmp_path):
     for entry in written["estimators"].values():
         assert entry["driver_seconds_projected_at_threads_scaled"] == pytest.approx(
             entry["driver_seconds_scaled"] - entry["driver_multi_core_part_seconds_scaled"] / 2)
+
+
+def test_driver_share_smoke_for_a_model_without_thinking_markers(tmp_path):
+    # --profile plain: the traces read as a model's without a thinking block; planning finds their answer regions.
+    out = tmp_path / "driver_share_plain.json"
+    driver_share.main(["--smoke", "--profile", "plain", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["probe_profile"] == "plain"
+    assert written["measured"]["segments_per_trace"] > 0 and written["measured"]["probes_per_trace"] > 0
