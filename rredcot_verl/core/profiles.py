@@ -274,12 +274,9 @@ class ProbeTokenizer:
     def prefix_lengths(self, ids: Sequence[int]) -> np.ndarray | None:
         """``len(self.decode(ids[:m]))`` for every m = 0 .. len(ids), in one pass where the tokenizer decodes by
         table (:func:`decode_batch`) and the text is valid UTF-8; None otherwise (decode the prefixes)."""
-        if getattr(self.tokenizer, "backend_tokenizer", None) is None:
-            return None
-        table, ids = _ByteLevelTable.of(self.tokenizer), np.asarray(ids, dtype=np.int64)
-        if table is None or not table.covers([ids]):
-            return None
-        return table.prefix_lengths(ids)
+        ids = np.asarray(ids, dtype=np.int64)
+        table = _ByteLevelTable.serving(self.tokenizer, [ids])
+        return None if table is None else table.prefix_lengths(ids)
 
     def continuation(self, context_ids: Sequence[int], text: str, *, exit_line: bool = False) -> tuple[int, ...]:
         """Tokens of ``text`` written right after ``context_ids``.
@@ -341,8 +338,8 @@ def decode_batch(tokenizer, sequences: Sequence, *, skip_special_tokens: bool,
                 else clean_up_tokenization_spaces)
     if backend is not None and not clean_up:
         arrays = [np.asarray(s, dtype=np.int64) for s in sequences]
-        table = _ByteLevelTable.of(tokenizer)
-        if table is not None and table.covers(arrays):
+        table = _ByteLevelTable.serving(tokenizer, arrays)
+        if table is not None:
             return [table.decode(ids, skip_special_tokens) for ids in arrays]
         return backend.decode_batch([ids.tolist() for ids in arrays], skip_special_tokens=skip_special_tokens)
     return tokenizer.batch_decode([np.asarray(s, dtype=np.int64) if isinstance(s, (list, tuple)) else s
@@ -398,6 +395,15 @@ class _ByteLevelTable:
             table = cls(backend) if isinstance(backend.decoder, ByteLevel) else None
             cls._built[tokenizer] = table
         return table
+
+    @classmethod
+    def serving(cls, tokenizer, arrays: list[np.ndarray]) -> "_ByteLevelTable | None":
+        """The table that decodes ``arrays`` for ``tokenizer``: None for a tokenizer without a Rust backend or a
+        byte-level decoder, or ids outside its vocabulary (the backend then decodes)."""
+        if getattr(tokenizer, "backend_tokenizer", None) is None:
+            return None
+        table = cls.of(tokenizer)
+        return table if table is not None and table.covers(arrays) else None
 
     def covers(self, arrays: list[np.ndarray]) -> bool:
         """Every id is in the table (an id outside it, negative included, is left to the backend to judge)."""
