@@ -785,3 +785,55 @@ def test_credit_on_incorrect_traces_learns_from_value_differences_in_all_wrong_g
 def test_unknown_credit_traces_is_refused():
     with pytest.raises(ValueError, match="credit_traces must be one of"):
         RedistributionSettings(credit_traces="wrong")
+
+
+# ------------------------------------------------------------------------------------------ signed advantage form
+
+
+def test_signed_form_gives_each_token_its_segments_value_difference():
+    # A correct and a wrong trace of 12 tokens in 3 segments of 4 (raw values, anchored: V_0 = group mean 0.5).
+    batch = _batch([1.0, 0.0], [12, 12], ["g", "g"], [[4, 8, 12]] * 2, [[0.5, 0.9, 0.8, NAN], [0.5, 0.6, 0.1, NAN]])
+    result = redistribute(*batch, _config(value_mapping="raw", advantage_form="signed"))
+    # s = std + ε of {1, 0} = 0.7071...: R = [.4, -.1, .2] and [.1, -.5, -.1], per token R_k / s.
+    scale = math.sqrt(0.5) + 1e-6
+    expected = torch.tensor([[0.4, -0.1, 0.2], [0.1, -0.5, -0.1]], dtype=torch.float64) / scale
+    assert torch.allclose(result.advantages.view(2, 3, 4).double(), expected.unsqueeze(-1).expand(2, 3, 4), atol=1e-6)
+    # sigma spreads Â by the shares R_k / Σ R = [.8, -.2, .4] (L / n_k = 3): the same signs, other magnitudes.
+    sigma = redistribute(*batch, _config(value_mapping="raw"))
+    advantage = 1.0 / scale * 0.5
+    assert torch.allclose(sigma.advantages[0].view(3, 4)[:, 0].double(),
+                          advantage * 3 * torch.tensor([0.8, -0.2, 0.4], dtype=torch.float64), atol=1e-5)
+
+
+@PROPERTY_SETTINGS
+@given(batch=batches(any_float_scores=False), norm=st.booleans())
+def test_signed_form_telescopes_to_grpo_and_is_grpo_at_mix_zero(batch, norm):
+    """Anchored, Σ_k R_k / s = (ζ − mean) / s = Â: a redistributed trace's segment advantages sum to its Â; at λ = 0
+    the tensor is verl's GRPO bit for bit; fallbacks keep GRPO's row."""
+    scores, mask, index, ends, raw = batch
+    cfg = _config(value_mapping="raw", advantage_form="signed", norm_adv_by_std=norm)
+    result = redistribute(scores, mask, index, ends, raw, cfg)
+    grpo, _ = _verl_grpo(scores, mask, index, norm_adv_by_std=norm)
+    assert torch.isfinite(result.advantages).all() and torch.all(result.advantages[mask == 0] == 0)
+    assert torch.equal(result.advantages[result.fallback], grpo[result.fallback])
+    for i in torch.nonzero(~result.fallback & ~result.interpolated).flatten().tolist():
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends[i][ends[i] >= 0][:-1]])
+        per_segment = result.advantages[i, starts].double().sum()
+        assert per_segment.item() == pytest.approx(grpo[i, 0].item(), rel=1e-4, abs=1e-4)
+    zero = redistribute(scores, mask, index, ends, raw, _config(mix=0.0, advantage_form="signed", norm_adv_by_std=norm))
+    assert torch.equal(zero.advantages, grpo)
+
+
+def test_signed_form_in_an_all_wrong_group_gives_value_differences_per_token():
+    batch = _all_wrong_group()
+    result = redistribute(*batch, _config(degenerate_groups="value_differences", advantage_form="signed"))
+    # R = [.1, .1, -.7, -.1] with s = half the range (0.5), per token: no L / n_k spreading, no token bound.
+    per_segment = result.advantages[0].view(4, 4)
+    assert torch.allclose(per_segment.double(), torch.tensor([0.2, 0.2, -1.4, -0.2], dtype=torch.float64)
+                          .unsqueeze(1).expand(4, 4), atol=1e-6)  # fmt: skip
+    assert result.metrics["token_bound_trace_frac"] == 0.0
+
+
+def test_unknown_advantage_form_is_refused():
+    with pytest.raises(ValueError, match="advantage_form must be one of"):
+        RedistributionSettings(advantage_form="vine")

@@ -12,6 +12,8 @@ k = 1..K of n_k tokens (boundary b_k = end of segment k, b_0 = 0, b_K = L_i):
 4. token advantage A_t = Â_i · f_t, f_t = (1 − λ) + λ · L_i · σ_k / n_k for t in segment k, then |f_t| kept within
    ``max_token_advantage_ratio`` at constant Σ_t f_t = L_i (see ``_bound_token_factors``). Uniform σ_k = n_k / L_i,
    or λ = 0, gives GRPO; for any σ the trace's token mean of A is Â_i.
+   ``advantage_form="signed"`` replaces steps 3-4 by A_t = (1 − λ)·Â_i + λ·R_k / s_i, s_i the group's std + ε
+   (VinePPO's and SPO's signed step advantage; see ``RedistributionSettings``).
 
 Where the values carry no usable information about the trace (the affine map is undefined, or its gain is out of
 bounds) they are interpolated in token position, V(b) = V_0 + (ζ_i − V_0)·b / L_i; then σ_k = n_k / L_i and the trace
@@ -52,6 +54,7 @@ __all__ = [
 VALUE_MAPPINGS = ("affine", "log_affine", "raw")
 DEGENERATE_GROUPS = ("grpo", "value_differences")
 CREDIT_TRACES = ("all", "incorrect", "correct")
+ADVANTAGE_FORMS = ("sigma", "signed")
 # Slack for probabilities that should lie in [0, 1] but come out of float sums of probabilities (and for outcomes,
 # as a share of the reward range).
 _PROBABILITY_SLACK = 1e-4
@@ -121,6 +124,16 @@ class RedistributionSettings:
             ``"correct"`` (the converse, for the ablation). A trace outside the chosen kind keeps GRPO's row bit for
             bit, counted in ``uncredited_traces`` (a choice, not a fallback); its values still count in the value
             gate. Why it exists: docs/choices.md, "Credit on wrong traces only".
+        advantage_form: how segment rewards become token advantages. ``"sigma"`` (default, the published method):
+            each trace keeps its GRPO advantage as its token mean and the values only decide where it lands,
+            A_t = Â·f_t with f_t = (1 − λ) + λ·L·σ_k / n_k (steps 3-4 of the module docstring). ``"signed"``: each
+            token of segment k gets the segment's own value difference, A_t = (1 − λ)·Â + λ·R_k / s, with s the
+            group's std + ε as in Â (1 without ``norm_adv_by_std``), as VinePPO and SPO credit steps: a segment
+            that raised the value is pushed up and one that lowered it is pushed down, on correct and wrong traces
+            alike, without the division by Σ R (so no ``clip`` or token bound is needed: |R_k| is at most the
+            reward range). Anchored, Σ_k R_k / s = Â, so a trace whose values only move in its last segment gets
+            GRPO's advantage on that segment and 0 elsewhere. All-equal groups follow ``degenerate_groups`` and
+            then get R_k / s per token (s as there). Why it exists: docs/choices.md, "Signed segment advantages".
         epsilon: added to the group std as in verl, and the threshold below which an outcome gap counts as zero
             (as a share of the reward range). Default 1e-6.
         norm_adv_by_std: divide the GRPO advantage by the group std (GRPO) or not (Dr.GRPO). Default True.
@@ -136,6 +149,7 @@ class RedistributionSettings:
     min_value_concordance: float = 0.6
     concordance_window: int = 10
     credit_traces: str = "all"
+    advantage_form: str = "sigma"
     epsilon: float = 1e-6
     norm_adv_by_std: bool = True
 
@@ -159,6 +173,8 @@ class RedistributionSettings:
             raise ValueError(f"degenerate_groups must be one of {DEGENERATE_GROUPS}, got {self.degenerate_groups!r}")
         if self.credit_traces not in CREDIT_TRACES:
             raise ValueError(f"credit_traces must be one of {CREDIT_TRACES}, got {self.credit_traces!r}")
+        if self.advantage_form not in ADVANTAGE_FORMS:
+            raise ValueError(f"advantage_form must be one of {ADVANTAGE_FORMS}, got {self.advantage_form!r}")
         if not 0.0 <= self.min_value_concordance <= 1.0:
             raise ValueError(f"min_value_concordance must lie in [0, 1], got {self.min_value_concordance}")
         if isinstance(self.concordance_window, bool) or not (
@@ -380,7 +396,10 @@ def redistribute(
     # 4. anchored redistribution (mixed groups)
     mixed = defined & ~traces.differences
     traces.sigma, traces.clipped = _coefficients(traces, mixed, cfg)
-    anchored, anchored_bounded = _anchored_redistribution(traces, mixed, cfg)
+    if cfg.advantage_form == "signed":
+        anchored, anchored_bounded = _signed_differences(traces, mixed, cfg), torch.zeros_like(mixed)
+    else:
+        anchored, anchored_bounded = _anchored_redistribution(traces, mixed, cfg)
     # 5. value differences (all-equal groups)
     differences, differences_bounded = _value_differences(traces, defined & traces.differences, cfg)
     traces.bounded = anchored_bounded | differences_bounded
@@ -595,9 +614,20 @@ def _anchored_redistribution(traces: _TraceQuantities, live: torch.Tensor, cfg: 
     return traces.advantage.double().unsqueeze(1) * factor, bounded
 
 
+def _signed_differences(traces: _TraceQuantities, live: torch.Tensor, cfg: RedistributionSettings) -> torch.Tensor:
+    """Step 4, ``advantage_form="signed"``. Each segment's token advantage A_k = (1 − λ)·Â + λ·R_k / s, s = Â's own
+    scale (ζ − V_0) / Â: the group std + ε, or 1 without ``norm_adv_by_std`` (traces whose values were interpolated
+    keep GRPO's row, as in the sigma form). (bs, M) float64 on the ``live`` traces (mixed groups: Â ≠ 0 there)."""
+    gap = traces.baseline - traces.group_mean
+    scale = (gap / traces.advantage.double()).where(live & (traces.advantage != 0), 1.0)
+    signed = (1.0 - cfg.mix) * traces.advantage.double().unsqueeze(1) + cfg.mix * traces.rewards / scale.unsqueeze(1)
+    return signed.where(traces.in_segment & live.unsqueeze(1), 0.0)
+
+
 def _value_differences(traces: _TraceQuantities, live: torch.Tensor, cfg: RedistributionSettings):
     """Step 5. Each segment's token advantage A_k = unit·f_k, f_k = λ·(R_k / s)·L / n_k, |f_k| kept within B at
-    Σ_t f_t = λ·L·Σ_k R_k / s, on the ``live`` (bs,) traces. s is half the reward range; the unit is 1 with
+    Σ_t f_t = λ·L·Σ_k R_k / s, on the ``live`` (bs,) traces; f_k = λ·R_k / s, unbounded, with
+    ``advantage_form="signed"``. s is half the reward range; the unit is 1 with
     ``norm_adv_by_std`` and s without it, which makes A_t the advantage of a trace of a 50/50 group (see
     ``degenerate_groups``) and the bound B·unit that of mixed groups.
 
@@ -606,11 +636,14 @@ def _value_differences(traces: _TraceQuantities, live: torch.Tensor, cfg: Redist
     """
     lengths = traces.lengths.double()
     half_range = traces.width / 2.0
+    unit = 1.0 if cfg.norm_adv_by_std else half_range
+    active = traces.in_segment & live.unsqueeze(1)
+    if cfg.advantage_form == "signed":  # R_k / s on each token of segment k: bounded by the range itself
+        return unit * (cfg.mix * traces.rewards / half_range).where(active, 0.0), torch.zeros_like(live)
     factor = cfg.mix * (traces.rewards / half_range) * (lengths.unsqueeze(1) / traces.tokens)
     target = cfg.mix * lengths * traces.total / half_range
-    active = traces.in_segment & live.unsqueeze(1)
     factor, bounded = _bound_token_factors(factor, traces.tokens, active, target, cfg.max_token_advantage_ratio)
-    return (1.0 if cfg.norm_adv_by_std else half_range) * factor, bounded
+    return unit * factor, bounded
 
 
 def _token_rows(traces: _TraceQuantities, advantages: torch.Tensor) -> torch.Tensor:
