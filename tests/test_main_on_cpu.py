@@ -226,17 +226,37 @@ def test_ibpo_context_too_short_for_its_revisions_is_refused(build, estimator):
 
 def test_a_512_position_model_is_offered_only_what_it_can_take(build):
     """The warm start has 512 positions: neither a longer engine nor the resume operator can hold a 600-token
-    rewrite, so the advice is the response length that fits."""
+    rewrite, so the advice is a response length that fits, resumed (longer) or rewritten."""
     prompt = _positions(build, 512)
     with pytest.raises(LaunchError) as error:
         prepare(_config(["algorithm.adv_estimator=ibpo", "data.max_response_length=600",
                          "algorithm.rredcot.ibpo.repair_operator=rewrite"]))  # fmt: skip
     fits = max(n for n in range(600) if prompt + 2 * n + math.ceil(1.2 * n) + 128 <= 512)
-    assert str(error.value).endswith(f"the engine has 512; the model has 512 positions: set data.max_response_length "
-                                     f"<= {fits}")  # fmt: skip
+    assert str(error.value).endswith(
+        f"the engine has 512; the model has 512 positions: set algorithm.rredcot.ibpo.repair_operator=resume with "
+        f"data.max_response_length <= {512 - prompt}, or data.max_response_length <= {fits}"
+    )
     with pytest.raises(LaunchError) as error:
         prepare(_config(["algorithm.adv_estimator=ibpo", "data.max_response_length=600"]))  # resume
     assert str(error.value).endswith(f"set data.max_response_length <= {512 - prompt}")
+
+
+def test_the_ibpo_recipe_at_a_longer_response_is_refused_in_one_line_naming_both_fixes(build, tmp_path):
+    """The tiny recipe's rewrite repairs have a revision template, which the resume operator refuses: the advice to
+    resume unsets it too (it once built that refused setting and ended in hydra's traceback, exit 1)."""
+    env = {**os.environ, "RREDCOT_CPU": "1"}
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "rredcot_verl.main", "--check-only", "--config-dir", str(ROOT / "recipes/tiny_cpu"),
+         "--config-name", "ibpo", "data.max_response_length=2048"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    refusal = result.stderr.strip().splitlines()[-1]
+    assert refusal.startswith("rredcot_verl: algorithm.adv_estimator=ibpo generates IBPO repairs")
+    resume = ("set algorithm.rredcot.ibpo.repair_operator=resume algorithm.rredcot.ibpo.revision_template=null with "
+              "data.max_response_length <= ")
+    assert resume in refusal and ", or data.max_response_length <= " in refusal
 
 
 def test_an_unknown_repair_operator_is_refused_in_one_line(build):

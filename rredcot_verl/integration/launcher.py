@@ -348,19 +348,25 @@ def check_ibpo_context(config: DictConfig, settings, hf_config, prompt_lengths: 
     prompt_named = (f"the longest sampled prompt ({prompt} tokens with the chat template)" if prompt_lengths else
                     f"data.max_prompt_length {prompt}")  # fmt: skip
     fixes = []
+    beyond_engine = f" (with max_model_len {reach})" if reach > context else ""
+    fitting = largest_response_length(prompt, reach, cfg)
     if cfg.repair_operator == "rewrite":
-        resume = engine_context_need(prompt, response, dataclasses.replace(cfg, repair_operator="resume"))
+        # The revision template is the rewrite's prompt, which resume refuses (IBPOSettings): the switch unsets it.
+        resumed = dataclasses.replace(cfg, repair_operator="resume", revision_template=None)
+        switch = "algorithm.rredcot.ibpo.repair_operator=resume" + (
+            " algorithm.rredcot.ibpo.revision_template=null" if cfg.revision_template is not None else "")
+        resume = engine_context_need(prompt, response, resumed)
+        resumed_fitting = largest_response_length(prompt, reach, resumed)
         if resume <= min(context, reach):
-            fixes.append(f"algorithm.rredcot.ibpo.repair_operator=resume (it needs {resume}, which the engine has)")
+            fixes.append(f"{switch} (it needs {resume}, which the engine has)")
         elif resume <= reach:
-            fixes.append(f"algorithm.rredcot.ibpo.repair_operator=resume with actor_rollout_ref.rollout.max_model_len"
-                         f" >= {resume}")  # fmt: skip
+            fixes.append(f"{switch} with actor_rollout_ref.rollout.max_model_len >= {resume}")
+        elif resumed_fitting > fitting:  # resumed, a repair takes a third of a rewrite's context: a longer response
+            fixes.append(f"{switch} with data.max_response_length <= {resumed_fitting}{beyond_engine}")
     if need <= reach:
         fixes.append(f"actor_rollout_ref.rollout.max_model_len >= {need}")
-    fitting = largest_response_length(prompt, reach, cfg)
     if fitting >= 1:
-        fixes.append(f"data.max_response_length <= {fitting}" + (f" (with max_model_len {reach})" if reach > context
-                                                                  else ""))  # fmt: skip
+        fixes.append(f"data.max_response_length <= {fitting}{beyond_engine}")
     if cfg.repair_operator == "rewrite" and response:
         factor = (reach - prompt - 2 * response - cfg.revision_slack_tokens) / response
         if factor >= 1:
