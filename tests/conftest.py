@@ -54,13 +54,35 @@ def _trainer_config(overrides: tuple[str, ...]):
         return compose(config_name="rredcot_trainer", overrides=list(overrides))
 
 
+def _transfer_queue(store: dict):
+    """TransferQueue's two calls verl's own trainer steps make (``kv_batch_get``, ``kv_batch_put``), on ``store``:
+    field name to rows (tensors, or lists of a non-tensor field's values)."""
+    from types import SimpleNamespace
+
+    from tensordict import NonTensorStack, TensorDict
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        fields = {key: store[key] for key in select_fields if key in store}
+        fields = {key: NonTensorStack(*value) if isinstance(value, list) else value for key, value in fields.items()}
+        return TensorDict(fields, batch_size=[len(keys)])
+
+    def kv_batch_put(keys, partition_id, fields):
+        store.update(dict(fields.items()))
+        return SimpleNamespace(keys=keys, partition_id=partition_id)
+
+    return SimpleNamespace(kv_batch_get=kv_batch_get, kv_batch_put=kv_batch_put)
+
+
 @pytest.fixture()
-def make_trainer():
+def make_trainer(monkeypatch):
     """``make_trainer(*overrides, store=None)``: the rredcot trainer as verl's task runner builds it (its own
     ``__init__`` on the package's composed config: the embedded task on the shipped warm start, with hydra
     ``overrides``; the tokenizer loaded by verl's ``_init_tokenizer``), without Ray. TransferQueue is the dict
-    ``trainer.store`` (field name to rows); what a test drives beyond it (worker groups, the checkpoint manager, the
-    engine's client) the test sets."""
+    ``trainer.store`` (field name to rows), for the trainer's own reads and writes and for verl's steps it runs (those
+    of the trainer made last: verl's trainer module has one ``tq``); what a test drives beyond it (worker groups, the
+    checkpoint manager, the engine's client) the test sets."""
+    from verl.trainer.ppo.v1 import trainer_base
+
     from rredcot_verl.integration.trainer import TRAINER_NAME, SegmentCreditTrainer
 
     def make(*overrides: str, store: dict | None = None):
@@ -77,6 +99,7 @@ def make_trainer():
         trainer.store = {} if store is None else store
         trainer._fetch = lambda batch, fields: {key: trainer.store[key] for key in fields if key in trainer.store}
         trainer._put = lambda batch, tensors: trainer.store.update(tensors) or batch
+        monkeypatch.setattr(trainer_base, "tq", _transfer_queue(trainer.store))
         return trainer
 
     return make

@@ -1,7 +1,6 @@
 """The estimators' advantage functions on one ``AdvantageBatch`` (the function the trainer calls), against verl's GRPO;
 the trainer's advantage step around them, against verl's own; and what verl's registration of their names does."""
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -253,43 +252,29 @@ def _step_fields() -> dict:
     }
 
 
-def _transfer_queue(store: dict):
-    """TransferQueue's two calls verl's own advantage step makes, on ``store`` (TensorDicts of the kept fields)."""
-    from tensordict import NonTensorStack, TensorDict
-
-    def kv_batch_get(keys, partition_id, select_fields):
-        fields = {key: store[key] for key in select_fields if key in store}
-        if "uid" in fields:
-            fields["uid"] = NonTensorStack(*fields["uid"])
-        return TensorDict(fields, batch_size=[len(keys)])
-
-    def kv_batch_put(keys, partition_id, fields):
-        store.update(dict(fields.items()))
-        return SimpleNamespace(keys=keys, partition_id=partition_id)
-
-    return SimpleNamespace(kv_batch_get=kv_batch_get, kv_batch_put=kv_batch_put)
+def _step_batch() -> KVBatchMeta:
+    """The step's TransferQueue rows, keyed {uid}_{session}_{index}: one output per session, as a single-turn agent
+    loop writes them."""
+    return KVBatchMeta(partition_id="train", keys=[f"{uid}_{i}_0" for i, uid in enumerate(UID)], tags=[{}] * len(UID))
 
 
-def test_the_trainers_step_at_mix_zero_writes_what_verls_own_grpo_step_writes(make_trainer, monkeypatch):
+def test_the_trainers_step_at_mix_zero_writes_what_verls_own_grpo_step_writes(make_trainer):
     """λ = 0 through the trainer's advantage step (the estimator called on the step's batch, with verl's rollout
     correction before it) against verl's own ``PPOTrainer._compute_advantage`` with ``grpo`` on the same fields:
     the same advantages, returns, mask and importance weights, bit for bit, and the same correction metrics."""
     correction = ("algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.n=4")
-    # TransferQueue keys {uid}_{session}_{index}: one output per session, as a single-turn agent loop writes them
-    batch = KVBatchMeta(partition_id="train", keys=[f"{uid}_{i}_0" for i, uid in enumerate(UID)], tags=[{}] * len(UID))
+    batch = _step_batch()
     ours = make_trainer("algorithm.adv_estimator=rredcot", "algorithm.rredcot.redistribution.mix=0.0", *correction,
                         store=_step_fields())
     ours_metrics = {}
     ours._compute_advantage(batch, ours_metrics)
 
-    verls = make_trainer("algorithm.adv_estimator=grpo", *correction)
-    verl_store = _step_fields()
-    monkeypatch.setattr(trainer_base, "tq", _transfer_queue(verl_store))
+    verls = make_trainer("algorithm.adv_estimator=grpo", *correction, store=_step_fields())
     verl_metrics = {}
     trainer_base.PPOTrainer._compute_advantage(verls, batch, verl_metrics)
 
     for key in ("advantages", "returns", "response_mask", "rollout_is_weights"):
-        assert torch.equal(ours.store[key].to_padded_tensor(0.0), verl_store[key].to_padded_tensor(0.0)), key
+        assert torch.equal(ours.store[key].to_padded_tensor(0.0), verls.store[key].to_padded_tensor(0.0)), key
     assert any(key.startswith("rollout_corr/") for key in verl_metrics)
     assert {key: ours_metrics[key] for key in verl_metrics} == verl_metrics
     assert ours_metrics["rredcot/redistributed_frac"] > 0  # the diagnostics of what λ = 1 would have done
@@ -303,4 +288,4 @@ def test_the_trainers_step_refuses_inputs_whose_rows_do_not_match_the_uids(make_
     trainer._fetch = lambda batch, fields: ({**fetch(batch, fields), "uid": list(UID[::-1])}
                                             if "seg_ends" in fields else fetch(batch, fields))  # fmt: skip
     with pytest.raises(ValueError, match="rows do not match the batch's uid order"):
-        trainer._compute_advantage(SimpleNamespace(keys=list(range(len(UID)))), {})
+        trainer._compute_advantage(_step_batch(), {})

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
+from transfer_queue import KVBatchMeta
 from verl import DataProto
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
@@ -364,7 +365,8 @@ def test_tool_output_is_context_never_credited(warm_start, value_source, make_tr
     _value_stage(trainer, model)
     ends, values = store["seg_ends"], store["seg_raw_values"]
     assert ends.shape[1] == 4  # two turns, each thinking + answer: beyond max_segments, one width on both shards
-    trainer._compute_advantage(batch=None, metrics={})
+    rows = KVBatchMeta(partition_id="train", keys=[f"q_{i}_0" for i in range(len(names))], tags=[{}] * len(names))
+    trainer._compute_advantage(batch=rows, metrics={})
     advantages = trainer_module._padded(store["advantages"])
     mask = trainer_module._padded(store["response_mask"]).bool()
     assert (advantages[~mask] == 0).all()  # tool output, template tokens and padding get nothing

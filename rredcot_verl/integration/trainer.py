@@ -36,14 +36,11 @@ import torch
 import transfer_queue as tq
 from tensordict import TensorDict
 from transformers import AutoConfig
-from verl import DataProto
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
 from verl.utils.fs import copy_to_local
-from verl.workers.utils.padding import response_to_nested
 
 from rredcot_verl.compat import REPLAY_POLL_INTERVAL_S, cpu_mode_requested
 from rredcot_verl.core.concordance import ConcordanceWindow
@@ -52,7 +49,7 @@ from rredcot_verl.core.planning import records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration import failures, rollouts
 from rredcot_verl.integration.estimators import (
-    ESTIMATORS, AdvantageBatch, AdvantageResult, EngineUse, Stage, StepContext, StepTraces, generates,
+    ESTIMATORS, AdvantageBatch, AdvantageResult, EngineUse, Stage, StepContext, StepTraces, advantage_step, generates,
 )
 from rredcot_verl.integration.run_shapes import value_pass_model
 from rredcot_verl.integration.workers import SegmentActorRolloutRefWorker
@@ -316,58 +313,46 @@ class SegmentCreditTrainer(PPOTrainerSync):
         return batch
 
     def _compute_advantage(self, batch, metrics: dict):
-        """verl's ``PPOTrainer._compute_advantage`` for verl's estimators. For this package's, the same steps with the
-        estimator's advantage function called here on the step's ``AdvantageBatch`` (verl would pass a registered
-        estimator only rewards, mask and uids); its metrics, the value gate's window and the snapshot are taken from
-        its result."""
+        """verl's ``PPOTrainer._compute_advantage`` (its KL penalty, rollout correction, ``compute_advantage`` and
+        ragged write-back), for every estimator. For this package's, verl's ``compute_advantage`` calls the registered
+        name, which within ``advantage_step`` builds the step's ``AdvantageBatch`` from what verl passes it (rewards,
+        the corrected mask, uids) and calls the estimator's advantage function; its metrics, the value gate's window
+        and the snapshot are taken from its result."""
         if self.spec is None:
             batch = super()._compute_advantage(batch, metrics)
             if self.settings.snapshot_due(self.global_steps):
                 self._write_snapshot(batch)
             return batch
-        data = self._fetch(batch, ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs"])
-        ragged_mask = data["response_mask"]
-        step = DataProto.from_dict(
-            tensors={key: _padded(data[key]) for key in data.keys() if key != "uid"},
-            non_tensors={"uid": np.array(_non_tensor(data, "uid"), dtype=object)},
-        )
-        # 1. KL penalty in the reward: refused at launch for these estimators (run_shapes.kl_in_reward).
-        # 2. rollout correction (IS weights, rejection sampling on the mask), as verl applies it; its bypass mode is
-        #    refused at launch (run_shapes.bypass_mode).
-        correction = self.config.algorithm.get("rollout_correction", None)
-        corrected = correction is not None and "rollout_log_probs" in step.batch.keys()
-        if corrected:
-            step, correction_metrics = compute_rollout_correction_and_add_to_batch(step, correction)
-            metrics.update(correction_metrics)
-        # 3. the estimator, on the step's batch with the inputs its stages wrote
-        advantage_batch = self._advantage_batch(batch, step)
-        result = self.spec.advantage(advantage_batch, self.settings)
-        # 4. advantages and returns back to TransferQueue, ragged (with the corrected mask and weights, as verl)
-        outputs = {"advantages": result.advantages, "returns": result.returns}
-        if corrected:
-            outputs["response_mask"] = step.batch["response_mask"]
-            if "rollout_is_weights" in step.batch.keys():
-                outputs["rollout_is_weights"] = step.batch["rollout_is_weights"]
-        batch = self._put(batch, {key: response_to_nested(value, ragged_mask) for key, value in outputs.items()})
+        computed: dict = {}
+
+        def advantage(token_level_rewards, response_mask, uid) -> AdvantageResult:
+            computed["inputs"] = self._advantage_batch(batch, token_level_rewards, response_mask, uid)
+            computed["result"] = self.spec.advantage(computed["inputs"], self.settings)
+            return computed["result"]
+
+        with advantage_step(advantage):
+            batch = super()._compute_advantage(batch, metrics)
+        result = computed["result"]
         metrics.update(result.metrics)
         if result.concordance is not None:
             self.value_window.push(result.concordance)
             self._report_value_gate(result.metrics)
         if self.settings.snapshot_due(self.global_steps):
-            self._write_snapshot(batch, advantage_batch, result)
+            self._write_snapshot(batch, computed["inputs"], result)
         return batch
 
-    def _advantage_batch(self, batch, step: DataProto) -> AdvantageBatch:
-        """The step's ``AdvantageBatch``: outcomes, mask and uids from verl's padded fields, the estimator's inputs
-        read back from their batch keys (rows checked against the uids), the value gate's window."""
-        uid = step.non_tensor_batch["uid"]
+    def _advantage_batch(self, batch, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                         uid: np.ndarray) -> AdvantageBatch:
+        """The step's ``AdvantageBatch``: outcomes, mask and uids as verl's ``compute_advantage`` passes them (padded;
+        the mask after rollout correction), the estimator's inputs read back from their batch keys (rows checked
+        against the uids), the value gate's window."""
         keys = self.spec.batch_keys
         data = self._fetch(batch, ["uid", *keys])
         if not np.array_equal(np.array(_non_tensor(data, "uid"), dtype=object), uid):
             raise ValueError(f"adv_estimator={self.estimator!r}: its inputs' rows do not match the batch's uid order")
         return AdvantageBatch(
-            scores=step.batch["rm_scores"].sum(dim=-1),
-            response_mask=step.batch["response_mask"],
+            scores=token_level_rewards.sum(dim=-1),
+            response_mask=response_mask,
             index=uid,
             prior_concordance=self.value_window.pooled(),
             **{name: _padded(data[key]) for name, key in zip(self.spec.inputs, keys)},

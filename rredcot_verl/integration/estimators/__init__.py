@@ -7,8 +7,8 @@ step runs for it, given a ``base.StepContext``, each with when it runs and wheth
 the advantage function. The trainer calls that function on the step's batch; the benchmarks and tests call it on
 theirs. A producer that generates lives in its estimator's module and takes its engine and reward from the
 ``StepContext`` (built by ``integration.rollouts``). The trainer, the launcher and the workers read ``ESTIMATORS``;
-importing this package registers each name with verl (``base.register``: verl accepts the name, and refuses to run
-it outside the rredcot trainer).
+importing this package registers each name with verl (``base.register``: verl accepts the name, runs it inside the
+rredcot trainer's ``advantage_step`` and refuses to run it anywhere else).
 
 Adding an estimator: a module with its advantage function and ``SPEC`` (inputs beyond ``AdvantageBatch``'s present
 fields need a field there, with its batch key), and the module in the tuple below.
@@ -16,7 +16,8 @@ fields need a field there, with its batch key), and the module in the tuple belo
 
 from rredcot_verl.integration.estimators import ibpo, rredcot, rredcot_ibpo, segment_mc
 from rredcot_verl.integration.estimators.base import (
-    AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces, generates, register,
+    AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces, advantage_step,
+    generates, register,
 )
 
 ESTIMATORS: dict[str, EstimatorSpec] = {
@@ -27,5 +28,5 @@ for _spec in ESTIMATORS.values():
 
 __all__ = [
     "ESTIMATORS", "AdvantageBatch", "AdvantageResult", "EngineUse", "EstimatorSpec", "Stage", "StepContext",
-    "StepTraces", "generates", "register",
+    "StepTraces", "advantage_step", "generates", "register",
 ]

@@ -2,18 +2,21 @@
 its stages get, and its spec.
 
 An estimator is a function of one batch: ``advantage(batch: AdvantageBatch, settings: RRedCoTSettings) ->
-AdvantageResult``. The trainer builds the ``AdvantageBatch`` from the step's batch and calls the function itself
-(``SegmentCreditTrainer._compute_advantage``); the benchmarks and the tests call the same function on batches of
-their own. verl's ``compute_advantage`` passes a registered estimator only ``token_level_rewards``, ``response_mask``,
-``index`` and ``config``, too little for these estimators, so what is registered with verl under each name is one
-generic function that refuses to run outside the rredcot trainer (``register``).
+AdvantageResult``. The trainer runs verl's own advantage step (``SegmentCreditTrainer._compute_advantage``), and the
+benchmarks and the tests call the same function on batches of their own. verl's ``compute_advantage`` passes a
+registered estimator only ``token_level_rewards``, ``response_mask``, ``index`` and ``config``, too little for these
+estimators, so what is registered with verl under each name is one generic function (``register``) that calls the
+trainer's step while the trainer lends it (``advantage_step``: it adds the step's inputs and keeps the result), and
+refuses to run anywhere else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -255,20 +258,42 @@ class EstimatorSpec:
         return tuple(AdvantageBatch.BATCH_KEYS[name] for name in self.inputs)
 
 
+# The step's advantages from what verl's compute_advantage passes a registered estimator (rewards, mask, uids), lent
+# by the rredcot trainer for the time of verl's advantage step (``advantage_step``).
+StepAdvantage = Callable[[torch.Tensor, torch.Tensor, np.ndarray], AdvantageResult]
+_STEP_ADVANTAGE: ContextVar[StepAdvantage | None] = ContextVar("rredcot_step_advantage", default=None)
+
+
+@contextlib.contextmanager
+def advantage_step(advantage: StepAdvantage) -> Iterator[None]:
+    """Within it, verl's ``compute_advantage`` of any of these estimators returns ``advantage(token_level_rewards,
+    response_mask, index)``'s advantages and returns."""
+    token = _STEP_ADVANTAGE.set(advantage)
+    try:
+        yield
+    finally:
+        _STEP_ADVANTAGE.reset(token)
+
+
 def register(spec: EstimatorSpec) -> None:
     """Register the estimator's name with verl (``algorithm.adv_estimator`` must name a registered estimator): one
-    generic function per name, which refuses to run, since verl's ``compute_advantage`` cannot give it the batch's
-    inputs; the rredcot trainer calls ``spec.advantage`` itself. Importing twice (the plugin hook and a user import)
-    must not trip verl's duplicate-name check."""
+    generic function per name, which gives the rredcot trainer's advantages inside its ``advantage_step`` and refuses
+    to run anywhere else, since verl's ``compute_advantage`` alone cannot give it the batch's inputs. Importing twice
+    (the plugin hook and a user import) must not trip verl's duplicate-name check."""
 
-    def outside_the_rredcot_trainer(token_level_rewards, response_mask, index=None, config=None, **kwargs):
-        raise RuntimeError(
-            f"adv_estimator={spec.name!r} reads inputs that only the rredcot trainer produces ({list(spec.inputs)}): "
-            "launch through `python -m rredcot_verl.main` (it sets trainer.v1.trainer_mode=rredcot)"
-        )
+    def in_the_rredcot_trainer(token_level_rewards, response_mask, index=None, config=None, **kwargs):
+        advantage = _STEP_ADVANTAGE.get()
+        if advantage is None:
+            raise RuntimeError(
+                f"adv_estimator={spec.name!r} reads inputs that only the rredcot trainer produces "
+                f"({list(spec.inputs)}): launch through `python -m rredcot_verl.main` (it sets "
+                "trainer.v1.trainer_mode=rredcot)"
+            )
+        result = advantage(token_level_rewards, response_mask, index)
+        return result.advantages, result.returns
 
     if ADV_ESTIMATOR_REGISTRY.get(spec.name) is None:
-        register_adv_est(spec.name)(outside_the_rredcot_trainer)
+        register_adv_est(spec.name)(in_the_rredcot_trainer)
 
 
 def object_array(values: list) -> np.ndarray:
