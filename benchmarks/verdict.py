@@ -27,7 +27,24 @@ Per arm against each reference, on the validation steps both share (the shorter 
   [1/16, 16] (ties to the s nearest 1). Identical curves give 1, a curve that is the reference's at twice the speed
   gives 2. Paired: each seed against the reference's run of that seed; unpaired: each run against the reference's
   seed-mean curve (which leaves the reference's own seed spread out of the interval). Over runs: the geometric mean
-  with the t interval of log s.
+  with the t interval of log s. **Only where the reference learns** (``reference_rises``): the time shift reads "how
+  many of the reference's steps one step is worth", which presumes the reference's curve goes up. The reference's
+  seed-mean validation curve (up to the comparison's horizon) counts as rising when the mean of its points in the
+  last third of the horizon (steps >= 2/3 of the last step) is above its step-0 value, i.e. it ends above where it
+  started. When it does not, both time shifts are null and ``time_shift.not_applicable`` gives the reason: against a
+  falling curve a factor above 1 means "falls faster", not "learns faster" (the early study's ``grpo`` against
+  ``grpo_n5`` read 1.46 with a lower AUC before this check).
+
+Beside the statistics, read from the same ledger entries and not part of any decision:
+
+* ``step_time``: per arm, the median over its runs of each run's ``median_step_s`` with the runs' minimum and
+  maximum; per reference, each arm's step time over the reference's, paired by seed (the runs of one seed ran in one
+  sitting), with the median, range and geometric mean of those ratios; and per arm the reference whose median ratio
+  is nearest 1 (on a log scale), i.e. the GRPO arm nearest equal time in the study itself, whatever a pilot predicted.
+* ``training_signal``: per arm, the sampled training reward (``critic/score/mean``) as the ledger keeps it, the mean
+  over a run's first and over its last ``DIAGNOSTIC_WINDOW`` training steps (nothing in between is recorded), its
+  change from first to last window paired within runs, the greedy validation accuracy at step 0 and at the last
+  step; per reference, each arm's last-window reward minus the reference's, paired by seed, with Holm over the family.
 
     python -m benchmarks.verdict benchmarks/registrations/restated_hard.yaml   # results/restated_hard.json
     python -m benchmarks.verdict benchmarks/registrations/restated_long.yaml   # results/restated_long.json
@@ -55,6 +72,9 @@ LEDGER_DIR = common.RESULTS_DIR / "sample_efficiency_runs"
 STATISTICS = ("auc_paired", "auc_unpaired")
 TIME_SHIFT_BOUNDS = (1 / 16, 16.0)
 TIME_SHIFT_GRID = 200  # grid points per doubling of s
+RISING_TAIL = 1 / 3  # reference_rises: the last third of the horizon against step 0
+REWARD_KEY = "critic/score/mean"  # the sampled training reward in the ledger's diagnostics
+DIAGNOSTIC_WINDOW = 10  # training steps the ledger's diagnostics "first" and "last" average (sample_efficiency.py)
 
 
 # -------------------------------------------------------------------------------------------------- registration
@@ -246,6 +266,83 @@ def up_to(points: list[dict], horizon: int) -> list[dict]:
     return [p for p in points if p["step"] <= horizon]
 
 
+def reference_rises(curve: list[dict]) -> dict:
+    """Whether a validation curve (``[{"step", "accuracy"}]`` with a point at step 0) rises: the mean of its points
+    at steps >= (1 - RISING_TAIL) x its last step is above its step-0 value. Returns {"rises", "start",
+    "tail_mean", "tail_steps"}."""
+    start = next(p["accuracy"] for p in curve if p["step"] == 0)
+    last = max(p["step"] for p in curve)
+    tail = [p for p in curve if p["step"] > 0 and p["step"] >= (1 - RISING_TAIL) * last - 1e-9]
+    tail_mean = float(np.mean([p["accuracy"] for p in tail]))
+    return {"rises": bool(tail_mean > start), "start": float(start), "tail_mean": tail_mean,
+            "tail_steps": [p["step"] for p in tail]}
+
+
+def spread(values: dict) -> dict | None:
+    """{"per_seed", "median", "min", "max", "mean"} of {seed: value} (None without values)."""
+    if not values:
+        return None
+    numbers = list(values.values())
+    return {"per_seed": {str(k): float(v) for k, v in sorted(values.items())}, "median": float(np.median(numbers)),
+            "min": float(min(numbers)), "max": float(max(numbers)), "mean": float(np.mean(numbers))}
+
+
+def step_times(runs: dict[str, dict], references: list[str]) -> dict:
+    """The study's own step times (module docstring, ``step_time``) from {arm: {"runs": {seed: summary}}}; a run
+    without a recorded ``median_step_s`` is left out."""
+    timed = {name: {seed: run["median_step_s"] for seed, run in entry["runs"].items()
+                    if run.get("median_step_s") is not None} for name, entry in runs.items()}
+    ratios = {}
+    for reference in references:
+        block = {}
+        for name, seconds in timed.items():
+            shared = sorted(set(seconds) & set(timed[reference]))
+            pairs = {seed: seconds[seed] / timed[reference][seed] for seed in shared}
+            block[name] = None if not pairs else {
+                **spread(pairs), "geometric_mean": float(np.exp(np.mean(np.log(list(pairs.values())))))}
+        ratios[reference] = block
+    nearest = {}
+    for name in timed:
+        candidates = {reference: ratios[reference][name]["median"] for reference in references
+                      if reference != name and ratios[reference][name] is not None}
+        if candidates:
+            best = min(candidates, key=lambda reference: abs(math.log(candidates[reference])))
+            nearest[name] = {"reference": best, "median_ratio": candidates[best]}
+    return {"arms": {name: None if not seconds else {
+        key: value for key, value in spread(seconds).items() if key != "mean"} for name, seconds in timed.items()},
+        "ratio_to_reference": ratios, "nearest_equal_time": nearest}
+
+
+def training_signal(runs: dict[str, dict], references: list[str], alpha: float) -> dict:
+    """Whether anything trained (module docstring, ``training_signal``) from {arm: {"runs": {seed: summary}}}; a run
+    without the reward in its diagnostics is left out of the reward's figures."""
+    reward = {name: {window: {seed: run["diagnostics"][window][REWARD_KEY] for seed, run in entry["runs"].items()
+                              if REWARD_KEY in ((run.get("diagnostics") or {}).get(window) or {})}
+                     for window in ("first", "last")} for name, entry in runs.items()}
+    arms = {}
+    for name, entry in runs.items():
+        first, last = reward[name]["first"], reward[name]["last"]
+        change = {seed: last[seed] - first[seed] for seed in sorted(set(first) & set(last))}
+        interval = t_interval(list(change.values())) if change else None
+        start = {seed: next(p["accuracy"] for p in run["validation"] if p["step"] == 0)
+                 for seed, run in entry["runs"].items()}
+        end = {seed: run["validation"][-1]["accuracy"] for seed, run in entry["runs"].items()}
+        arms[name] = {"reward_first": spread(first), "reward_last": spread(last),
+                      "reward_change": None if not change else {**spread(change), "ci95": interval},
+                      "validation_start": spread(start), "validation_end": spread(end),
+                      "validation_end_step": sorted({run["validation"][-1]["step"] for run in entry["runs"].values()})}
+    against = {}
+    for reference in references:
+        family = [name for name in runs if name != reference]
+        tests = {name: paired(reward[name]["last"], reward[reference]["last"], len(family), alpha) for name in family}
+        for name, adjusted in zip(family, holm([None if tests[n] is None else tests[n]["p"] for n in family])):
+            if tests[name] is not None:
+                tests[name]["p_holm"] = adjusted
+        against[reference] = tests
+    return {"reward_key": REWARD_KEY, "window_steps": DIAGNOSTIC_WINDOW, "arms": arms,
+            "last_window_against_reference": against}
+
+
 def equal_compute_rollouts(estimator_step_s: float, grpo_step_s: float, grpo_rollouts: int,
                            other_step_s: float | None = None, other_rollouts: int | None = None) -> float:
     """GRPO's rollouts a prompt whose step takes the estimator's median step time, all measured in one sitting.
@@ -272,8 +369,15 @@ def compare(runs: dict[int, dict], reference_runs: dict[int, dict], horizon: int
     for seed in sorted(set(curves) & set(reference)):
         paired_auc[seed] = tuple(map(area_under_curve, common.on_shared_steps(curves[seed], reference[seed])))
     mean_reference = mean_curve(list(reference.values())) if reference else []
+    rising = reference_rises(mean_reference) if mean_reference else None
     shifts = {"paired": [time_shift(curves[seed], reference[seed]) for seed in sorted(paired_auc)],
               "unpaired": [time_shift(curve, mean_reference) for curve in curves.values()] if mean_reference else []}
+    not_applicable = None
+    if rising is not None and not rising["rises"]:
+        not_applicable = (f"the reference's seed-mean curve does not rise: {rising['tail_mean']:.3f} over steps "
+                          f"{rising['tail_steps'][0]}-{rising['tail_steps'][-1]} against {rising['start']:.3f} at "
+                          "step 0, so a factor would say how fast a run follows its fall, not how fast it learns")
+        shifts = {"paired": [], "unpaired": []}
     return {
         "horizon": horizon, "seeds": sorted(curves), "reference_seeds": sorted(reference),
         "auc": {str(seed): value for seed, value in auc.items()},
@@ -281,10 +385,11 @@ def compare(runs: dict[int, dict], reference_runs: dict[int, dict], horizon: int
         "unpaired": welch(list(auc.values()), list(reference_auc.values()), n_family, alpha),
         "paired": paired({s: pair[0] for s, pair in paired_auc.items()}, {s: pair[1] for s, pair in paired_auc.items()},
                          n_family, alpha),
-        "time_shift": {kind: None if not fits else {**geometric_interval([fit["factor"] for fit in fits]),
-                                                    "per_run": [fit["factor"] for fit in fits],
-                                                    "at_bound": any(fit["at_bound"] for fit in fits)}
-                       for kind, fits in shifts.items()},
+        "time_shift": {**{kind: None if not fits else {**geometric_interval([fit["factor"] for fit in fits]),
+                                                       "per_run": [fit["factor"] for fit in fits],
+                                                       "at_bound": any(fit["at_bound"] for fit in fits)}
+                          for kind, fits in shifts.items()},
+                       "reference_curve": rising, "not_applicable": not_applicable},
     }
 
 
@@ -318,7 +423,8 @@ def verdict(registration: Registration, ledger: Path = LEDGER_DIR) -> dict:
     runs = registered_runs(registration, ledger)
     rule = registration.decision_rule
     comparisons = {}
-    for reference in (registration.reference, *registration.secondary_references):
+    references = [registration.reference, *registration.secondary_references]
+    for reference in references:
         family = [name for name in registration.arms if name != reference]
         block = {name: compare(runs[name]["runs"], runs[reference]["runs"],
                                min(arm_steps(registration, name), arm_steps(registration, reference)),
@@ -340,6 +446,8 @@ def verdict(registration: Registration, ledger: Path = LEDGER_DIR) -> dict:
                         "median_step_s": {str(seed): run["median_step_s"] for seed, run in entry["runs"].items()}}
                  for name, entry in runs.items()},
         "comparisons": comparisons,
+        "step_time": step_times(runs, references),
+        "training_signal": training_signal(runs, references, rule.alpha),
         "meta": {"ledger": str(ledger / registration.setting / "main"), "time_shift_bounds": list(TIME_SHIFT_BOUNDS),
                  "time_shift_grid_per_doubling": TIME_SHIFT_GRID, **common.machine_meta()},
     }
@@ -358,10 +466,26 @@ def print_table(result: dict) -> None:
         print(f"\nagainst {reference}: AUC difference (paired / unpaired), p -> Holm, time shift (paired), decision")
         for name, c in block.items():
             shift = c["time_shift"]["paired"]
-            shown = "-" if shift is None or shift["ci95"] is None else (
-                f"{shift['estimate']:.2f} [{shift['ci95'][0]:.2f}, {shift['ci95'][1]:.2f}]")
+            shown = "n/a" if c["time_shift"]["not_applicable"] else "-" if shift is None or shift["ci95"] is None \
+                else f"{shift['estimate']:.2f} [{shift['ci95'][0]:.2f}, {shift['ci95'][1]:.2f}]"
             print(f"{name:<{width}}{interval(c['paired']):>27} {p_values(c['paired']):>15}"
                   f"{interval(c['unpaired']):>27} {p_values(c['unpaired']):>15} {shown:>20}  {c['decision']}")
+    for reference, block in result["comparisons"].items():
+        reasons = {c["time_shift"]["not_applicable"] for c in block.values()} - {None}
+        for reason in reasons:
+            print(f"time shift against {reference} not applicable: {reason}")
+    print("\nstep time (median of runs' median step, range), over each reference paired by seed: median [range]")
+    for name, arm in result["step_time"]["arms"].items():
+        ratios = "  ".join(f"/{reference} {r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}]" for reference, block in
+                           result["step_time"]["ratio_to_reference"].items() if (r := block[name]) is not None)
+        print(f"{name:<30} {arm['median']:.2f} s [{arm['min']:.2f}, {arm['max']:.2f}]  {ratios}" if arm else name)
+    signal = result["training_signal"]
+    print(f"\nsampled reward ({signal['reward_key']}, first / last {signal['window_steps']} steps, mean over runs), "
+          "greedy validation start -> end")
+    for name, arm in signal["arms"].items():
+        if arm["reward_first"] and arm["reward_last"]:
+            print(f"{name:<30} {arm['reward_first']['mean']:.3f} -> {arm['reward_last']['mean']:.3f}   "
+                  f"{arm['validation_start']['mean']:.3f} -> {arm['validation_end']['mean']:.3f}")
     for name, arm in result["arms"].items():
         if arm["missing_seeds"] or arm["not_as_registered"]:
             print(f"{name}: missing seeds {arm['missing_seeds']}, not as registered {arm['not_as_registered']}")
