@@ -764,6 +764,11 @@ _EXIT_PROBE = (f"{_RREDCOT}.probe.value_source=exit_probe", f"{_RREDCOT}.redistr
 _AS_RREDCOT = "algorithm.adv_estimator=rredcot"  # on rredcot_ibpo.yaml: rredcot on its repair-filled bank
 _VALUE_DIFFERENCES = f"{_RREDCOT}.redistribution.degenerate_groups=value_differences"
 _CREDIT = _RREDCOT + ".redistribution.credit_traces={}"
+# The Monte-Carlo ceiling (issue 63's screen): segment_mc with K = 16 continuations a state, so that the values' noise
+# is small, through today's sigma shares and through signed value differences (VinePPO's and SPO's step advantage).
+_MC_CEILING = ("algorithm.rredcot.segment_mc.num_continuations=16",)
+_RAW = f"{_RREDCOT}.redistribution.value_mapping=raw"
+_SIGNED = f"{_RREDCOT}.redistribution.advantage_form=signed"
 # Repairs resumed from the failed trace's divergence point (the package's default operator) instead of the tiny
 # recipes' rewrite, which sends a revision template.
 _RESUME = (f"{_RREDCOT}.ibpo.repair_operator=resume", f"{_RREDCOT}.ibpo.revision_template=null")
@@ -795,6 +800,15 @@ METHODS = {
     "rredcot_ibpo_edit_mask": Method("rredcot_ibpo", (f"{_RREDCOT}.rredcot_ibpo.wrong_trace_credit=edit_mask",)),
     "rredcot_ibpo_degenerate": Method("rredcot_ibpo", (_VALUE_DIFFERENCES,)),
     "segment_mc": Method("segment_mc"),
+    "mc_ceiling": Method("segment_mc", _MC_CEILING),  # the recipe's affine mapping, sigma shares
+    "mc_ceiling_raw": Method("segment_mc", (*_MC_CEILING, _RAW)),
+    "mc_ceiling_signed": Method("segment_mc", (*_MC_CEILING, _RAW, _SIGNED)),
+    "mc_ceiling_signed_degenerate": Method("segment_mc", (*_MC_CEILING, _RAW, _SIGNED, _VALUE_DIFFERENCES)),
+    "rredcot_exit_probe_signed": Method("rredcot", (*_EXIT_PROBE, _SIGNED)),
+    # A diagnostic, not a value source: gradient_quality.py replaces the values by the task's verifier (0.9 before
+    # the segment completing the first wrong step line, 0 from it on), through both forms.
+    "step_oracle": Method("segment_mc", (_RAW,)),
+    "step_oracle_signed": Method("segment_mc", (_RAW, _SIGNED)),
     # The fade's mechanism (RESULTS.md §4): value credit on wrong traces only / on correct traces only
     "rredcot_credit_incorrect": Method("rredcot", (_CREDIT.format("incorrect"),)),
     "rredcot_credit_correct": Method("rredcot", (_CREDIT.format("correct"),)),

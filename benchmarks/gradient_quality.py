@@ -44,25 +44,38 @@ if __package__ in (None, ""):  # ``python benchmarks/gradient_quality.py``
 from benchmarks import common
 from rredcot_verl.core.outcomes import group_outcome_advantage
 from rredcot_verl.core.planning import TraceRecord
+from rredcot_verl.core.segmentation import segment_response
 from rredcot_verl.core.values import compute_segment_values
 from rredcot_verl.integration.estimators import ESTIMATORS, AdvantageBatch, StepContext, StepTraces
 from rredcot_verl.integration.estimators.ibpo import VERIFIED_REPAIRS, ibpo_repairs
 from rredcot_verl.integration.estimators.segment_mc import monte_carlo_values
-from rredcot_verl.tasks import load_model_dir
+from rredcot_verl.tasks import load_model_dir, parse_prompt
 from rredcot_verl.tasks.base import resolve_task
 from rredcot_verl.tasks.model import chat_prompt_ids
 from rredcot_verl.tasks.reward import compute_score
 
 RESULTS_PATHS = {"default": common.RESULTS_DIR / "gradient_quality.json",
                  "hard": common.RESULTS_DIR / "gradient_quality_hard.json",
-                 "long": common.RESULTS_DIR / "gradient_quality_long.json"}
+                 "long": common.RESULTS_DIR / "gradient_quality_long.json",
+                 "early": common.RESULTS_DIR / "gradient_quality_early.json"}
 CACHE_DIR = common.ROOT / "outputs" / "gradient_quality"
+# The screen (issue 63): every setting, at the warm start and at a GRPO policy mid-training, against the Monte-Carlo
+# ceiling (K = 16) in both advantage forms and the verifier's step oracle; one JSON a run under SCREEN_DIR, gathered
+# by benchmarks/gradient_screen.py.
+SCREEN_DIR = common.RESULTS_DIR / "gradient_screen_runs"
+SCREEN_METHODS = ("grpo", "rredcot_exit_probe", "rredcot_exit_probe_signed", "rredcot", "ibpo_resume", "mc_ceiling",
+                  "mc_ceiling_raw", "mc_ceiling_signed", "mc_ceiling_signed_degenerate", "step_oracle",
+                  "step_oracle_signed")
+# Exit-probe values compared state by state with the ceiling's Monte-Carlo values on the same boundaries.
+VALUE_AGREEMENT = ("rredcot_exit_probe", "mc_ceiling")
 DATA_SOURCE = "rredcot_arithmetic"
 METHODS = ("grpo", "rredcot_exit_probe_log_affine", "rredcot", "rredcot_ground_truth", "rredcot_group",
            "rredcot_degenerate", "rredcot_repairs", "rredcot_repairs_degenerate", "ibpo", "rredcot_ibpo",
            "rredcot_ibpo_edit_mask", "rredcot_ibpo_degenerate", "segment_mc", "ibpo_resume", "rredcot_ibpo_resume",
            "rredcot_repairs_degenerate_resume", "rredcot_credit_incorrect", "rredcot_credit_correct",
-           "rredcot_repairs_degenerate_resume_credit_incorrect", "rredcot_repairs_degenerate_resume_credit_correct")
+           "rredcot_repairs_degenerate_resume_credit_incorrect", "rredcot_repairs_degenerate_resume_credit_correct",
+           "rredcot_exit_probe", "rredcot_exit_probe_signed", "mc_ceiling", "mc_ceiling_raw", "mc_ceiling_signed",
+           "mc_ceiling_signed_degenerate", "step_oracle", "step_oracle_signed")
 
 
 def uses_repairs(estimator: str, settings) -> bool:
@@ -260,13 +273,84 @@ def rredcot_advantages(batch: Batch, pool: dict, settings, model, tokenizer, mas
     return estimator_advantages("rredcot", settings, batch, mask, values).advantages
 
 
-def segment_mc_advantages(batch: Batch, pool: dict, settings, engine: Engine, tokenizer, mask) -> tuple:
-    """The trainer's ``integration.estimators.segment_mc.monte_carlo_values`` on this process's engine, then
-    ``segment_mc``'s advantage function."""
-    traces = StepTraces(batch_records(batch, pool), response_width=mask.shape[1])
-    inputs, metrics = monte_carlo_values(step_context(engine, tokenizer, settings, 0), traces)
-    advantages = estimator_advantages("segment_mc", settings, batch, mask, inputs).advantages
-    return advantages, {"continuations": int(metrics["segment_mc/continuations"])}
+def batch_monte_carlo_values(batch: Batch, pool: dict, settings, engine: Engine, tokenizer, mask, cache: dict):
+    """The trainer's ``integration.estimators.segment_mc.monte_carlo_values`` on this process's engine, shared by
+    the variants whose continuations and boundaries agree. Returns the ``AdvantageBatch`` inputs and metrics."""
+    key = repr(("monte_carlo", settings.segment_mc, settings.segmentation))
+    if key not in cache:
+        traces = StepTraces(batch_records(batch, pool), response_width=mask.shape[1])
+        cache[key] = monte_carlo_values(step_context(engine, tokenizer, settings, 0), traces)
+    return cache[key]
+
+
+def segment_mc_advantages(batch: Batch, pool: dict, settings, engine: Engine, tokenizer, mask, cache: dict) -> tuple:
+    """Monte-Carlo values (``batch_monte_carlo_values``), then ``segment_mc``'s advantage function."""
+    inputs, metrics = batch_monte_carlo_values(batch, pool, settings, engine, tokenizer, mask, cache)
+    result = estimator_advantages("segment_mc", settings, batch, mask, inputs)
+    segments = (inputs["segment_ends"] >= 0).sum(1)
+    return result.advantages, {"continuations": int(metrics["segment_mc/continuations"]),
+                               "redistributed_frac": result.metrics["segment_mc/redistributed_frac"],
+                               "segments_per_trace": {f"{p},{r}": int(k) for (p, r), k in zip(batch.items, segments)}}
+
+
+def batch_traces(batch: Batch, pool: dict, tokenizer) -> list[common.Trace]:
+    """The batch's traces with their arithmetic problems, for the task's verifier (``common.holder_segment``)."""
+    traces = []
+    for (p, _), response, score, group in zip(batch.items, batch.responses, batch.scores.tolist(), batch.index):
+        prompt = pool["prompts"][p]
+        steps = prompt["reference_steps"]
+        problem = dataclasses.replace(parse_prompt(prompt["question"]),
+                                      restate_remaining_terms=len(steps) > 1 and " " in steps[0])
+        traces.append(common.Trace(problem, torch.tensor(prompt["prompt_ids"]), torch.tensor(response),
+                                   tokenizer.decode(response, skip_special_tokens=True), float(score), group,
+                                   prompt["ground_truth"], steps))
+    return traces
+
+
+def batch_segment_ends(batch: Batch, settings, tokenizer, width: int) -> torch.Tensor:
+    """(bs, max_segments) the boundaries ``segment_mc`` and the value pass cut (entropy segmentation), -1 padded."""
+    vocab = settings.boundary_vocab(tokenizer)
+    ends = torch.full((len(batch.responses), settings.segmentation.max_segments), -1, dtype=torch.int64)
+    for i, (response, entropy) in enumerate(zip(batch.responses, batch.entropy)):
+        if response:
+            row = segment_response(torch.tensor(response), entropy.float(), vocab, settings.segmentation)
+            ends[i, : len(row)] = torch.tensor(row)
+    return ends[:, : max(1, int((ends >= 0).sum(1).max()))]
+
+
+def step_oracle_values(batch: Batch, pool: dict, settings, tokenizer, width: int) -> tuple[dict, list]:
+    """Values from the task's verifier on the entropy boundaries: 0.9 at every state up to the end of the segment that
+    completes the first wrong step line, 0 after it (a correct trace, or a wrong one whose steps are all right:
+    0.9 throughout). Returns the ``AdvantageBatch`` inputs and each trace's holder segment (None: no wrong line)."""
+    ends = batch_segment_ends(batch, settings, tokenizer, width)
+    raw = torch.full((ends.shape[0], ends.shape[1] + 1), float("nan"), dtype=torch.float64)
+    holders = []
+    for i, trace in enumerate(batch_traces(batch, pool, tokenizer)):
+        row = [int(e) for e in ends[i] if e >= 0]
+        holder = common.holder_segment(tokenizer, trace, row) if row else None
+        holders.append(holder)
+        raw[i, : len(row) + 1] = torch.tensor([0.9 if holder is None or k <= holder else 0.0
+                                               for k in range(len(row) + 1)], dtype=torch.float64)
+    return {"segment_ends": ends, "raw_values": raw}, holders
+
+
+def value_agreement(batch: Batch, pool: dict, tokenizer, exit_values: dict, mc_values: dict) -> dict:
+    """Exit-probe values against Monte-Carlo values of the same states, per trace keyed ``"prompt,rollout"`` (the
+    screen pools the batches' distinct traces): both value rows (v̂_0..v̂_{K-1}, then the outcome), and for wrong
+    traces the segment that completes the first wrong step line (``common.holder_segment``). Traces whose two
+    segmentations differ are left out."""
+    traces = batch_traces(batch, pool, tokenizer)
+    rows = {}
+    for i, ((p, r), trace) in enumerate(zip(batch.items, traces)):
+        ends = [int(e) for e in exit_values["segment_ends"][i] if e >= 0]
+        if not ends or ends != [int(e) for e in mc_values["segment_ends"][i] if e >= 0]:
+            continue
+        k = len(ends)
+        exit_row = exit_values["raw_values"][i, :k].double().tolist() + [trace.outcome]
+        mc_row = mc_values["raw_values"][i, :k].double().tolist() + [trace.outcome]
+        rows[f"{p},{r}"] = {"exit_probe": exit_row, "monte_carlo": mc_row, "outcome": trace.outcome,
+                            "holder": common.holder_segment(tokenizer, trace, ends)}
+    return rows
 
 
 def evaluate_batch(model, tokenizer, engine, pool, gstar, table, batch: Batch, methods, seed_key) -> dict:
@@ -295,15 +379,41 @@ def evaluate_batch(model, tokenizer, engine, pool, gstar, table, batch: Batch, m
         elif estimator == "rredcot":
             advantages = rredcot_advantages(batch, pool, settings, model, tokenizer, mask, cache,
                                             repairs[2] if uses_repairs(estimator, settings) else None)
+        elif method.startswith("step_oracle"):
+            inputs, holders = step_oracle_values(batch, pool, settings, tokenizer, mask.shape[1])
+            result = estimator_advantages("segment_mc", settings, batch, mask, inputs)
+            advantages = result.advantages
+            info = {"wrong_line_found": sum(h is not None for h in holders),
+                    "redistributed_frac": result.metrics["segment_mc/redistributed_frac"]}
         elif estimator == "segment_mc":
-            advantages, info = segment_mc_advantages(batch, pool, settings, engine, tokenizer, mask)
+            advantages, info = segment_mc_advantages(batch, pool, settings, engine, tokenizer, mask, cache)
         else:
             raise ValueError(f"{method}: no gradient for estimator {estimator}")
         row = common.gradient_row(model, advantages.float() * mask, logp, mask, tokens, reference)
         seconds = time.perf_counter() - started + (repair_seconds[settings.ibpo.repair_operator]
                                                    if uses_repairs(estimator, settings) else 0.0)
         results[method] = {**row, "seconds": seconds, **info}
+    exit_method, mc_method = VALUE_AGREEMENT
+    if exit_method in results and mc_method in results:
+        exit_values = batch_segment_values(batch, pool, table[exit_method][1], model, tokenizer, cache)[0]
+        mc_values = batch_monte_carlo_values(batch, pool, table[mc_method][1], engine, tokenizer, mask, cache)[0]
+        results[exit_method]["value_agreement"] = value_agreement(batch, pool, tokenizer, exit_values, mc_values)
     return results
+
+
+def screen_traces(results: dict) -> dict:
+    """The per-trace records of the screen's batches, each distinct trace once: segments a trace (from the ceiling's
+    boundaries) and the exit-probe / Monte-Carlo value rows (``value_agreement``), values to 4 decimals."""
+    segments, agreement = {}, {}
+    for size_rows in results.get("mc_ceiling", {}).values():
+        for row in size_rows.values():
+            segments.update(row.get("segments_per_trace", {}))
+    for size_rows in results.get(VALUE_AGREEMENT[0], {}).values():
+        for row in size_rows.values():
+            for key, trace in row.get("value_agreement", {}).items():
+                agreement[key] = {**trace, **{name: [round(v, 4) for v in trace[name]]
+                                              for name in ("exit_probe", "monte_carlo")}}
+    return {"segments_per_trace": segments, "value_agreement": agreement}
 
 
 # ------------------------------------------------------------------------------------------------------------- run
@@ -341,6 +451,26 @@ def policy_model_dir(build_model: Path, checkpoint: Path, out: Path) -> Path:
     return out
 
 
+def grpo_checkpoint(setting: str, steps: int) -> Path:
+    """``<run>/checkpoints/global_step_<steps>`` of a GRPO run on ``setting`` (seed 1, the recipe's rate), trained
+    first when it is not there: a policy mid-training for the screen."""
+    limits = common.SETTINGS[setting]
+    run = CACHE_DIR.parent / "gradient_screen" / f"{setting}_grpo_seed1"
+    checkpoint = run / "checkpoints" / f"global_step_{steps}"
+    if not (checkpoint / "actor").is_dir():
+        build = common.build_task(CACHE_DIR.parent / "gradient_screen" / setting / "build", limits.preset)
+        data = common.write_setting_data(run / "data", limits, 256, common.MAIN_DATA_SEED)
+        code = common.launch_run("grpo", run, steps, 1, build, (
+            f"data.train_files={data['train_files']}", f"data.val_files={data['val_files']}",
+            f"data.max_prompt_length={limits.max_prompt_length}",
+            f"data.max_response_length={limits.max_response_length}", f"trainer.test_freq={steps}",
+            f"trainer.default_local_dir={run / 'checkpoints'}", f"trainer.save_freq={steps}"),
+            timeout_s=7200, preset=limits.preset)
+        if code != 0 or not (checkpoint / "actor").is_dir():
+            raise SystemExit(f"GRPO run for --policy-grpo-steps exited {code}: see {run / 'train.log'}")
+    return checkpoint
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = common.parser(__doc__, RESULTS_PATHS["default"], "tiny pool, 2 batches, one size; temp cache and output",
                            build=False)
@@ -355,8 +485,22 @@ def main(argv: list[str] | None = None) -> dict:
                              "warm start: gradients mid-training (default cache <setting>_<run>_step<n>, output "
                              "results/gradient_quality_<setting>_<run>_step<n>.json)")
     parser.add_argument("--segment-mc-continuations", type=int, default=None,
-                        help="segment_mc's K continuations per state (default: segment_mc.yaml's; 2 with --smoke)")
+                        help="K continuations per state of every segment_mc method (default: each method's own, "
+                             "segment_mc.yaml's 9 or the ceiling's 16; 2 with --smoke)")
+    parser.add_argument("--screen", action="store_true",
+                        help="the screen's protocol: SCREEN_METHODS, 16 paired batches of 32 prompts (GRPO also at 8, "
+                             "16, 64, 128 that fit the pool), output results/gradient_screen_runs/<setting>[_policy]"
+                             ".json, cache outputs/gradient_screen/")
+    parser.add_argument("--policy-grpo-steps", type=int, default=None,
+                        help="train GRPO (recipes/tiny_cpu/grpo.yaml, seed 1, the setting's data) for this many steps "
+                             "into outputs/gradient_screen/<setting>_grpo_seed1 unless its checkpoint is there, and "
+                             "use that policy as --policy")
     args = parser.parse_args(argv)
+    if args.policy_grpo_steps:
+        args.policy = grpo_checkpoint(args.setting, args.policy_grpo_steps)
+    if args.screen:
+        args.methods, args.sizes, args.batches = list(SCREEN_METHODS), [32], 16
+        args.grpo_sizes = [size for size in (8, 16, 64, 128) if size <= args.pool_prompts]
     if "grpo" not in args.methods:
         args.methods.insert(0, "grpo")
     if args.smoke:
@@ -364,9 +508,11 @@ def main(argv: list[str] | None = None) -> dict:
         args.bootstrap, args.segment_mc_continuations = 50, args.segment_mc_continuations or 2
     policy = policy_name(args.policy) if args.policy else None
     label = f"{args.setting}_{policy}" if policy else args.setting
-    cache = args.cache or (Path(tempfile.mkdtemp()) / "gradient_quality" if args.smoke else CACHE_DIR / label)
-    out = args.out or (cache / "gradient_quality.json" if args.smoke else
-                       common.RESULTS_DIR / f"gradient_quality_{label}.json" if policy else RESULTS_PATHS[args.setting])
+    cache = args.cache or (Path(tempfile.mkdtemp()) / "gradient_quality" if args.smoke else
+                           CACHE_DIR.parent / "gradient_screen" / label if args.screen else CACHE_DIR / label)
+    out = args.out or (cache / "gradient_quality.json" if args.smoke else SCREEN_DIR / f"{label}.json" if args.screen
+                       else common.RESULTS_DIR / f"gradient_quality_{label}.json" if policy else
+                       RESULTS_PATHS[args.setting])
     headline = common.start_pool_protocol(parser, args)
     started = time.perf_counter()
     limits = common.SETTINGS[args.setting]
@@ -377,10 +523,10 @@ def main(argv: list[str] | None = None) -> dict:
     model.eval()  # no dropout; gradients are taken explicitly
     engine = Engine(model_dir, args.seed, limits)
     table = {name: common.method_settings(name) for name in {*args.methods, "ibpo"}}  # ibpo: the repairs' settings
-    if args.segment_mc_continuations and "segment_mc" in table:
-        estimator, settings = table["segment_mc"]
-        table["segment_mc"] = estimator, dataclasses.replace(settings, segment_mc=dataclasses.replace(
-            settings.segment_mc, num_continuations=args.segment_mc_continuations))
+    for name, (estimator, settings) in list(table.items()):
+        if args.segment_mc_continuations and estimator == "segment_mc":
+            table[name] = estimator, dataclasses.replace(settings, segment_mc=dataclasses.replace(
+                settings.segment_mc, num_continuations=args.segment_mc_continuations))
     fingerprint = {"pool_prompts": args.pool_prompts, "pool_rollouts": args.pool_rollouts, "seed": args.seed,
                    "group_size": args.group_size, "setting": args.setting,
                    **({"policy": policy} if policy else {})}
@@ -428,7 +574,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "GRPO resampled together at the headline size, where they share batches)",
             "cosine_ci95": "t interval over batches", "commands": {
                 "run": f".venv/bin/python -m benchmarks.gradient_quality --setting {args.setting}"
-                       + (f" --policy {common.relative_to_repository(str(args.policy))}" if policy else "")
+                       + (f" --policy-grpo-steps {args.policy_grpo_steps}" if args.policy_grpo_steps else
+                          f" --policy {common.relative_to_repository(str(args.policy))}" if policy else "")
+                       + (" --screen" if args.screen else "")
                        + "  (rerun: resumes from --cache)",
                 "smoke": ".venv/bin/python benchmarks/gradient_quality.py --smoke"},
             "argv": sys.argv[1:] if argv is None else argv,
@@ -436,6 +584,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "this_invocation_wall": time.perf_counter() - started,
                          "note": "per-method seconds per batch: methods.<name>.batches.<rollouts>.seconds_per_batch"},
             **common.machine_meta()}}
+        if args.screen:
+            result["traces"] = screen_traces(results)
         common.write_result(result, out, say=False)
         return result
 

@@ -49,6 +49,33 @@ def test_gradient_quality_smoke(tmp_path):
     assert result["out"] == str(out)
 
 
+def test_the_screen_runs_every_ceiling_form_and_records_the_traces_it_judges(tmp_path):
+    """``--screen`` on the answer-early setting: the Monte-Carlo ceiling's four variants share one set of
+    continuations a batch; the step oracle reads the verifier; each distinct trace's exit-probe and Monte-Carlo values
+    are kept for the screen's value conditions."""
+    torch.set_num_threads(1)
+    out = tmp_path / "screen.json"
+    gradient_quality.main(["--smoke", "--screen", "--setting", "early", "--cache", str(tmp_path / "cache"),
+                           "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert list(written["methods"]) == list(gradient_quality.SCREEN_METHODS)
+    batches = json.loads((tmp_path / "cache" / "batches.json").read_text())["results"]
+    for b, row in batches["mc_ceiling"]["4"].items():
+        # one set of continuations (K = 2 with --smoke) for every ceiling form
+        assert row["continuations"] > 0 and all(batches[name]["4"][b]["continuations"] == row["continuations"]
+                                                 for name in gradient_quality.SCREEN_METHODS if "mc_ceiling" in name)
+        assert 0 <= batches["step_oracle"]["4"][b]["wrong_line_found"] <= 16
+    traces = written["traces"]
+    assert traces["value_agreement"] and set(traces["value_agreement"]) <= set(traces["segments_per_trace"])
+    for key, trace in traces["value_agreement"].items():
+        assert len(trace["exit_probe"]) == len(trace["monte_carlo"]) == traces["segments_per_trace"][key] + 1
+        assert trace["exit_probe"][-1] == trace["monte_carlo"][-1] == trace["outcome"]
+        assert all(0.0 <= v <= 1.0 for v in trace["monte_carlo"])
+        if trace["outcome"] == 1.0:
+            assert trace["holder"] is None
+    assert "--screen" in written["settings"]["commands"]["run"]
+
+
 def _records(cosines_by_method: dict[str, list[float]], size: int = 32) -> dict:
     return {method: {str(size): {str(b): {"cosine": c, "rel_error": 1.0, "norm_ratio": 1.0, "zero_advantage_frac": 0.0,
                                           "seconds": 1.0} for b, c in enumerate(cosines)}}
@@ -93,7 +120,8 @@ def test_methods_are_read_from_their_recipes_with_the_overrides_their_names_say(
     assert method_settings("rredcot_ibpo_edit_mask")[1].rredcot_ibpo.wrong_trace_credit == "edit_mask"
     assert method_settings("rredcot_ground_truth")[1].candidates.source == "ground_truth"
     assert method_settings("segment_mc")[1].segment_mc.num_continuations == 9
-    measured = {name for path in gradient_quality.RESULTS_PATHS["default"].parent.glob("gradient_quality*.json")
+    measured = {name for path in [*gradient_quality.RESULTS_PATHS["default"].parent.glob("gradient_quality*.json"),
+                                  *gradient_quality.SCREEN_DIR.glob("*.json")]
                 for name in json.loads(path.read_text())["methods"]}
     # every listed method has a committed measurement but segment_mc (too slow for the protocol's pools; run on request)
     assert set(gradient_quality.METHODS) - {"segment_mc"} <= measured
@@ -109,6 +137,14 @@ def test_methods_are_read_from_their_recipes_with_the_overrides_their_names_say(
     assert repairs.redistribution.degenerate_groups == "value_differences"
     assert repairs.ibpo.repair_operator == "resume" and repairs.ibpo.revision_template is None
     assert method_settings("ibpo")[1].ibpo.repair_operator == "rewrite"  # what the committed results measured
+    for name, form, mapping in (("mc_ceiling", "sigma", "affine"), ("mc_ceiling_raw", "sigma", "raw"),
+                                ("mc_ceiling_signed", "signed", "raw"), ("step_oracle_signed", "signed", "raw")):
+        estimator, settings = method_settings(name)
+        assert estimator == "segment_mc" and settings.redistribution.advantage_form == form
+        assert settings.redistribution.value_mapping == mapping
+        assert settings.segment_mc.num_continuations == (16 if name.startswith("mc_ceiling") else 9)
+    assert method_settings("mc_ceiling_signed_degenerate")[1].redistribution.degenerate_groups == "value_differences"
+    assert method_settings("rredcot_exit_probe_signed")[1].redistribution.advantage_form == "signed"
 
 
 def test_cosine_by_hand():

@@ -1,0 +1,210 @@
+"""Can credit pay on a setting at all? The gradient-level screen of every setting against the paper's three conditions.
+
+RREDCoT's claim needs three things at once: (1) the policy can value its own states, (2) traces hold many uncertain
+decisions, (3) training that moves. This script reads, per setting and policy (the warm start, and a GRPO policy
+mid-training), the screen's gradient run (``python -m benchmarks.gradient_quality --screen --setting S
+[--policy-grpo-steps 50]``, ``results/gradient_screen_runs/<setting>[_policy].json``: 16 paired batches of 32
+prompts × 4 rollouts, each method's cosine with the pool's reference gradient g* minus GRPO's, t interval over the
+batches) and the GRPO runs of ``sample_efficiency``'s ledger, and judges:
+
+- **the ceiling**: Monte-Carlo values with K = 16 continuations a state through today's sigma shares (``mc_ceiling``
+  with the recipe's affine mapping, ``mc_ceiling_raw`` without one) and through signed value differences
+  (``mc_ceiling_signed``; ``_degenerate`` lets all-equal groups learn from them too). Its best form's cosine − GRPO's
+  interval above 0 means credit can pay on that setting when values are near the truth; no form above 0 means it
+  cannot, whatever the value source. The verifier's step oracle (``step_oracle``: 0.9 before the segment completing
+  the first wrong line, 0 after) is a diagnostic of localisation alone, not a ceiling;
+- **(1) self-values**: the exit probe's values against the ceiling's Monte-Carlo values of the same states (the
+  run's distinct traces): pooled state-level Spearman, mean within-trace Spearman, and localisation of the first
+  wrong step (argmin of R_k = V_k − V_{k-1} on the segment the verifier names) beside Monte-Carlo's own; bars
+  within-trace ≥ 0.6 and localisation ≥ 60%;
+- **(2) decisions**: median segments a trace (the recipes' entropy segmentation, at most ``max_segments`` = 8); bar ≥ 8;
+- **(3) training moves**: GRPO's main runs on the setting (greedy validation accuracy at the last step minus step 0,
+  sampled training reward over the last 10 steps minus the first 10, seed means); bar ≥ 0.05 on both, at a rate
+  swept on the setting itself (≥ 3 rates with warmup, ≥ 2 seeds, 100 steps; the ledgers hold no such sweep on any
+  setting, which the JSON says).
+
+Intervals are per comparison (95%, t over the 16 batches), not corrected: the screen gates a study, it is not one.
+
+    python -m benchmarks.gradient_screen          # results/gradient_screen.json from the runs and the ledgers
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # ``python benchmarks/gradient_screen.py``
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common
+from benchmarks.output import print_table
+
+RUNS_DIR = common.RESULTS_DIR / "gradient_screen_runs"
+LEDGER_DIR = common.RESULTS_DIR / "sample_efficiency_runs"
+OUT = common.RESULTS_DIR / "gradient_screen.json"
+HEADLINE = "128"  # 32 prompts × 4 rollouts
+CEILINGS = ("mc_ceiling", "mc_ceiling_raw", "mc_ceiling_signed", "mc_ceiling_signed_degenerate")
+EXIT_PROBES = ("rredcot_exit_probe", "rredcot_exit_probe_signed")
+BARS = {"within_trace_spearman": 0.6, "localisation": 0.6, "median_segments": 8, "greedy_rise": 0.05,
+        "sampled_rise": 0.05}
+
+
+def method_rows(run: dict) -> dict:
+    """Per method at 32 × 4: cosine − GRPO's (mean, 95% interval), mean cosine, ESS over GRPO with its interval."""
+    rows = {}
+    for name, entry in run["methods"].items():
+        stats = entry["batches"].get(HEADLINE)
+        if not stats:
+            continue
+        rows[name] = {"cosine": stats["cosine_mean"], "n_batches": stats["n_batches"],
+                      "minus_grpo": stats.get("cosine_minus_grpo_mean"),
+                      "minus_grpo_ci95": stats.get("cosine_minus_grpo_ci95"),
+                      "ess_over_grpo": entry.get("ess_over_grpo_at_32"),
+                      "ess_over_grpo_ci95": entry.get("ess_over_grpo_ci95")}
+    return rows
+
+
+def ahead(row: dict | None) -> bool | None:
+    """Whether a method's cosine − GRPO's interval lies above 0 (None: not measured)."""
+    if row is None or row.get("minus_grpo_ci95") is None:
+        return None
+    return row["minus_grpo_ci95"][0] > 0
+
+
+def best_of(rows: dict, names) -> str | None:
+    """The measured method of ``names`` with the largest mean cosine − GRPO's."""
+    measured = [name for name in names if rows.get(name, {}).get("minus_grpo") is not None]
+    return max(measured, key=lambda name: rows[name]["minus_grpo"]) if measured else None
+
+
+def value_conditions(traces: dict) -> dict:
+    """Condition (1) from the run's distinct traces: exit-probe values v̂_0..v̂_{K-1} against Monte-Carlo values of the
+    same states, and the localisation of the first wrong step by each."""
+    pairs, exit_hits, mc_hits, chance = [], [], [], []
+    for trace in traces["value_agreement"].values():
+        exit_row, mc_row = np.array(trace["exit_probe"]), np.array(trace["monte_carlo"])
+        pairs.append((exit_row[:-1], mc_row[:-1]))
+        holder = trace["holder"]
+        if trace["outcome"] == 0.0 and holder is not None and len(exit_row) > 2 and holder < len(exit_row) - 1:
+            exit_hits.append(float(int(np.argmin(np.diff(exit_row))) == holder))
+            mc_hits.append(float(int(np.argmin(np.diff(mc_row))) == holder))
+            chance.append(1.0 / (len(exit_row) - 1))
+    states = common.correlations(pairs)
+    return {"traces": len(pairs), "state_spearman": states["spearman"],
+            "within_trace_spearman": states["within_spearman"], "within_trace_n": states["within_n"],
+            "localisation": float(np.mean(exit_hits)) if exit_hits else None,
+            "localisation_monte_carlo": float(np.mean(mc_hits)) if mc_hits else None,
+            "localisation_chance": float(np.mean(chance)) if chance else None, "localisation_n": len(exit_hits)}
+
+
+def segment_conditions(traces: dict) -> dict:
+    counts = list(traces["segments_per_trace"].values())
+    return {"traces": len(counts), "median_segments": float(np.median(counts)) if counts else None,
+            "max_segments_allowed": 8}
+
+
+def training_conditions(setting: str, ledger: Path = LEDGER_DIR) -> dict:
+    """Condition (3) from GRPO's main runs in the ledger (``grpo_seed<k>.json``)."""
+    greedy, sampled, rates, steps = [], [], set(), set()
+    for path in sorted((ledger / setting / "main").glob("grpo_seed*.json")):
+        run = json.loads(path.read_text())
+        validation, diagnostics = run["summary"]["validation"], run["summary"].get("diagnostics") or {}
+        greedy.append(validation[-1]["accuracy"] - validation[0]["accuracy"])
+        first, last = (diagnostics.get(part) or {} for part in ("first", "last"))
+        if "critic/score/mean" in first and "critic/score/mean" in last:
+            sampled.append(last["critic/score/mean"] - first["critic/score/mean"])
+        rates.add(run["spec"]["lr"])
+        steps.add(run["spec"]["steps"])
+    return {"grpo_runs": len(greedy), "rates": sorted(rates), "steps": sorted(steps),
+            "greedy_rise": float(np.mean(greedy)) if greedy else None,
+            "sampled_rise": float(np.mean(sampled)) if sampled else None, "sampled_runs": len(sampled),
+            **sweep_conditions(ledger / setting / "sweep")}
+
+
+def sweep_conditions(folder: Path) -> dict:
+    """GRPO's learning-rate sweep on the setting (``grpo_lr*.json``): per rate, the seeds and the fewest steps, and
+    whether it meets the bar: ≥ 3 rates, each with ≥ 2 seeds of ≥ 100 steps with a warmup override."""
+    by_rate: dict[float, dict] = {}
+    for path in sorted(folder.glob("grpo_lr*.json")):
+        spec = json.loads(path.read_text())["spec"]
+        entry = by_rate.setdefault(spec["lr"], {"seeds": set(), "steps": spec["steps"], "warmup": True})
+        entry["seeds"].add(spec["seed"])
+        entry["steps"] = min(entry["steps"], spec["steps"])
+        entry["warmup"] &= any("warmup" in override for override in spec["overrides"])
+    qualified = [rate for rate, entry in by_rate.items()
+                 if len(entry["seeds"]) >= 2 and entry["steps"] >= 100 and entry["warmup"]]
+    return {"sweep": {f"{rate:g}": {"seeds": len(entry["seeds"]), "steps": entry["steps"], "warmup": entry["warmup"]}
+                      for rate, entry in sorted(by_rate.items())},
+            "sweep_meets_bar": len(qualified) >= 3}
+
+
+def judge(value: float | None, bar: float) -> bool | None:
+    return None if value is None else value >= bar
+
+
+def screen_entry(run: dict, label: str) -> dict:
+    settings = run["settings"]
+    setting = settings["setting"]
+    rows = method_rows(run)
+    ceiling = best_of(rows, CEILINGS)
+    probe = best_of(rows, EXIT_PROBES)
+    values = value_conditions(run["traces"])
+    segments = segment_conditions(run["traces"])
+    training = training_conditions(setting)
+    conditions = {
+        "self_values": judge(values["within_trace_spearman"], BARS["within_trace_spearman"]) and
+        judge(values["localisation"], BARS["localisation"]),
+        "decisions": judge(segments["median_segments"], BARS["median_segments"]),
+        "ceiling_ahead": ahead(rows.get(ceiling)) if ceiling else None,
+        "training_moves": (judge(training["greedy_rise"], BARS["greedy_rise"]) and
+                           judge(training["sampled_rise"], BARS["sampled_rise"])),
+        "rate_swept_on_setting": training["sweep_meets_bar"],
+    }
+    return {"setting": setting, "policy": settings["model"], "pool_accuracy": settings["pool_accuracy"],
+            "gstar_split_half_cosine": settings["gstar"]["split_half_cosine"], "methods": rows,
+            "best_ceiling": ceiling, "best_exit_probe": probe, "exit_probe_ahead": ahead(rows.get(probe)),
+            "values": values, "segments": segments, "training": training, "conditions": conditions,
+            "run": f"benchmarks/results/gradient_screen_runs/{label}.json", "command": settings["commands"]["run"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = common.parser(__doc__, OUT, "", build=False)
+    args = parser.parse_args(argv)
+    runs = sorted(RUNS_DIR.glob("*.json"))
+    if not runs:
+        raise SystemExit(f"no screen runs in {RUNS_DIR}: run python -m benchmarks.gradient_quality --screen first")
+    entries = {path.stem: screen_entry(json.loads(path.read_text()), path.stem) for path in runs}
+    result = {"bars": BARS, "headline_batch": "32 prompts x 4 rollouts, 16 paired batches", "settings": entries,
+              "qualifies": [label for label, entry in entries.items() if all(entry["conditions"].values())],
+              "meta": {"script": "benchmarks/gradient_screen.py", "inputs": [f"benchmarks/results/gradient_screen_runs/"
+                                                                              f"{path.name}" for path in runs]}}
+    common.write_result(result, args.out or OUT, say=False)
+    print_table([screen_row(label, entry) for label, entry in entries.items()], SCREEN_COLUMNS)
+    return result
+
+
+SCREEN_COLUMNS = ["run", "grpo_cos", "ceiling", "ceiling_minus_grpo", "exit_probe_minus_grpo", "within_spearman",
+                  "localisation", "median_segments", "greedy_rise", "sampled_rise"]
+
+
+def screen_row(label: str, entry: dict) -> dict:
+    def interval(name):
+        row = entry["methods"].get(name) if name else None
+        if not row or row["minus_grpo"] is None:
+            return None
+        low, high = row["minus_grpo_ci95"]
+        return f"{row['minus_grpo']:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+    return {"run": label, "grpo_cos": entry["methods"]["grpo"]["cosine"], "ceiling": entry["best_ceiling"],
+            "ceiling_minus_grpo": interval(entry["best_ceiling"]),
+            "exit_probe_minus_grpo": interval(entry["best_exit_probe"]),
+            "within_spearman": entry["values"]["within_trace_spearman"],
+            "localisation": entry["values"]["localisation"], "median_segments": entry["segments"]["median_segments"],
+            "greedy_rise": entry["training"]["greedy_rise"], "sampled_rise": entry["training"]["sampled_rise"]}
+
+
+if __name__ == "__main__":
+    main()
