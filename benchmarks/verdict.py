@@ -46,6 +46,7 @@ Beside the statistics, read from the same ledger entries and not part of any dec
   change from first to last window paired within runs, the greedy validation accuracy at step 0 and at the last
   step; per reference, each arm's last-window reward minus the reference's, paired by seed, with Holm over the family.
 
+    python -m benchmarks.verdict benchmarks/registrations/verdict.yaml         # results/verdict.json
     python -m benchmarks.verdict benchmarks/registrations/restated_hard.yaml   # results/restated_hard.json
     python -m benchmarks.verdict benchmarks/registrations/restated_long.yaml   # results/restated_long.json
     python -m benchmarks.verdict --equal-compute 2.60 1.66 4   # GRPO's rollouts a prompt at the estimator's step time
