@@ -93,7 +93,8 @@ SHORTER_RESPONSE_LONGER_ENGINE = Hint(r"data.max_response_length <= (\d+) \(with
 
 REFUSALS = {
     # run_shapes.py
-    "legacy_trainer": Refused("legacy_trainer", ("trainer.use_v1=false",), (Hint("set (trainer.use_v1=true)", ("{0}",)),)),
+    "legacy_trainer": Refused("legacy_trainer", ("trainer.use_v1=false",),
+                              (Hint("set (trainer.use_v1=true)", ("{0}",)),)),
     "bypass_mode": Refused("bypass_mode", ("algorithm.rollout_correction.bypass_mode=true",),
                            (Hint(r"^(\S+)=true .*set it to false", ("{0}=false",)),)),
     "critic": Refused("critic", ("critic.enable=true", "critic.model.path=${actor_rollout_ref.model.path}",
@@ -164,7 +165,8 @@ REFUSALS = {
          Hint(r"use (algorithm.adv_estimator)=(segment_mc) or (ibpo)", ("{0}={2}",)),
          Hint(r"or (probe.value_source=own_continuation)$", ("algorithm.rredcot.{0}",)))),
     "check_task_answers": Refused("check_task_answers", ("algorithm.rredcot.task=boxed_math",),
-                                  (Hint(r"task (\w+) reads them", ("algorithm.rredcot.task={0}",)),), build=_gsm8k_rows),
+                                  (Hint(r"task (\w+) reads them", ("algorithm.rredcot.task={0}",)),),
+                                  build=_gsm8k_rows),
     "check_worked_solutions": Refused(
         "check_worked_solutions", ("algorithm.rredcot.probe.value_source=reference_continuation",
                                    "algorithm.rredcot.candidates.source=ground_truth"),

@@ -44,6 +44,7 @@ def guard_verl_entry_points() -> None:
     Each calls ``verl.utils.device.auto_set_device(config)`` first, with the composed config, and imports it by name
     after ``import verl`` has loaded this plugin. The entry point is read when it is called: under ``python -m`` the
     plugin loads while Python imports the module's parent packages, before ``__main__`` is the module."""
+    import functools
     import sys
 
     import verl.utils.device as device
@@ -52,6 +53,7 @@ def guard_verl_entry_points() -> None:
     if getattr(original, "guards_verl_entry_points", False):
         return
 
+    @functools.wraps(original)  # verl's own stays reachable (inspect.unwrap): the verl_hooks canary reads it
     def auto_set_device(config):
         refusal = entry_point_refusal(running_entry_point(), str(config.algorithm.adv_estimator))
         if refusal:
