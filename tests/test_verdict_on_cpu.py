@@ -416,7 +416,10 @@ def test_results_md_verdict_reading_rate_and_value_figures_are_the_json():
     primary = VERDICT["comparisons"]["grpo_n5"]["rredcot_exit_probe"]
     paired = primary["paired"]
     shown = f"{signed(paired['difference'])} [{signed(paired['ci95'][0])}, {signed(paired['ci95'][1])}]"
-    assert f"rollouts {shown}, Holm p {paired['p_holm']:.2f})" in whole
+    assert whole.count(f"rollouts {shown}, Holm p {paired['p_holm']:.2f})") == 2  # the opening and the goals table
+    exit_n5 = VERDICT["step_time"]["ratio_to_reference"]["grpo_n5"]["rredcot_exit_probe"]
+    assert (f"`grpo_n5` was not held at the exit probe's step time (the exit probe's step {exit_n5['min']:.2f}-"
+            f"{exit_n5['max']:.2f}x `grpo_n5`'s, seed by seed)") in whole
     assert {c["decision"] for block in VERDICT["comparisons"].values() for c in block.values()} == {"not resolved"}
     # The rate: every arm at GRPO's rate from the default setting's sweep, one seed, 30 steps.
     rates = {arm["lr"] for arm in VERDICT["registration"]["arms"].values()}
