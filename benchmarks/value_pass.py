@@ -1,4 +1,4 @@
-"""The value pass's cost, one script, four modes; each writes its own JSON (protocols and tables: RESULTS.md §2, §5, §7).
+"""The value pass's cost, one script, three modes; each writes its own JSON (protocols and tables: RESULTS.md §2, §5, §7).
 
 * ``values`` (results/cost.json): traces sampled from the tiny warm start, segmented as the tiny_cpu recipe does, and
   every method valuing the same states: ``score_probes_packed`` (packed), ``score_probes_naive`` (one forward a
@@ -7,10 +7,6 @@
   ``--repeats``, MC once) and model tokens: packed Σ(P + L + Σ|probe|), naive Σ(P + b + |probe|), MC Σ N·(P + b) +
   the sampled continuations. With ``--train-steps`` N > 0 also N training steps of grpo, rredcot, segment_mc and
   ibpo (``recipes/tiny_cpu/run.sh``, or the runs in ``--runs-dir``): median step time and its ratio to GRPO's.
-* ``overhead`` (results/probe_overhead.json): packed exit probes over the plain log-prob pass against the token-count
-  limit (L + K·|C|·a)/L (goal: ≤ 1.15 × limit) on random Qwen2 models; process CPU seconds, one thread, plain and
-  packed in back-to-back pairs of alternating order (the median pair ratio); naive only at L = 1024 and, on the
-  large model, where K·|C| ≤ 30.
 * ``scale`` (results/value_pass_scale.json): ``core.values.score_plans`` on one trace of a Qwen3-shaped model
   (``--layers`` of its depth, real width and vocabulary) at long lengths, over the plain log-prob pass and the bare
   decoder; each measurement in a fresh subprocess: CPU seconds and peak RSS (VmHWM reset after the model is built;
@@ -22,14 +18,13 @@
   only: the GPU image has nothing else.
 
 Synthetic traces: a 128-token prompt, K boundaries spread over [0, L], 3 candidate answers (one correct: self-normalised
-exit probes), exit text and answers of 4 tokens (``reference_scorers``' constants; ``overhead`` uses its own sizes).
+exit probes), exit text and answers of 4 tokens (``reference_scorers``' constants).
 
     python -m benchmarks.value_pass values --train-steps 10   # cost.json (about 25 min)
-    python -m benchmarks.value_pass overhead                   # probe_overhead.json
     python -m benchmarks.value_pass scale                      # value_pass_scale.json: Qwen3-0.6B, 4 layers, 2k-8k
     python -m benchmarks.value_pass scale --model qwen3-4b --layers 1 --lengths 25000 --append
     python benchmarks/value_pass.py gpu                        # CUDA, gpu_check.json; --tokens 8000 --out ... too
-    python -m benchmarks.value_pass MODE --smoke               # values, overhead, scale: seconds, a temp file
+    python -m benchmarks.value_pass MODE --smoke               # values, scale: seconds, a temp file
 """
 
 from __future__ import annotations
@@ -49,7 +44,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, Qwen3Config
 from transformers.utils import is_flash_attn_2_available
 
 if __package__ in (None, ""):  # ``python benchmarks/value_pass.py``, also from a checkout where nothing is installed
@@ -74,8 +69,7 @@ from rredcot_verl.core.scoring import (  # noqa: E402
 )
 
 RESULTS = {mode: output.RESULTS_DIR / name for mode, name in (
-    ("values", "cost.json"), ("overhead", "probe_overhead.json"), ("scale", "value_pass_scale.json"),
-    ("gpu", "gpu_check.json"))}
+    ("values", "cost.json"), ("scale", "value_pass_scale.json"), ("gpu", "gpu_check.json"))}
 NORMALIZATION = "self_normalized"
 MIB = 1 << 20
 
@@ -90,15 +84,13 @@ class Trace:
     num_values: int
 
 
-def synthetic_trace(length: int, boundaries: list[int], vocab: int, generator: torch.Generator, *,
-                    prompt_length: int = PROMPT_LENGTH, exit_length: int = EXIT_LENGTH,
-                    answer_length: int = ANSWER_LENGTH, candidates: int = NUM_CANDIDATES) -> Trace:
-    """Random prompt and response of ``length`` tokens, one exit text and ``candidates`` answers (the first the
+def synthetic_trace(length: int, boundaries: list[int], vocab: int, generator: torch.Generator) -> Trace:
+    """Random prompt and response of ``length`` tokens, one exit text and ``NUM_CANDIDATES`` answers (the first the
     correct one) scored at each of ``boundaries``."""
     draw = lambda n: torch.randint(0, vocab, (n,), generator=generator)  # noqa: E731
-    prompt, response = draw(prompt_length), draw(length)
-    answers = [draw(answer_length).tolist() for _ in range(candidates)]
-    probes = build_exit_probes(boundaries, draw(exit_length).tolist(), answers[:1], thinking_length=length,
+    prompt, response = draw(PROMPT_LENGTH), draw(length)
+    answers = [draw(ANSWER_LENGTH).tolist() for _ in range(NUM_CANDIDATES)]
+    probes = build_exit_probes(boundaries, draw(EXIT_LENGTH).tolist(), answers[:1], thinking_length=length,
                                all_answers=answers)
     return Trace(prompt, response, probes, len(boundaries))
 
@@ -231,95 +223,6 @@ def run_values(args) -> dict:
     if result.get("training"):
         output.print_table([{"method": name, **row} for name, row in result["training"].items()], {
             "method": "", "median_step_s": ".2f", "over_grpo": ".2f", "steps_used": "d", "error": ""})
-    return result
-
-
-# ------------------------------------------------------------------------------------------------------- overhead
-OVERHEAD_PROMPT, OVERHEAD_PROBE, OVERHEAD_FORCED = 32, 6, 3  # prompt tokens; a (forced + scored) and forced tokens
-GOAL_RATIO_TO_LIMIT = 1.15
-QWEN2_SHAPES = {"smoke": (32, 2, 1, 64), "tiny": (128, 4, 3, 300), "large": (512, 8, 8, 300)}  # hidden, heads, layers, vocab
-OVERHEAD_LENGTHS = {"tiny": (1024, 4096, 8192), "large": (1024, 4096)}  # large at 8192: ~10 CPU-s a pass, too slow
-NAIVE_LENGTH = 1024
-NAIVE_MAX_PROBES = {"smoke": 1000, "tiny": 1000, "large": 30}  # naive costs K·|C| forwards (~20 CPU-s at 30, large)
-MIN_MEASURED_SECONDS = 1.0  # cheap settings get more repeats: medians of a handful of 50 ms runs are noisy
-
-
-def qwen2_model(name: str, max_positions: int) -> Qwen2ForCausalLM:
-    hidden, heads, layers, vocab = QWEN2_SHAPES[name]
-    return Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_positions,
-        tie_word_embeddings=True, attn_implementation="sdpa")).eval()
-
-
-def overhead_row(model, name: str, trace: Trace, num_boundaries: int, candidates: int, repeats: int,
-                 naive: bool) -> dict:
-    """Plain and packed timed in back-to-back pairs, order alternating (the shared cores' load changes between
-    pairs); the naive path once when ``naive``."""
-    run_plain = lambda: trace_log_probs_and_entropy(model, trace.prompt, trace.response)  # noqa: E731
-    run_packed = lambda: score_probes_packed(model, trace.prompt, trace.response, trace.probes)  # noqa: E731
-    plain_times, packed_times = [], []
-    for repeat in range(repeats):
-        pair = [(plain_times, run_plain), (packed_times, run_packed)]
-        for times, run in pair if repeat % 2 == 0 else pair[::-1]:
-            times.append(output.cpu_seconds(run)[0])
-    ratio = statistics.median(packed / plain for packed, plain in zip(packed_times, plain_times))
-    length = trace.response.numel()
-    limit = (length + num_boundaries * candidates * OVERHEAD_PROBE) / length
-    row = {"config": name, "L": length, "K": num_boundaries, "C": candidates, "a": OVERHEAD_PROBE,
-           "plain_s": statistics.median(plain_times), "packed_s": statistics.median(packed_times),
-           "packed_over_plain": ratio, "limit": limit, "ratio_over_limit": ratio / limit, "repeats": repeats,
-           "naive_s": None, "max_rel_err_vs_naive": None}
-    if naive:
-        row["naive_s"], naive = output.cpu_seconds(lambda: score_probes_naive(model, trace.prompt, trace.response,
-                                                                               trace.probes))
-        row["max_rel_err_vs_naive"] = float(((run_packed().probe_logp - naive).abs() / naive.abs()).max())
-    return row
-
-
-OVERHEAD_COLUMNS = {"config": "", "L": "d", "K": "d", "C": "d", "plain_s": ".3f", "packed_s": ".3f",
-                    "packed_over_plain": ".3f", "limit": ".3f", "ratio_over_limit": ".3f", "naive_s": ".2f",
-                    "max_rel_err_vs_naive": ".1e"}
-
-
-def run_overhead(args) -> dict:
-    if args.smoke:
-        names, lengths, boundary_counts, candidate_counts = ["smoke"], {"smoke": (64,)}, (4,), (1, 2)
-        min_repeats, naive_length = 1, 64
-    else:
-        names, lengths, boundary_counts, candidate_counts = args.configs, OVERHEAD_LENGTHS, (10, 20, 40), (1, 3)
-        min_repeats, naive_length = args.repeats, NAIVE_LENGTH
-    torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(0)
-    rows = []
-    for name in names:
-        torch.manual_seed(0)
-        model = qwen2_model(name, max_positions=OVERHEAD_PROMPT + max(lengths[name]) + 64)
-        for length in lengths[name]:
-            warm_up, _ = output.cpu_seconds(lambda: trace_log_probs_and_entropy(
-                model, torch.zeros(OVERHEAD_PROMPT, dtype=torch.long), torch.zeros(length, dtype=torch.long)))
-            repeats = max(min_repeats, min(25, int(MIN_MEASURED_SECONDS / max(warm_up, 1e-3))))
-            for num_boundaries in boundary_counts:
-                for candidates in candidate_counts:
-                    trace = synthetic_trace(length, spread(length, num_boundaries), model.config.vocab_size,
-                                            generator, prompt_length=OVERHEAD_PROMPT, exit_length=OVERHEAD_FORCED,
-                                            answer_length=OVERHEAD_PROBE - OVERHEAD_FORCED, candidates=candidates)
-                    naive = length == naive_length and num_boundaries * candidates <= NAIVE_MAX_PROBES[name]
-                    rows.append(overhead_row(model, name, trace, num_boundaries, candidates, repeats, naive))
-                    print(", ".join(f"{key} {rows[-1][key]}" for key in ("config", "L", "K", "C")), flush=True)
-    output.print_table(rows, OVERHEAD_COLUMNS)
-    result = {
-        "meta": {
-            "timer": "process CPU seconds, torch.set_num_threads(1); packed/plain = median of back-to-back pair ratios",
-            "min_repeats": min_repeats, "naive_max_probes": {name: NAIVE_MAX_PROBES[name] for name in names},
-            "prompt_length": OVERHEAD_PROMPT, "probe_length_a": OVERHEAD_PROBE, "forced_length": OVERHEAD_FORCED,
-            "goal": f"packed/plain <= {GOAL_RATIO_TO_LIMIT} x limit, limit = (L + K*|C|*a)/L",
-            "models": {name: dict(zip(("hidden", "heads", "layers", "vocab"), QWEN2_SHAPES[name])) for name in names},
-            **output.machine_meta(),
-        },
-        "rows": rows, "worst_ratio_over_limit": max(row["ratio_over_limit"] for row in rows),
-    }
-    print(f"worst packed/plain / limit: {result['worst_ratio_over_limit']:.3f} (goal <= {GOAL_RATIO_TO_LIMIT})")
     return result
 
 
@@ -690,8 +593,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     values.add_argument("--train-steps", type=int, default=3, help="steps per training run; 0 skips training")
     values.add_argument("--runs-dir", type=Path, default=None,
                         help="read existing runs <runs-dir>/<method>_seed<seed> instead of launching them")
-    sub["overhead"].add_argument("--repeats", type=int, default=3, help="minimum plain/packed pairs a row")
-    sub["overhead"].add_argument("--configs", nargs="+", choices=["tiny", "large"], default=["tiny", "large"])
     scale = sub["scale"]
     scale.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192], help="response lengths L")
     scale.add_argument("--layers", type=int, default=4, help="decoder layers (Qwen3-0.6B has 28, Qwen3-4B 36)")
@@ -713,7 +614,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     out = output.out_path(args, RESULTS[args.mode])
-    result = {"values": run_values, "overhead": run_overhead, "scale": run_scale, "gpu": run_gpu}[args.mode](args)
+    result = {"values": run_values, "scale": run_scale, "gpu": run_gpu}[args.mode](args)
     return {} if result is None else output.write_result(result, out)
 
 

@@ -1,7 +1,6 @@
 """Probe scoring: the packed path (trace KV cache + one probe-tree pass) against the naive per-probe reference,
 with a real (tiny, random) Qwen2 model; value reducers and builders against direct computations."""
 
-import json
 import math
 import random
 
@@ -20,7 +19,6 @@ from rredcot_verl.core.probes import (
     values_from_probe_logp,
 )
 from rredcot_verl.core.scoring import build_probe_mask, score_batch_packed, score_probes_packed
-from benchmarks import value_pass
 from benchmarks.reference_scorers import score_probes_naive, trace_log_probs_and_entropy
 
 VOCAB = 64
@@ -286,18 +284,3 @@ def test_own_continuation_values():
         own_continuation_values(log_probs, [5], outcome=1.0)
     with pytest.raises(ValueError, match="outcome"):
         own_continuation_values(log_probs, [0], outcome=2.0)
-
-
-def test_benchmark_smoke(tmp_path):
-    out = tmp_path / "smoke.json"
-
-    result = value_pass.main(["overhead", "--smoke", "--out", str(out)])
-
-    assert json.loads(out.read_text())["rows"] == result["rows"] and result["out"] == str(out)
-    # Smoke: L = 64, K = 4 boundaries, |C| = 1 and 2 candidates, probes of a = 6 tokens.
-    assert [(row["L"], row["K"], row["C"], row["a"]) for row in result["rows"]] == [(64, 4, 1, 6), (64, 4, 2, 6)]
-    for row in result["rows"]:
-        assert row["limit"] == pytest.approx((64 + 4 * row["C"] * 6) / 64)  # every probe token scored once
-        assert row["ratio_over_limit"] == pytest.approx(row["packed_over_plain"] / row["limit"])
-        assert row["max_rel_err_vs_naive"] < REL_TOL
-    assert result["worst_ratio_over_limit"] == max(row["ratio_over_limit"] for row in result["rows"])

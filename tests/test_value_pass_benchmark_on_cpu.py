@@ -1,7 +1,6 @@
 """``benchmarks/value_pass.py``: its GPU mode runs end to end on CPU at a tiny setting, writes the documented fields
 without absolute paths, finds the fp32 value pass equal to the fp32 reference, and imports nothing that the GPU image
-lacks; its scale mode's smoke run writes the documented row fields. (Its other modes: tests/test_probes_on_cpu.py
-(overhead) and tests/test_benchmarks_on_cpu.py (values).)"""
+lacks; its scale mode's smoke run writes the documented row fields. Its values mode: tests/test_benchmarks_on_cpu.py."""
 
 import json
 import subprocess
