@@ -1,7 +1,7 @@
 """The benchmarks' library: what every benchmark script shares, so that each script is one question.
 
 * Records and CLI: paths, the task build, ``parser``; from ``benchmarks.output`` (re-exported) ``write_result`` (the
-  one JSON writer), ``print_table`` (the one table printer), ``cpu_seconds`` (the one CPU timer), ``out_path``.
+  one JSON writer), ``print_table`` (the one table printer), ``out_path``.
 * Statistics (scipy): t intervals, paired differences, runs paired on shared steps, correlations, curve areas.
 * Training runs: the task settings and their data, ``launch_run`` (``recipes/tiny_cpu/run.sh``), ``cost_runs`` (runs
   for their step time); ``median_step_s`` and ``load_metrics`` are the package's (``rredcot_verl.runs``).
@@ -32,7 +32,6 @@ from scipy import stats
 from benchmarks.output import (  # noqa: F401  (the library's light half, re-exported)
     RESULTS_DIR,
     ROOT,
-    cpu_seconds,
     fmt,
     machine_meta,
     out_path,

@@ -24,14 +24,11 @@ def machine_meta() -> dict:
             "python": platform.python_version()}
 
 
-def cpu_seconds(fn, repeats: int = 1) -> tuple[float, object]:
-    """The fewest process CPU seconds of ``repeats`` calls of ``fn`` (the machine is shared), and its last result."""
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        started = time.process_time()
-        result = fn()
-        best = min(best, time.process_time() - started)
-    return best, result
+def cpu_seconds(fn) -> tuple[float, object]:
+    """The process CPU seconds of one call of ``fn`` (not wall time: the machine is shared), and its result."""
+    started = time.process_time()
+    result = fn()
+    return time.process_time() - started, result
 
 
 def relative_to_repository(value):
