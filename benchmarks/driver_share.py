@@ -385,7 +385,7 @@ def measure(shape: Shape, seed: int, planning_workers: int, profile: str | None 
 
     from rredcot_verl.integration.estimators.base import StepContext, object_array
     from rredcot_verl.integration.estimators import ibpo as ibpo_estimator
-    from rredcot_verl.integration.estimators.ibpo import VERIFIED_REPAIRS, ibpo_repairs
+    from rredcot_verl.integration.estimators.ibpo import ibpo_repairs
     from rredcot_verl.integration.trainer import step_traces
 
     torch.set_num_threads(1)
@@ -424,7 +424,7 @@ def measure(shape: Shape, seed: int, planning_workers: int, profile: str | None 
     with timed_attribute(ibpo, "evaluate_repairs", clock, ALIGNING), \
             timed_attribute(ibpo_estimator, "decode_batch", clock, DECODING):  # fmt: skip
         repair_inputs, repair_metrics = ibpo_repairs(context, read[False])
-    verified = context.carry[VERIFIED_REPAIRS]
+    verified = context.verified_repairs
     parts = engine.seconds + sum(clock.seconds.get(phase, 0.0) for phase in (JUDGING, DECODING, ALIGNING))
     clock.seconds[REPAIRS] = time.process_time() - started - parts
     parts_wall = engine.wall + sum(clock.wall.get(phase, 0.0) for phase in (JUDGING, DECODING, ALIGNING))

@@ -47,7 +47,7 @@ from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.segmentation import segment_response
 from rredcot_verl.core.values import compute_segment_values
 from rredcot_verl.integration.estimators import ESTIMATORS, AdvantageBatch, StepContext, StepTraces
-from rredcot_verl.integration.estimators.ibpo import VERIFIED_REPAIRS, ibpo_repairs
+from rredcot_verl.integration.estimators.ibpo import ibpo_repairs
 from rredcot_verl.integration.estimators.segment_mc import monte_carlo_values
 from rredcot_verl.tasks import load_model_dir, parse_prompt
 from rredcot_verl.tasks.base import resolve_task
@@ -242,7 +242,7 @@ def batch_repairs(batch: Batch, pool: dict, settings, engine: Engine, tokenizer,
     context = step_context(engine, tokenizer, settings, int(np.random.default_rng(seed_key).integers(2**31)))
     width = max(max(len(r) for r in batch.responses), 1)
     inputs, metrics = ibpo_repairs(context, StepTraces(batch_records(batch, pool), response_width=width))
-    return inputs, metrics, context.carry[VERIFIED_REPAIRS]
+    return inputs, metrics, context.verified_repairs
 
 
 def with_repair_operator(settings, operator: str):

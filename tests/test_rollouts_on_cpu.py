@@ -17,7 +17,7 @@ from rredcot_verl.core import ibpo
 from rredcot_verl.core.planning import records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration.estimators import StepContext, StepTraces
-from rredcot_verl.integration.estimators.ibpo import VERIFIED_REPAIRS, ibpo_repairs
+from rredcot_verl.integration.estimators.ibpo import ibpo_repairs
 from rredcot_verl.integration.estimators.segment_mc import monte_carlo_values
 from rredcot_verl.integration.rollouts import engine_max_model_length
 from rredcot_verl.tasks.model import EOS_TOKEN, IM_END, IM_START, chat_prompt_ids, load_model_dir, response_ids
@@ -118,7 +118,7 @@ def repairs(ctx, batch):
     """``ibpo_repairs`` as its stage runs: the ``AdvantageBatch`` inputs, the metrics, and the verified repairs per
     group it leaves in the step's context."""
     inputs, metrics = ibpo_repairs(ctx, batch)
-    return inputs, metrics, ctx.carry[VERIFIED_REPAIRS]
+    return inputs, metrics, ctx.verified_repairs
 
 
 # ---------------------------------------------------------------------------------------------------- IBPO

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -168,8 +168,9 @@ class StepContext:
             may provide more), so nothing is sent that the server would have to cut short.
         chat_template_kwargs: ``data.apply_chat_template_kwargs``, which verl renders the rollouts' prompts with (e.g.
             Qwen3's ``enable_thinking``); revision prompts get them too.
-        carry: what one stage of this step leaves for a later one (e.g. ``VERIFIED_REPAIRS``), empty at the start
-            of every step.
+        verified_repairs: per prompt group, the token ids of the step's verified IBPO repairs, left by the repair
+            stage (``ibpo.ibpo_repairs``) for the value stage's bank (``candidates.source: group_and_repairs``); None
+            until the repair stage ran this step.
     """
 
     settings: RRedCoTSettings
@@ -185,7 +186,7 @@ class StepContext:
     max_response_length: int | None = None
     max_model_length: int | None = None
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
-    carry: dict[str, Any] = dataclasses.field(default_factory=dict)
+    verified_repairs: dict[Hashable, list[list[int]]] | None = None
 
     def engine_length(self) -> int:
         """The context a request (prompt + generated tokens) may fill."""

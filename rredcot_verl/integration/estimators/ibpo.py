@@ -20,8 +20,6 @@ from rredcot_verl.integration.estimators.base import (
     AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces,
 )
 
-# StepContext.carry key: per prompt group, the token ids of its verified repairs (for a repair-filled value bank).
-VERIFIED_REPAIRS = "verified_repairs"
 # The AdvantageBatch inputs the repairs fill.
 REPAIR_INPUTS = ("phi", "edited_mask")
 
@@ -68,7 +66,7 @@ def ibpo_repairs(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.
     Returns:
         ``phi`` and ``edited_mask`` (``AdvantageBatch``; the mask R wide, the batch's response width) and metrics.
         Per prompt group, the token ids of its verified repairs (rewrites included: a correct solution of the
-        prompt, whatever it kept of the trace) are left in ``ctx.carry[VERIFIED_REPAIRS]``, for a later stage's
+        prompt, whatever it kept of the trace) are left in ``ctx.verified_repairs``, for a later stage's
         reference bank (``candidates.source: group_and_repairs``).
     """
     cfg = ctx.settings.ibpo
@@ -163,7 +161,7 @@ def ibpo_repairs(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.
         # How far into the trace the repairs start: near 0, they are fresh solves (the rewrite guard's business).
         kept_fracs = [r.kept / max(len(responses[i]), 1) for (i, _), r in zip(plan.pairs, planned)]
         metrics["ibpo/resume_kept_frac_mean"] = sum(kept_fracs) / len(kept_fracs) if kept_fracs else 0.0
-    ctx.carry[VERIFIED_REPAIRS] = verified
+    ctx.verified_repairs = verified
     return {"phi": phi, "edited_mask": core_ibpo.stack_edited_masks(masks, width)}, metrics
 
 

@@ -18,7 +18,7 @@ from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration.estimators.base import (
     AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces, object_array,
 )
-from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE, VERIFIED_REPAIRS
+from rredcot_verl.integration.estimators.ibpo import REPAIR_STAGE
 
 # The AdvantageBatch inputs segment values fill (the value pass's and segment_mc's).
 SEGMENT_INPUTS = ("segment_ends", "raw_values")
@@ -36,7 +36,7 @@ def probe_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, torch.
     """
     plans = plan_traces(
         traces.records, ctx.settings, ctx.tokenizer, ctx.task, vocab=ctx.boundary_vocab, temperature=ctx.temperature,
-        repairs=ctx.carry.get(VERIFIED_REPAIRS), workers=planning_workers(traces.records),
+        repairs=ctx.verified_repairs, workers=planning_workers(traces.records),
     )  # fmt: skip
     if ctx.settings.snapshot_due(ctx.step):
         # The exact inputs of this step's value pass, to re-score offline (any model, any number of processes): the
