@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from redistribution_reference import redistribute_trace
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
 from rredcot_verl.core.outcomes import group_outcome_advantage
@@ -596,8 +597,6 @@ def test_batched_redistribution_equals_the_one_trace_reference(case):
 
 def _assert_equals_the_one_trace_reference(case, holes: list[int]):
     """The case's trace first in a batch, with ``holes[t]`` context tokens after its model token t."""
-    from rredcot_verl.core.redistribution_reference import redistribute_trace
-
     outcomes, ends, raw, options, reward_range, shaped = case
     size = len(outcomes)
     row_mask, _, full_ends = _open_holes(ends, ends[-1], holes)

@@ -1,12 +1,11 @@
 """The redistribution for one trace, written to be read in one sitting: plain Python floats, one step per block.
 
-``redistribution.redistribute`` does the same for a whole batch with tensors, fallbacks and metrics; a property test
-(``tests/test_redistribution_on_cpu.py``) holds it to this function on random traces. Covered: a trace with segment
-data in a group of two or more with mixed outcomes, the value gate open, multi-turn responses (a mask with
-holes) included. Not covered (the batched version keeps the
-GRPO advantage there and counts why): empty responses, groups of one, outcomes outside the reward range, all-equal
-groups (``degenerate_groups``), missing or non-finite values. Imports nothing but the standard library.
-"""
+``rredcot_verl.core.redistribution.redistribute`` does the same for a whole batch with tensors, fallbacks and
+metrics; a property test (``tests/test_redistribution_on_cpu.py``) holds it to this function on random traces.
+Covered: a trace with segment data in a group of two or more with mixed outcomes, the value gate open, multi-turn
+responses (a mask with holes) included. Not covered (the batched version keeps the GRPO advantage there and counts
+why): empty responses, groups of one, outcomes outside the reward range, all-equal groups (``degenerate_groups``),
+missing or non-finite values. Imports nothing but the standard library."""
 
 from __future__ import annotations
 
