@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from _redistribution_before import redistribute as redistribute_before
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_redistribution_on_cpu import _open_holes, batches
 
@@ -48,9 +48,17 @@ def settings_combinations(draw):
 def redistribution_calls(draw):
     """Arguments of ``redistribute``: a random batch (tool-output holes, any reward range, outcomes outside it,
     all-equal groups, shaped scores, a prior concordance window) and settings."""
-    scores, mask, index, ends, raw = draw(batches(any_float_scores=draw(st.booleans())))
+    width, max_segments = draw(st.sampled_from([(12, 5), (40, 12)]))
+    scores, mask, index, ends, raw = draw(batches(width, max_segments, any_float_scores=draw(st.booleans())))
     if draw(st.booleans()):  # binary outcomes: all-correct and all-wrong groups are common
         scores = (scores > 0.5).to(scores.dtype)
+    for i in range(len(scores)):
+        present = int((ends[i] >= 0).sum())
+        damage = draw(st.integers(0, 14))
+        if present and damage == 0:  # a probe value the redistribution cannot read
+            raw[i, draw(st.integers(0, present - 1))] = draw(st.sampled_from([float("nan"), float("inf")]))
+        elif present and damage == 1 and ends[i, present - 1] > (ends[i, present - 2] if present > 1 else 0) + 1:
+            ends[i, present - 1] -= 1  # the segments stop short of the response's end
     if draw(st.booleans()):
         lengths = mask.sum(1).long().tolist()
         rows = []
@@ -65,7 +73,8 @@ def redistribution_calls(draw):
     low, high = draw(st.sampled_from([(0.0, 1.0), (-1.0, 1.0), (0.0, 10.0), (-5.0, -2.0)]))
     scores = low + (high - low) * scores
     if draw(st.integers(0, 9)) == 0:
-        scores[draw(st.integers(0, len(scores) - 1))] = high + (high - low) / 2  # outside the reward range
+        outside = draw(st.sampled_from([high + (high - low) / 2, float("nan")]))
+        scores[draw(st.integers(0, len(scores) - 1))] = outside
     scores = scores.to(draw(st.sampled_from([torch.float32, torch.float64])))
     raw = raw.to(draw(st.sampled_from([torch.float32, torch.float64])))
     shaped = None
@@ -86,6 +95,7 @@ def test_rewritten_redistribution_equals_the_module_before_bit_for_bit(call, cfg
     try:
         before = redistribute_before(*args, cfg, **kwargs)
     except ValueError as error:
+        event("ValueError")
         with pytest.raises(ValueError) as raised:
             redistribute(*args, cfg, **kwargs)
         assert str(raised.value) == str(error)
@@ -95,6 +105,12 @@ def test_rewritten_redistribution_equals_the_module_before_bit_for_bit(call, cfg
         assert _same_bits(getattr(after, name), getattr(before, name)), name
     assert list(after.metrics.items()) == list(before.metrics.items())
     assert after.concordance == before.concordance
+    for name, value in after.metrics.items():  # what the examples reached (--hypothesis-show-statistics)
+        if value and name.startswith(("fallback/", "affine_", "degenerate_groups_with", "uncredited")):
+            event(name)
+    event(f"value gate open: {after.metrics['value_gate_open']}")
+    event(f"token bound bound: {after.metrics.get('token_bound_trace_frac', 0) > 0}")
+    event(f"clip bound: {after.metrics.get('clipped_trace_frac', 0) > 0}")
 
 
 def test_bad_probe_values_raise_the_same_error():
