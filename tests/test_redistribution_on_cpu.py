@@ -17,6 +17,7 @@ from rredcot_verl.core.redistribution import (
     redistribute,
     segment_rewards,
 )
+from rredcot_verl.core.redistribution_rule import token_advantages
 
 torch.set_num_threads(1)
 NAN = float("nan")
@@ -836,3 +837,25 @@ def test_signed_form_in_an_all_wrong_group_gives_value_differences_per_token():
 def test_unknown_advantage_form_is_refused():
     with pytest.raises(ValueError, match="advantage_form must be one of"):
         RedistributionSettings(advantage_form="vine")
+
+
+# ---------------------------------------------------------------------------------------------- the rule alone
+
+
+def test_the_rule_alone_spreads_the_advantage_by_the_value_shares():
+    """``token_advantages`` without the guard around it: A_t = Â·L·σ_k / n_k on a credited trace (λ = 1), 0 on the
+    holes of its mask, and 0 on every token of a trace it is not asked to credit."""
+    values = torch.tensor([[0.5, 0.9, 0.8, 1.0], [0.5, 0.6, 0.1, 0.0]], dtype=torch.float64)
+    in_response = torch.tensor([[1, 1, 1, 1, 0, 0] + [1] * 8, [1] * 12 + [0, 0]]).bool()  # a hole after token 4
+    no = torch.tensor([False, False])
+    credit = token_advantages(
+        values, torch.tensor([0.7, -0.7]), torch.tensor([0.5, -0.5], dtype=torch.float64),
+        torch.tensor([[4, 8, 12], [4, 8, 12]]), in_response, credited=torch.tensor([True, False]), differences=no,
+        interpolated=no, cfg=RedistributionSettings(), width=1.0,
+    )  # fmt: skip
+    # R = [.4, −.1, .2], σ = R / Σ R = [.8, −.2, .4], L / n_k = 12 / 4.
+    expected = 0.7 * 3 * torch.tensor([0.8, -0.2, 0.4], dtype=torch.float64).repeat_interleave(4)
+    assert torch.allclose(credit.advantages[0, in_response[0]], expected)
+    assert torch.all(credit.advantages[0, ~in_response[0]] == 0) and torch.all(credit.advantages[1] == 0)
+    assert torch.allclose(credit.sigma[0], torch.tensor([0.8, -0.2, 0.4], dtype=torch.float64))
+    assert not credit.clipped.any() and not credit.bounded.any()
