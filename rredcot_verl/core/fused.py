@@ -25,7 +25,7 @@ import torch
 from rredcot_verl.core.concordance import ConcordanceCounts
 from rredcot_verl.core.ibpo import IBPOResult, IBPOSettings, shaped_advantages
 from rredcot_verl.core.outcomes import correct_outcomes
-from rredcot_verl.core.redistribution import RedistributionResult, RedistributionSettings, redistribute
+from rredcot_verl.core.redistribution import AdvantageResult, RedistributionSettings, redistribute
 
 WRONG_TRACE_CREDIT = ("values", "edit_mask")
 
@@ -65,7 +65,7 @@ class FusedResult:
     advantages: torch.Tensor
     from_values: torch.Tensor
     ibpo: IBPOResult
-    redistribution: RedistributionResult
+    redistribution: AdvantageResult
     metrics: dict[str, float]
 
 

@@ -18,7 +18,7 @@ k = 1..K of n_k tokens (boundary b_k = end of segment k, b_0 = 0, b_K = L_i):
 Where the values carry no usable information about the trace (the affine map is undefined, or its gain is out of
 bounds) they are interpolated in token position, V(b) = V_0 + (ζ_i − V_0)·b / L_i; then σ_k = n_k / L_i and the trace
 gets exactly its GRPO advantage. Traces where the redistribution is undefined keep their GRPO advantage and are
-counted (``RedistributionResult.metrics``); all-correct and all-wrong groups can optionally learn from unanchored
+counted (``AdvantageResult.metrics``); all-correct and all-wrong groups can optionally learn from unanchored
 value differences instead (``degenerate_groups``). A whole batch keeps GRPO's advantage while its values (pooled with
 recent batches') do not order the traces of a prompt by their outcomes (``min_value_concordance``,
 ``core.concordance``).
@@ -49,7 +49,7 @@ from rredcot_verl.core.redistribution_settings import (  # noqa: F401 (imported 
 
 __all__ = [
     "RedistributionSettings",
-    "RedistributionResult",
+    "AdvantageResult",
     "group_outcome_advantage",
     "anchor_values",
     "segment_rewards",
@@ -60,30 +60,33 @@ __all__ = [
 _LOGGED_POSITIONS = 4
 
 
-@dataclass
-class RedistributionResult:
-    """Output of ``redistribute``.
+@dataclass(frozen=True, eq=False)
+class AdvantageResult:
+    """What an advantage function returns for one batch: ``redistribute``'s output, and every estimator's (the
+    integration's advantage functions return it with their metrics prefixed; IBPO fills only the first three).
 
     Attributes:
         advantages: (bs, T) token advantages, zero on padding.
         returns: (bs, T) the same tensor, as verl's GRPO returns it.
-        values: (bs, Kmax + 1) V_0..V_K per trace on the outcome scale, NaN beyond K and on traces that fell back.
-        segment_rewards: (bs, Kmax) R_1..R_K per trace, NaN beyond K and on traces that fell back.
-        fallback: (bs,) bool, the redistribution was not applicable and the trace kept its GRPO advantage.
-        interpolated: (bs,) bool, redistributed traces whose values were interpolated in token position (the map
-            was undefined or its gain out of bounds): they too got exactly their GRPO advantage.
         metrics: scalar diagnostics, see ``redistribute``.
-        concordance: this batch's value-outcome comparisons, for the caller's ``ConcordanceWindow``.
+        values: (bs, Kmax + 1) V_0..V_K per trace on the outcome scale, NaN beyond K and on traces that fell back;
+            None for an estimator without segment values.
+        segment_rewards: (bs, Kmax) R_1..R_K per trace, NaN likewise; None likewise.
+        fallback: (bs,) bool, the redistribution was not applicable and the trace kept its fallback (GRPO's, or
+            IBPO's for ``rredcot_ibpo``) advantage; None likewise.
+        interpolated: (bs,) bool, redistributed traces whose values were interpolated in token position (the map
+            was undefined or its gain out of bounds): they too got exactly their GRPO advantage; None likewise.
+        concordance: this batch's value-outcome comparisons, for the caller's ``ConcordanceWindow``; None likewise.
     """
 
     advantages: torch.Tensor
     returns: torch.Tensor
-    values: torch.Tensor
-    segment_rewards: torch.Tensor
-    fallback: torch.Tensor
-    interpolated: torch.Tensor
     metrics: dict[str, float]
-    concordance: ConcordanceCounts
+    values: torch.Tensor | None = None
+    segment_rewards: torch.Tensor | None = None
+    fallback: torch.Tensor | None = None
+    interpolated: torch.Tensor | None = None
+    concordance: ConcordanceCounts | None = None
 
 
 def anchor_values(
@@ -170,7 +173,7 @@ def redistribute(
     reward_range: tuple[float, float] = (0.0, 1.0),
     prior_concordance: ConcordanceCounts = ConcordanceCounts(),
     shaped_scores: torch.Tensor | None = None,
-) -> RedistributionResult:
+) -> AdvantageResult:
     """Token advantages from outcome scores and per-segment probe values.
 
     The guard around the rule, ``redistribution_rule.token_advantages`` (steps 2-4 of the module docstring;
@@ -205,7 +208,7 @@ def redistribute(
             ``fallback/against_shaped_advantage``.
 
     Returns:
-        ``RedistributionResult``. With ``cfg.mix == 0`` its advantages are verl's GRPO tensor unchanged; the
+        ``AdvantageResult``. With ``cfg.mix == 0`` its advantages are verl's GRPO tensor unchanged; the
         diagnostics are computed all the same, so a λ = 0 run logs what the redistribution would have done.
 
     A trace keeps its GRPO advantage (``fallback``) when its response is empty, its group has one trace, its outcome
@@ -303,7 +306,7 @@ def redistribute(
         "uncredited_traces": float(uncredited.sum()),
     }
     interpolated = interpolated & ~fallback
-    return RedistributionResult(advantages, advantages, values, rewards, fallback, interpolated, metrics, concordance)
+    return AdvantageResult(advantages, advantages, metrics, values, rewards, fallback, interpolated, concordance)
 
 
 def _group_rows(index: Sequence[Hashable]) -> dict[Hashable, list[int]]:

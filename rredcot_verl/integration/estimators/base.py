@@ -28,6 +28,7 @@ from verl.utils.tokenizer import normalize_token_ids
 from verl.utils.tokenizer.chat_template import apply_chat_template
 
 from rredcot_verl.core.concordance import ConcordanceCounts
+from rredcot_verl.core.redistribution import AdvantageResult
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration.rollouts import GenerateFn
@@ -74,30 +75,6 @@ class AdvantageBatch:
         if missing:
             raise ValueError(f"adv_estimator={estimator!r} needs the batch's {missing}, which its stages produce")
         return tuple(getattr(self, name) for name in names)
-
-
-@dataclass(frozen=True, eq=False)
-class AdvantageResult:
-    """What an advantage function returns for one ``AdvantageBatch``.
-
-    Attributes:
-        advantages: (bs, T) token advantages, 0 outside ``response_mask``.
-        returns: (bs, T) the returns verl stores beside them (the advantages, as for verl's GRPO).
-        metrics: step metrics, under ``<estimator>/`` (IBPO's under ``ibpo/``).
-        values: (bs, Kmax + 1) V_0..V_K on the outcome scale, NaN beyond K and on traces whose values decided
-            nothing; None for an estimator without segment values.
-        segment_rewards: (bs, Kmax) R_1..R_K, NaN likewise; None likewise.
-        fallback: (bs,) bool, traces whose values decided nothing (they kept the fallback advantage); None likewise.
-        concordance: this batch's value-outcome comparisons, for the value gate's window; None likewise.
-    """
-
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    metrics: dict[str, float]
-    values: torch.Tensor | None = None
-    segment_rewards: torch.Tensor | None = None
-    fallback: torch.Tensor | None = None
-    concordance: ConcordanceCounts | None = None
 
 
 # (AdvantageBatch, algorithm.rredcot settings) -> AdvantageResult.

@@ -13,7 +13,7 @@ from verl import DataProto
 from verl.utils.metric import reduce_metrics
 
 from rredcot_verl.core.planning import bank_metrics, plan_traces, planning_workers
-from rredcot_verl.core.redistribution import RedistributionResult, redistribute
+from rredcot_verl.core.redistribution import redistribute
 from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration.estimators.base import (
     AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces, object_array,
@@ -68,17 +68,6 @@ def value_stages(settings: RRedCoTSettings) -> tuple[Stage, ...]:
     return (REPAIR_STAGE, VALUE_STAGE) if settings.candidates.uses_repairs else (VALUE_STAGE,)
 
 
-def redistribution_result(
-    redistribution: RedistributionResult, advantages: torch.Tensor, metrics: dict[str, float]
-) -> AdvantageResult:
-    """An ``AdvantageResult`` with a redistribution's per-trace details."""
-    return AdvantageResult(
-        advantages=advantages, returns=advantages, metrics=metrics, values=redistribution.values,
-        segment_rewards=redistribution.segment_rewards, fallback=redistribution.fallback,
-        concordance=redistribution.concordance,
-    )  # fmt: skip
-
-
 def prefixed(name: str, metrics: dict[str, float]) -> dict[str, float]:
     return {f"{name}/{key}": value for key, value in metrics.items()}
 
@@ -90,7 +79,7 @@ def redistributed_advantage(name: str, batch: AdvantageBatch, settings: RRedCoTS
         batch.scores, batch.response_mask, batch.index, segment_ends, raw_values, settings.redistribution,
         reward_range=settings.reward_range, prior_concordance=batch.prior_concordance,
     )  # fmt: skip
-    return redistribution_result(result, result.advantages, prefixed(name, result.metrics))
+    return dataclasses.replace(result, metrics=prefixed(name, result.metrics))
 
 
 def rredcot_advantage(batch: AdvantageBatch, settings: RRedCoTSettings) -> AdvantageResult:

@@ -4,11 +4,13 @@ the actor's value pass on the bank (``candidates.source``; ``group_and_repairs``
 
 from __future__ import annotations
 
+import dataclasses
+
 from rredcot_verl.core.fused import fused_advantages
 from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration.estimators.base import AdvantageBatch, AdvantageResult, EstimatorSpec
 from rredcot_verl.integration.estimators.ibpo import REPAIR_INPUTS, REPAIR_STAGE
-from rredcot_verl.integration.estimators.rredcot import SEGMENT_INPUTS, VALUE_STAGE, prefixed, redistribution_result
+from rredcot_verl.integration.estimators.rredcot import SEGMENT_INPUTS, VALUE_STAGE, prefixed
 
 NAME = "rredcot_ibpo"
 
@@ -23,7 +25,8 @@ def rredcot_ibpo_advantage(batch: AdvantageBatch, settings: RRedCoTSettings) -> 
         settings.rredcot_ibpo, reward_range=settings.reward_range, prior_concordance=batch.prior_concordance,
     )  # fmt: skip
     metrics = {**result.ibpo.metrics, **prefixed(NAME, result.metrics)}
-    return redistribution_result(result.redistribution, result.advantages, metrics)
+    return dataclasses.replace(result.redistribution, advantages=result.advantages, returns=result.advantages,
+                               metrics=metrics)
 
 
 SPEC = EstimatorSpec(
