@@ -31,6 +31,7 @@ Intervals are per comparison (95%, t over the 16 batches), not corrected: the sc
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -183,7 +184,56 @@ def main(argv: list[str] | None = None) -> dict:
                                                                               f"{path.name}" for path in runs]}}
     common.write_result(result, args.out or OUT, say=False)
     print_table([screen_row(label, entry) for label, entry in entries.items()], SCREEN_COLUMNS)
+    print(markdown_tables(result))
     return result
+
+
+GRADIENT_COLUMNS = {"mc_ceiling": "MC ceiling, sigma", "mc_ceiling_raw": "MC, sigma, raw mapping",
+                    "mc_ceiling_signed": "MC, signed", "mc_ceiling_signed_degenerate": "MC, signed, all groups",
+                    "rredcot_exit_probe": "exit probe, sigma", "rredcot_exit_probe_signed": "exit probe, signed",
+                    "step_oracle": "step oracle, sigma", "step_oracle_signed": "step oracle, signed",
+                    "rredcot": "references", "ibpo_resume": "IBPO (resume)"}
+
+
+def interval_text(row: dict | None) -> str:
+    if not row or row.get("minus_grpo") is None:
+        return "—"
+    low, high = row["minus_grpo_ci95"]
+    return f"{row['minus_grpo']:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
+def policy_text(label: str, entry: dict) -> str:
+    """``setting``, warm start, or the GRPO step its run label ends with (``..._step<n>``)."""
+    step = re.search(r"_step(\d+)$", label)
+    return f"`{entry['setting']}`, " + (f"GRPO step {step.group(1)}" if step else "warm start")
+
+
+def markdown_tables(result: dict) -> str:
+    """The two tables RESULTS.md shows ("The screen"): cosine − GRPO's per method, and the conditions."""
+    entries = result["settings"]
+    order = sorted(entries, key=lambda label: (entries[label]["setting"], label != entries[label]["setting"]))
+    lines = ["| setting, policy | GRPO cosine | " + " | ".join(GRADIENT_COLUMNS.values()) + " |",
+             "|---" * (len(GRADIENT_COLUMNS) + 2) + "|"]
+    for label in order:
+        entry = entries[label]
+        cells = [interval_text(entry["methods"].get(name)) for name in GRADIENT_COLUMNS]
+        lines.append(f"| {policy_text(label, entry)} | {entry['methods']['grpo']['cosine']:.3f} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "| setting, policy | (1) within-trace Spearman, exit probe vs MC | (1) localisation: exit probe / MC "
+              "/ chance | (2) median segments | (3) GRPO greedy / sampled rise | best ceiling ahead | met |",
+              "|---|---|---|---|---|---|---|"]
+    for label in order:
+        entry = entries[label]
+        values, training = entry["values"], entry["training"]
+        met = [name for name, ok in entry["conditions"].items() if ok]
+        lines.append(
+            f"| {policy_text(label, entry)} | {values['within_trace_spearman']:.2f} (states {values['state_spearman']:.2f}) "
+            f"| {values['localisation']:.0%} / {values['localisation_monte_carlo']:.0%} / "
+            f"{values['localisation_chance']:.0%} | {entry['segments']['median_segments']:g} | "
+            f"{training['greedy_rise']:+.3f} / {training['sampled_rise']:+.3f} | "
+            f"{'yes' if entry['conditions']['ceiling_ahead'] else 'no'} (`{entry['best_ceiling']}`) | "
+            f"{', '.join(met) if met else 'none'} |")
+    return "\n".join(lines) + "\n"
 
 
 SCREEN_COLUMNS = ["run", "grpo_cos", "ceiling", "ceiling_minus_grpo", "exit_probe_minus_grpo", "within_spearman",
@@ -191,16 +241,9 @@ SCREEN_COLUMNS = ["run", "grpo_cos", "ceiling", "ceiling_minus_grpo", "exit_prob
 
 
 def screen_row(label: str, entry: dict) -> dict:
-    def interval(name):
-        row = entry["methods"].get(name) if name else None
-        if not row or row["minus_grpo"] is None:
-            return None
-        low, high = row["minus_grpo_ci95"]
-        return f"{row['minus_grpo']:+.3f} [{low:+.3f}, {high:+.3f}]"
-
     return {"run": label, "grpo_cos": entry["methods"]["grpo"]["cosine"], "ceiling": entry["best_ceiling"],
-            "ceiling_minus_grpo": interval(entry["best_ceiling"]),
-            "exit_probe_minus_grpo": interval(entry["best_exit_probe"]),
+            "ceiling_minus_grpo": interval_text(entry["methods"].get(entry["best_ceiling"])),
+            "exit_probe_minus_grpo": interval_text(entry["methods"].get(entry["best_exit_probe"])),
             "within_spearman": entry["values"]["within_trace_spearman"],
             "localisation": entry["values"]["localisation"], "median_segments": entry["segments"]["median_segments"],
             "greedy_rise": entry["training"]["greedy_rise"], "sampled_rise": entry["training"]["sampled_rise"]}

@@ -77,3 +77,30 @@ def test_the_best_ceiling_is_the_form_with_the_largest_gain_and_is_ahead_only_ab
     assert best == "mc_ceiling_signed" and gradient_screen.ahead(rows[best])
     assert gradient_screen.ahead(rows["mc_ceiling"]) is False
     assert gradient_screen.ahead(rows["mc_ceiling_raw"]) is None and gradient_screen.best_of({}, ["x"]) is None
+
+
+def test_results_md_shows_the_screens_tables_as_the_json_gives_them():
+    """RESULTS.md's "The screen" holds the two tables ``markdown_tables`` writes from the committed JSON, verbatim."""
+    text = (gradient_screen.RUNS_DIR.parent.parent / "RESULTS.md").read_text(encoding="utf-8")
+    section = text[text.index("## The screen: can credit pay here?"):text.index("## History")]
+    committed = json.loads(gradient_screen.OUT.read_text())
+    assert gradient_screen.markdown_tables(committed) in section
+
+
+def test_the_readme_and_results_md_lines_on_the_screen_are_the_json():
+    """The README's screen bullet and RESULTS.md's one-line answer quote the best ceiling on `hard` and on `early`
+    at the rounding they show, and say no setting qualifies only while the JSON says so."""
+    root = gradient_screen.RUNS_DIR.parent.parent.parent
+    readme = (root / "README.md").read_text(encoding="utf-8").replace("\u2212", "-")
+    results = (root / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8").replace("\u2212", "-")
+    committed = json.loads(gradient_screen.OUT.read_text())
+    assert committed["qualifies"] == []
+    assert "no setting yet meets the claim's three conditions" in readme
+    assert "no setting meets all three conditions" in results
+    for setting in ("hard", "early"):
+        entry = committed["settings"][setting]
+        shown = gradient_screen.interval_text(entry["methods"][entry["best_ceiling"]])
+        assert shown in " ".join(readme.split()) and shown in results, (setting, shown)
+    hard = committed["settings"]["hard"]
+    assert hard["conditions"]["ceiling_ahead"] and not hard["conditions"]["self_values"]
+    assert not committed["settings"]["early"]["conditions"]["ceiling_ahead"]
