@@ -586,6 +586,8 @@ def main(argv: list[str] | None = None) -> dict:
             **common.machine_meta()}}
         if args.screen:
             result["traces"] = screen_traces(results)
+            result["batch_cosines"] = {method: {b: row["cosine"] for b, row in results.get(method, {}).get(
+                str(headline), {}).items()} for method in args.methods}  # for paired comparisons between methods
         common.write_result(result, out, say=False)
         return result
 

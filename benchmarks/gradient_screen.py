@@ -68,6 +68,17 @@ def method_rows(run: dict) -> dict:
     return rows
 
 
+def form_differences(run: dict) -> dict:
+    """Each other form of the ceiling minus the published one (``mc_ceiling``: sigma shares, the recipe's mapping),
+    cosine paired by batch: mean and 95% t interval."""
+    cosines = run["batch_cosines"]
+    out = {}
+    for name in CEILINGS[1:]:
+        paired = common.paired_differences(cosines[name], cosines["mc_ceiling"])
+        out[name] = {"mean": float(np.mean(paired)), "ci95": common.t_interval(paired), "n_batches": len(paired)}
+    return out
+
+
 def ahead(row: dict | None) -> bool | None:
     """Whether a method's cosine − GRPO's interval lies above 0 (None: not measured)."""
     if row is None or row.get("minus_grpo_ci95") is None:
@@ -166,7 +177,7 @@ def screen_entry(run: dict, label: str) -> dict:
     }
     return {"setting": setting, "policy": settings["model"], "pool_accuracy": settings["pool_accuracy"],
             "gstar_split_half_cosine": settings["gstar"]["split_half_cosine"], "methods": rows,
-            "best_ceiling": ceiling, "best_exit_probe": probe, "exit_probe_ahead": ahead(rows.get(probe)),
+            "best_ceiling": ceiling, "ceiling_forms_minus_sigma": form_differences(run), "best_exit_probe": probe, "exit_probe_ahead": ahead(rows.get(probe)),
             "values": values, "segments": segments, "training": training, "conditions": conditions,
             "run": f"benchmarks/results/gradient_screen_runs/{label}.json", "command": settings["commands"]["run"]}
 
@@ -209,7 +220,8 @@ def policy_text(label: str, entry: dict) -> str:
 
 
 def markdown_tables(result: dict) -> str:
-    """The two tables RESULTS.md shows ("The screen"): cosine − GRPO's per method, and the conditions."""
+    """The tables RESULTS.md shows ("The screen"): cosine − GRPO's per method, the conditions, and each form of the
+    ceiling against the published sigma form (paired by batch)."""
     entries = result["settings"]
     order = sorted(entries, key=lambda label: (entries[label]["setting"], label != entries[label]["setting"]))
     lines = ["| setting, policy | GRPO cosine | " + " | ".join(GRADIENT_COLUMNS.values()) + " |",
@@ -233,6 +245,13 @@ def markdown_tables(result: dict) -> str:
             f"{training['greedy_rise']:+.3f} / {training['sampled_rise']:+.3f} | "
             f"{'yes' if entry['conditions']['ceiling_ahead'] else 'no'} (`{entry['best_ceiling']}`) | "
             f"{', '.join(met) if met else 'none'} |")
+    forms = CEILINGS[1:]
+    lines += ["", "| setting, policy | " + " | ".join(f"{GRADIENT_COLUMNS[name]} − MC ceiling, sigma" for name in forms)
+              + " |", "|---" * (len(forms) + 1) + "|"]
+    for label in order:
+        differences = entries[label]["ceiling_forms_minus_sigma"]
+        lines.append(f"| {policy_text(label, entries[label])} | " + " | ".join(
+            f"{d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]" for d in map(differences.get, forms)) + " |")
     return "\n".join(lines) + "\n"
 
 
