@@ -47,7 +47,7 @@ if __package__ in (None, ""):  # ``python benchmarks/turn_credit.py``
 
 from benchmarks import common
 from rredcot_verl.core.outcomes import group_outcome_advantage
-from rredcot_verl.core.planning import TraceRecord
+from rredcot_verl.core.traces import TraceRecord
 from rredcot_verl.core.values import compute_segment_values
 from rredcot_verl.integration.estimators import ESTIMATORS, AdvantageBatch
 from rredcot_verl.runs import load_metrics

@@ -243,7 +243,7 @@ def measure_scale(spec: dict) -> dict:
     """One pass in this process (a fresh one a measurement): its CPU seconds and peak RSS."""
     from transformers import Qwen3ForCausalLM
 
-    from rredcot_verl.core.planning import TracePlan
+    from rredcot_verl.core.traces import TraceRecord
     from rredcot_verl.core.values import score_plans
 
     torch.set_num_threads(1)
@@ -254,7 +254,8 @@ def measure_scale(spec: dict) -> dict:
                                          attn_implementation="sdpa")).eval()
     ends = torch.linspace(0, length, NUM_BOUNDARIES + 1).round().long().tolist()[1:]
     trace = synthetic_trace(length, [0, *ends[:-1]], model.config.vocab_size, torch.Generator().manual_seed(1))
-    plan = TracePlan(trace.prompt, trace.response, 1.0, ends, value_rule=NORMALIZATION, probes=trace.probes)
+    plan = TraceRecord(trace.prompt, trace.response, None, 1.0, "g", segment_ends=ends, probes=trace.probes,
+                       value_rule=NORMALIZATION)
     passes = {
         "value_pass": lambda: score_plans(model, [plan], max_segments=NUM_BOUNDARIES),
         "plain": lambda: score_batch_packed_with_stats(model, [trace.prompt], [trace.response], [[]],

@@ -38,8 +38,6 @@ from rredcot_verl.core.ibpo import (
 from rredcot_verl.core.ibpo.evaluation import _keeps_prefix, _rewrite_bound
 from rredcot_verl.core.planning import (
     BANK_FROM_REPAIRS,
-    TracePlan,
-    TraceRecord,
     _group_banks,
     _opened_and_bodies,
     _Planner,
@@ -51,6 +49,7 @@ from rredcot_verl.core import profiles
 from rredcot_verl.core.profiles import decode_batch
 from rredcot_verl.core.segmentation import _Layout, segment_response, turn_spans
 from rredcot_verl.core.settings import settings_from_config
+from rredcot_verl.core.traces import TraceRecord
 from rredcot_verl.tasks import miniature, resolve_task
 
 torch.set_num_threads(1)
@@ -533,9 +532,9 @@ def plan_traces_in_one_loop(traces, settings, tokenizer, task, *, vocab=None, te
     plans = []
     for trace, text, prompt_opened in zip(traces, texts, by_prompt):
         bank = banks[trace.group]
-        plan = TracePlan(trace.prompt_ids, trace.response_ids, float(trace.outcome), [], value_rule=rule,
-                         success=settings.success_probability(trace.outcome), temperature=float(temperature),
-                         bank_sources=frozenset(bank.sources), response_mask=trace.response_mask)
+        plan = dataclasses.replace(trace, outcome=float(trace.outcome), segment_ends=[], probes=[], value_rule=rule,
+                                   success=settings.success_probability(trace.outcome), temperature=float(temperature),
+                                   bank_sources=frozenset(bank.sources))
         if trace.response_ids.numel() > 0:
             plan.segment_ends = segment_response(trace.response_ids, trace.entropy, vocab, settings.segmentation,
                                                  response_mask=trace.response_mask)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from rredcot_verl.core.planning import TraceRecord, plan_traces
+from rredcot_verl.core.planning import plan_traces
 from rredcot_verl.core.probes import KIND_CORRECT, KIND_INCORRECT, ProbeSettings
 from rredcot_verl.core.profiles import (
     PROFILE_PRESETS,
@@ -27,6 +27,7 @@ from rredcot_verl.core.profiles import (
 )
 from rredcot_verl.core.segmentation import BoundaryVocab, SegmentationSettings
 from rredcot_verl.core.settings import RRedCoTSettings, settings_from_config
+from rredcot_verl.core.traces import TraceRecord
 from rredcot_verl.tasks import math_data
 from rredcot_verl.tasks.base import (
     BOXED_MATH,

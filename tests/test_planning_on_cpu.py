@@ -14,11 +14,12 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from rredcot_verl.core.planning import TraceRecord, bank_metrics, continuation_text, plan_traces
+from rredcot_verl.core.planning import bank_metrics, continuation_text, plan_traces
 from rredcot_verl.core.probes import KIND_CORRECT, KIND_INCORRECT, ProbeSettings
 from rredcot_verl.core.profiles import PROFILE_PRESETS, ProbeTokenizer
 from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings, settings_from_config
+from rredcot_verl.core.traces import TraceRecord
 from rredcot_verl.tasks.arithmetic import ArithmeticProblem, reference_response, reference_steps
 from rredcot_verl.tasks.base import ARITHMETIC, BOXED_MATH, PARAGRAPHS, resolve_task
 from rredcot_verl.tasks.model import build_tokenizer, chat_prompt_ids, response_ids, train_qwen2_style_bpe

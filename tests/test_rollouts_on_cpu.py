@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rredcot_verl.core import ibpo
-from rredcot_verl.core.planning import records_from_arrays
+from rredcot_verl.core.traces import records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
 from rredcot_verl.integration.estimators import StepContext, StepTraces
 from rredcot_verl.integration.estimators.ibpo import ibpo_repairs

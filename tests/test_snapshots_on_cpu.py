@@ -13,7 +13,7 @@ import torch
 from verl import DataProto
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
-from rredcot_verl.core.planning import TraceRecord
+from rredcot_verl.core.traces import TraceRecord
 from rredcot_verl.core.probes import ProbeSettings
 from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.core.settings import RRedCoTSettings, settings_from_config

@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rredcot_verl.core.planning import TracePlan
+from rredcot_verl.core.traces import TraceRecord
 from rredcot_verl.core.probes import Probe
 from rredcot_verl.core.values import score_plans
 
@@ -35,10 +35,10 @@ def _shards():
     for length in (40, 25, 21, 12):
         ends = [length // 2, length]
         probes = [Probe(b, [3, 4], [5, 6 + k], value_index=g) for g, b in enumerate((0, length // 2)) for k in range(2)]
-        busy.append(TracePlan(ids(5), ids(length), 1.0, ends, probes=probes, value_rule="raw"))
+        busy.append(TraceRecord(ids(5), ids(length), None, 1.0, "g", segment_ends=ends, probes=probes, value_rule="raw"))
     idle = [
-        TracePlan(ids(4), ids(0), 0.0, []),
-        TracePlan(ids(6), ids(30), 0.0, [15, 30], value_rule="raw", no_candidates=True),
+        TraceRecord(ids(4), ids(0), None, 0.0, "g"),
+        TraceRecord(ids(6), ids(30), None, 0.0, "h", segment_ends=[15, 30], value_rule="raw", no_candidates=True),
     ]
     return [busy, idle]
 

@@ -12,7 +12,7 @@ from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rredcot_verl.core import scoring as scoring_module
-from rredcot_verl.core.planning import TracePlan
+from rredcot_verl.core.traces import TraceRecord
 from rredcot_verl.core.probes import Probe, build_exit_probes, own_continuation_values, values_from_probe_logp
 from rredcot_verl.core.scoring import (
     ValuePassSettings,
@@ -171,7 +171,7 @@ def _plans(seed):
         prompt, response = random_ids(rng, rng.randint(2, 8)), random_ids(rng, rng.randint(12, 50))
         ends = sorted(rng.sample(range(1, response.numel()), 3)) + [response.numel()]
         outcome = rng.choice([0.0, 1.0])
-        plan = TracePlan(prompt, response, outcome=outcome, segment_ends=ends, value_rule=rule, success=outcome)
+        plan = TraceRecord(prompt, response, None, outcome, "g", segment_ends=ends, value_rule=rule, success=outcome)
         if rule != "own_continuation":
             correct, wrong = [[1, 2], [3]], [[4, 5]]
             plan.probes = build_exit_probes(
@@ -179,7 +179,7 @@ def _plans(seed):
             )
         plans.append(plan)
     plans[3].probes, plans[3].no_candidates = [], True
-    plans.append(TracePlan(random_ids(rng, 4), torch.zeros(0, dtype=torch.long), 1.0, []))
+    plans.append(TraceRecord(random_ids(rng, 4), torch.zeros(0, dtype=torch.long), None, 1.0, "g"))
     return plans
 
 
@@ -330,8 +330,8 @@ def test_probes_of_a_multi_turn_trace_read_the_tool_output_the_policy_saw(model)
     ends = [5, 17, response.numel()]  # the second state starts turn 2, after the tool output
 
     def plan(response_ids):
-        traced = TracePlan(prompt, response_ids, outcome=1.0, segment_ends=ends, value_rule="self_normalized",
-                           success=1.0, response_mask=mask)
+        traced = TraceRecord(prompt, response_ids, None, 1.0, "g", response_mask=mask, segment_ends=ends,
+                             value_rule="self_normalized", success=1.0)
         traced.probes = build_exit_probes(traced.starts, [9, 10], [[1, 2]], thinking_length=response_ids.numel(),
                                           all_answers=[[1, 2], [3]])
         return traced

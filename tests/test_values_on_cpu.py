@@ -10,10 +10,11 @@ import torch
 from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
 from rredcot_verl.core.probes import ProbeSettings
 from rredcot_verl.core.segmentation import SegmentationSettings
+from rredcot_verl.core.traces import TraceRecord, records_from_arrays
 from rredcot_verl.tasks.base import ARITHMETIC
 from rredcot_verl.tasks.arithmetic import ArithmeticProblem, reference_response, reference_steps
 from rredcot_verl.tasks.model import chat_prompt_ids, load_model_dir, response_ids
-from rredcot_verl.core.planning import TraceRecord, plan_traces, records_from_arrays
+from rredcot_verl.core.planning import plan_traces
 from rredcot_verl.core.values import compute_segment_values, score_plans
 
 torch.set_num_threads(1)

@@ -1,9 +1,9 @@
 """Probe planning for a whole batch: segmentation, group banks and the probes of every trace (driver side).
 
 Everything that reads across a group (candidate answers, the self-normalising answer set, reference banks) is built
-here from the *whole* batch, before the batch is split across data-parallel ranks, and travels with each trace as its
-``TracePlan``. The workers only score plans (``values.score_plans``), so a trace's values do not depend on how verl
-shards or reorders the batch.
+here from the *whole* batch, before the batch is split across data-parallel ranks, and travels with each trace as the
+plan of its ``TraceRecord`` (``core.traces``). The workers only score plans (``values.score_plans``), so a trace's
+values do not depend on how verl shards or reorders the batch.
 
 States are S_0 (empty response) and S_k at each segment end b_1..b_{K-1}; the terminal state's value is the trace's
 outcome, so a plan carries K values to estimate. The probe text comes from the probe profile (``core/profiles.py``:
@@ -19,20 +19,21 @@ probe that forced the exit text after ``#### 4`` would score a text no model wri
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping, Protocol, Sequence
+from typing import Hashable, Mapping, Protocol, Sequence
 
 import numpy as np
-import torch
 from rapidfuzz import fuzz
 
 from rredcot_verl.core import outcomes, processes
 from rredcot_verl.core.probes import Probe, build_exit_probes, build_reference_probes
 from rredcot_verl.core.profiles import ProbeProfile, ProbeTokenizer, answer_region_start
-from rredcot_verl.core.segmentation import BoundaryVocab, segment_response, turn_spans
+from rredcot_verl.core.segmentation import BoundaryVocab, segment_response
 from rredcot_verl.core.settings import RRedCoTSettings
+from rredcot_verl.core.traces import TraceRecord, state_starts
 
 logger = logging.getLogger(__name__)
 
@@ -63,91 +64,7 @@ class TaskAdapter(Protocol):
     def split_steps(self, thinking_text: str) -> list[str]: ...
 
 
-@dataclass
-class TraceRecord:
-    """One rollout: the one form in which a training step's traces reach the planner and the extra-rollout producers.
-
-    Attributes:
-        prompt_ids: (P,) int64, no padding.
-        response_ids: (L,) int64, no padding (L may be 0).
-        entropy: (L,) float, the old policy's per-token entropy (from verl's log-prob pass); None before that pass.
-        outcome: ζ, the verified reward.
-        group: prompt id (verl's ``uid``).
-        ground_truth: the dataset answer string, if any.
-        reference_steps: the dataset's reference steps, if any (``extra_info.reference_steps``), in the task's
-            ``split_steps`` sense (lines for ``arithmetic``, paragraphs for ``boxed_math``).
-        question: the last user message of the dataset's chat prompt, if any (IBPO's revision prompts quote it).
-        extra_info, data_source: the dataset's fields, passed to the rule reward as verl passes them.
-        response_mask: (L,) 0/1, verl's ``response_mask`` without padding: 0 on the tool output and template tokens
-            between a multi-turn response's assistant turns, which are context, never cut or probed into; None: the
-            whole response is the model's.
-    """
-
-    prompt_ids: torch.Tensor
-    response_ids: torch.Tensor
-    entropy: torch.Tensor | None
-    outcome: float
-    group: Hashable
-    ground_truth: str | None = None
-    reference_steps: Sequence[str] | None = None
-    question: str | None = None
-    extra_info: Any = None
-    data_source: Any = None
-    response_mask: torch.Tensor | None = None
-
-    def turns(self) -> list[tuple[int, int]]:
-        """(start, stop) of each assistant turn; one turn over the whole response without a mask."""
-        if self.response_mask is None:
-            return [(0, self.response_ids.numel())] if self.response_ids.numel() else []
-        return turn_spans(self.response_mask.bool())
-
-
-def state_starts(segment_ends: Sequence[int]) -> list[int]:
-    """Boundaries of the valued states S_0..S_{K-1} of a trace cut at ``segment_ends``."""
-    return [0, *segment_ends[:-1]]
-
-
-@dataclass
-class TracePlan:
-    """What a worker needs to value one trace: its tokens, its boundaries and its probes.
-
-    Attributes:
-        prompt_ids: (P,) int64; response_ids: (L,) int64, no padding.
-        outcome: ζ, the value of the terminal state.
-        success: ζ on the probability scale of the probes (``RRedCoTSettings.success_probability``).
-        segment_ends: K exclusive segment ends into the response (empty for an empty response).
-        probes: probes whose ``value_index`` indexes the values 0..K-1 (states S_0..S_{K-1}).
-        value_rule: one of ``VALUE_RULES``: how probe log-probs become values.
-        no_candidates: the trace's group had no candidate answer (its values are NaN: GRPO fallback).
-        temperature: the rollout's sampling temperature; probe log-probs are taken from logits / temperature, the
-            distribution the traces were sampled from.
-        bank_sources: where the group's bank came from (``BANK_FROM_*``; empty: no candidate).
-        response_mask: (L,) the trace's ``TraceRecord.response_mask`` (None: the whole response is the model's).
-    """
-
-    prompt_ids: torch.Tensor
-    response_ids: torch.Tensor
-    outcome: float
-    segment_ends: list[int]
-    probes: list[Probe] = field(default_factory=list)
-    success: float = 0.0
-    value_rule: str = "raw"
-    no_candidates: bool = False
-    temperature: float = 1.0
-    bank_sources: frozenset[str] = frozenset()
-    response_mask: torch.Tensor | None = None
-
-    @property
-    def num_values(self) -> int:
-        return len(self.segment_ends)
-
-    @property
-    def starts(self) -> list[int]:
-        """Boundaries of the valued states S_0..S_{K-1}."""
-        return state_starts(self.segment_ends)
-
-
-# Where a group's bank of correct answers and continuations came from (``TracePlan.bank_sources``).
+# Where a group's bank of correct answers and continuations came from (``TraceRecord.bank_sources``).
 BANK_FROM_TRACES, BANK_FROM_DATASET, BANK_FROM_REPAIRS = "traces", "dataset", "repairs"
 
 
@@ -484,7 +401,7 @@ def plan_traces(
     temperature: float = 1.0,
     repairs: Mapping[Hashable, Sequence[Sequence[int]]] | None = None,
     workers: int = 1,
-) -> list[TracePlan]:
+) -> list[TraceRecord]:
     """Segment every trace and build its probes from the whole batch's group banks.
 
     Args:
@@ -502,7 +419,8 @@ def plan_traces(
             cores); 1: in this process. The plans are the same whatever the number.
 
     Returns:
-        One plan per trace, in order.
+        Each trace's record with its plan (``TraceRecord``'s plan fields; its entropy, which only the segmentation
+        reads, dropped), in order.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -521,35 +439,23 @@ def plan_traces(
     # A trace's text is read past its banks only to find the answer region (no thinking markers) or to count its
     # steps (reference continuations); the workers are not sent it otherwise.
     reads_text = not planner.profile.thinks or settings.probe.value_source == "reference_continuation"
-    jobs = [(_TraceToPlan(trace.prompt_ids, trace.response_ids, trace.entropy, trace.response_mask),
-             text if reads_text else None, prompt_opened, banks[trace.group])
+    jobs = [(trace, text if reads_text else None, prompt_opened, banks[trace.group])
             for trace, text, prompt_opened in zip(traces, texts, by_prompt)]
     planned = processes.map_chunks(_plan_chunk, (settings, tokenizer, task, vocab), jobs, workers)
     plans = []
     split_joins = 0
     for trace, (segment_ends, probes, no_candidates, joins) in zip(traces, planned):
         bank = banks[trace.group]
-        plans.append(TracePlan(trace.prompt_ids, trace.response_ids, float(trace.outcome), segment_ends, probes,
-                               value_rule=rule, success=settings.success_probability(trace.outcome),
-                               no_candidates=no_candidates, temperature=float(temperature),
-                               bank_sources=frozenset(bank.sources), response_mask=trace.response_mask))
+        plans.append(dataclasses.replace(
+            trace, entropy=None, outcome=float(trace.outcome), segment_ends=segment_ends, probes=probes,
+            success=settings.success_probability(trace.outcome), value_rule=rule, no_candidates=no_candidates,
+            temperature=float(temperature), bank_sources=frozenset(bank.sources),
+        ))  # fmt: skip
         split_joins += joins
     if split_joins:
         logger.warning("%d probe texts could not be joined to their prefix as the tokenizer writes them in one piece; "
                        "they were tokenized on their own (core/profiles.py)", split_joins)
     return plans
-
-
-@dataclass
-class _TraceToPlan:
-    """What segmenting a trace and building its probes read of its ``TraceRecord`` (a worker is sent no more)."""
-
-    prompt_ids: torch.Tensor
-    response_ids: torch.Tensor
-    entropy: torch.Tensor | None
-    response_mask: torch.Tensor | None
-
-    turns = TraceRecord.turns
 
 
 def _plan_chunk(context, jobs) -> list[tuple[list[int], list[Probe], bool, int]]:
@@ -587,7 +493,7 @@ def _plan_chunk(context, jobs) -> list[tuple[list[int], list[Probe], bool, int]]
     return results
 
 
-def bank_metrics(plans: Sequence[TracePlan], groups: Sequence[Hashable]) -> dict[str, float]:
+def bank_metrics(plans: Sequence[TraceRecord], groups: Sequence[Hashable]) -> dict[str, float]:
     """Per step, the prompt groups whose bank holds entries from each source (``rredcot/bank_groups_from_traces``,
     ``..._from_dataset``, ``..._from_repairs``; a group may count under two) and those with an empty bank
     (``rredcot/bank_groups_empty``: their traces get no values)."""
@@ -600,47 +506,3 @@ def bank_metrics(plans: Sequence[TracePlan], groups: Sequence[Hashable]) -> dict
     }
     metrics["rredcot/bank_groups_empty"] = float(sum(not found for found in sources.values()))
     return metrics
-
-
-def records_from_arrays(
-    prompts: Sequence[torch.Tensor],
-    responses: Sequence[torch.Tensor],
-    entropies: Sequence[torch.Tensor] | None,
-    outcomes: Sequence[float],
-    groups: Sequence[Hashable],
-    reward_models: Sequence[Any] | None = None,
-    extra_infos: Sequence[Any] | None = None,
-    raw_prompts: Sequence[Any] | None = None,
-    data_sources: Sequence[Any] | None = None,
-    response_masks: Sequence[torch.Tensor] | None = None,
-) -> list[TraceRecord]:
-    """Build records from per-trace arrays (``entropies`` None before the log-prob pass); ``reward_models[i]
-    ['ground_truth']``, ``extra_infos[i]['reference_steps']`` and the last user message of ``raw_prompts[i]`` (chat
-    messages) are read when present. ``response_masks``: each response's unpadded ``response_mask`` when its
-    ``responses`` row is the full interleaved multi-turn response (``TraceRecord.response_mask``)."""
-
-    def at(values, i):
-        return values[i] if values is not None else None
-
-    records = []
-    for i in range(len(prompts)):
-        reward_model, extra, messages = at(reward_models, i), at(extra_infos, i), at(raw_prompts, i)
-        truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-        steps = extra.get("reference_steps") if isinstance(extra, dict) else None
-        user = [m["content"] for m in messages if m.get("role") == "user"] if messages is not None else []
-        records.append(
-            TraceRecord(
-                prompt_ids=prompts[i],
-                response_ids=responses[i],
-                entropy=at(entropies, i),
-                outcome=float(outcomes[i]),
-                group=groups[i],
-                ground_truth=None if truth is None else str(truth),
-                reference_steps=None if steps is None else [str(s) for s in steps],
-                question=str(user[-1]) if user else None,
-                extra_info=extra,
-                data_source=at(data_sources, i),
-                response_mask=at(response_masks, i),
-            )
-        )
-    return records

@@ -67,8 +67,9 @@ class RRedCoTSettings:
         snapshot_dir: when set, a step's traces with their segment data and token advantages are written there as
             ``step_XXXXX.json`` (input of ``python -m rredcot_verl.report``); for ``rredcot`` also the step's
             probe plans, ``step_XXXXX_plans.pt`` (``torch.load(..., weights_only=False)``: a list of
-            ``core.planning.TracePlan`` in the order of the snapshot's traces, which ``core.values.score_plans``
-            re-scores offline). How often and how much: ``snapshot_freq``, ``snapshot_max_traces``.
+            ``core.traces.TraceRecord``, planned, in the order of the snapshot's traces, which
+            ``core.values.score_plans`` re-scores offline). How often and how much: ``snapshot_freq``,
+            ``snapshot_max_traces``.
         snapshot_freq: write a snapshot at the training steps divisible by this (1, default: every step; 10: steps
             10, 20, ...), as verl's ``trainer.test_freq`` counts. At least 1.
         snapshot_max_traces: the most traces one snapshot holds: whole prompt groups in batch order, as many as fit

@@ -14,9 +14,10 @@ from typing import Sequence
 
 import torch
 
-from rredcot_verl.core.planning import TracePlan, plan_traces
+from rredcot_verl.core.planning import plan_traces
 from rredcot_verl.core.probes import own_continuation_values, values_from_probe_logp
 from rredcot_verl.core.scoring import ValuePassSettings, score_batch_packed_with_stats
+from rredcot_verl.core.traces import TraceRecord
 
 
 @dataclass
@@ -37,7 +38,7 @@ class SegmentValues:
 @torch.no_grad()
 def score_plans(
     model,
-    plans: Sequence[TracePlan],
+    plans: Sequence[TraceRecord],
     *,
     max_segments: int,
     max_positions: int | None = None,
@@ -53,7 +54,8 @@ def score_plans(
 
     Args:
         model: the policy (a transformers causal LM), in eval mode.
-        plans: from ``planning.plan_traces`` (any subset of a batch: values depend only on the plan).
+        plans: planned records, from ``planning.plan_traces`` (any subset of a batch: values depend only on the
+            plan).
         max_segments: the output width Kmax (``segmentation.max_segments``), fixed so that shards concatenate.
         max_positions: the model's position budget.
         max_token_len: ``value_pass.max_token_len``.

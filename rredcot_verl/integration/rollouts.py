@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from verl.trainer.ppo.reward import get_custom_reward_fn
 
-from rredcot_verl.core.planning import TraceRecord
+from rredcot_verl.core.traces import TraceRecord
 
 # (prompt ids, sampling params) -> objects with ``token_ids``, one per request, in order.
 GenerateFn = Callable[[list[tuple[list[int], dict]]], list[Any]]

@@ -45,8 +45,8 @@ from verl.utils.fs import copy_to_local
 from rredcot_verl.compat import REPLAY_POLL_INTERVAL_S, cpu_mode_requested
 from rredcot_verl.core.concordance import ConcordanceWindow
 from rredcot_verl.core.outcomes import first_batch_scale_refusal
-from rredcot_verl.core.planning import records_from_arrays
 from rredcot_verl.core.settings import settings_from_config
+from rredcot_verl.core.traces import records_from_arrays
 from rredcot_verl.integration import failures, rollouts
 from rredcot_verl.integration.estimators import (
     ESTIMATORS, AdvantageBatch, AdvantageResult, EngineUse, Stage, StepContext, StepTraces, advantage_step, generates,

@@ -12,7 +12,7 @@ Batch contract (the one place it is written down). Input ``DataProto``:
 key                    shape / kind                 meaning
 =====================  ===========================  ==========================================================
 ``outcome``            (bs,) float                   verified reward ζ (sum of ``rm_scores``)
-``plan``               non-tensor (bs,)              ``core.planning.TracePlan`` of each trace
+``plan``               non-tensor (bs,)              each trace's planned ``core.traces.TraceRecord``
 ``meta_info``          ``max_segments``              output width Kmax
 ``meta_info``          ``value_pass``                ``algorithm.rredcot.value_pass`` as a dict
 =====================  ===========================  ==========================================================

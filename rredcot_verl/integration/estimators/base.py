@@ -29,8 +29,8 @@ from verl.utils.tokenizer.chat_template import apply_chat_template
 
 from rredcot_verl.core.concordance import ConcordanceCounts
 from rredcot_verl.core.redistribution import AdvantageResult
-from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.settings import RRedCoTSettings
+from rredcot_verl.core.traces import TraceRecord
 from rredcot_verl.integration.rollouts import GenerateFn
 
 
@@ -102,7 +102,7 @@ class StepTraces:
     """A training step's traces as every stage takes them, built once from verl's ragged tensors.
 
     Attributes:
-        records: per trace, in batch order (``core.planning.TraceRecord``: tokens without padding, a multi-turn
+        records: per trace, in batch order (``core.traces.TraceRecord``: tokens without padding, a multi-turn
             response whole with its ``response_mask``, outcome, prompt group, dataset fields; entropies when built
             after the log-prob pass).
         response_width: R, the batch's padded response width, the width of per-token inputs a stage writes.

@@ -12,9 +12,9 @@ import torch
 from rredcot_verl.core import ibpo as core_ibpo
 from rredcot_verl.core import outcomes
 from rredcot_verl.core.ibpo import shaped_advantages
-from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.profiles import decode_batch
 from rredcot_verl.core.settings import RRedCoTSettings
+from rredcot_verl.core.traces import TraceRecord
 from rredcot_verl.integration import rollouts
 from rredcot_verl.integration.estimators.base import (
     AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces,
