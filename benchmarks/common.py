@@ -45,15 +45,17 @@ from rredcot_verl.core.probes import ProbeSettings
 from rredcot_verl.core.profiles import PROFILE_PRESETS
 from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
-from rredcot_verl.tasks import ArithmeticTaskConfig, first_wrong_step, parse_prompt, write_parquet
-from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, EARLY_TASK, LONG_TASK, build, testbed
+from rredcot_verl.tasks import ArithmeticTaskConfig, first_wrong_step, write_parquet
+from rredcot_verl.tasks.arithmetic import problem_from_reference
+from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, EARLY_TASK, ITEMS_TASK, LONG_TASK, build, testbed
 from rredcot_verl.tasks.model import chat_prompt_ids
 from rredcot_verl.runs import load_metrics, median_step_s, step_seconds  # noqa: F401  (the one step-time statistic)
 from rredcot_verl.tasks.reward import compute_score
 
 BUILD_DIR = ROOT / "outputs" / "tiny_cpu" / "build"
 BUILD_DIRS = {"default": BUILD_DIR, "long": ROOT / "outputs" / "tiny_cpu" / "build_long",
-              "early": ROOT / "outputs" / "tiny_cpu" / "build_early"}  # per build preset
+              "early": ROOT / "outputs" / "tiny_cpu" / "build_early",
+              "items": ROOT / "outputs" / "tiny_cpu" / "build_items"}  # per build preset
 RECIPES = ROOT / "recipes" / "tiny_cpu"
 
 
@@ -169,13 +171,16 @@ SETTINGS = {
     "long": Setting(LONG_TASK, max_prompt_length=64, max_response_length=512, preset="long"),
     # 2-step chains of operands 1..99 restating the term left, on a warm start that can answer after a forced exit
     "early": Setting(EARLY_TASK, preset="early"),
+    # seven independent items a±b a trace, answered as their results written one after another (14 digits), on a
+    # warm start that can answer after a forced exit from any state
+    "items": Setting(ITEMS_TASK, max_prompt_length=80, max_response_length=128, preset="items"),
 }
 MAIN_DATA_SEED = 0  # the build's generator stream
 
 
 def setting_data(data_dir: Path, setting: Setting, val_size: int, data_seed: int) -> dict:
     """The record of ``setting``'s train/val parquet in ``data_dir`` (what ``write_setting_data`` writes)."""
-    return {"task": asdict(setting.task), "n_train": DEFAULT_N_TRAIN, "val_size": val_size, "data_seed": data_seed,
+    return {"task": setting.task.as_dict(), "n_train": DEFAULT_N_TRAIN, "val_size": val_size, "data_seed": data_seed,
             "train_files": str(data_dir / "train.parquet"), "val_files": str(data_dir / "val.parquet")}
 
 
@@ -293,16 +298,13 @@ def embedded_settings(value_source: str, normalization: str = "raw", candidates:
 
 
 def load_problems(val_path: Path, num_prompts: int) -> list[tuple]:
-    """The first ``num_prompts`` rows of a task parquet: (problem, ground truth, reference steps). The prompt does not
-    say whether step lines restate the terms left; the reference's first line does (a space before the terms), and
-    the problem keeps it, so that text written from it (``reference_steps``, exit examples) is the build's format."""
+    """The first ``num_prompts`` rows of a task parquet: (problem, ground truth, reference steps)."""
     import pandas as pd
 
     rows = []
     for _, row in pd.read_parquet(val_path).head(num_prompts).iterrows():
         steps = [str(step) for step in row["extra_info"]["reference_steps"]]
-        problem = dataclasses.replace(parse_prompt(row["prompt"][0]["content"]),
-                                      restate_remaining_terms=len(steps) > 1 and " " in steps[0])
+        problem = problem_from_reference(row["prompt"][0]["content"], steps)
         rows.append((problem, str(row["reward_model"]["ground_truth"]), steps))
     return rows
 

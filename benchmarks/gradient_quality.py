@@ -49,7 +49,8 @@ from rredcot_verl.core.values import compute_segment_values
 from rredcot_verl.integration.estimators import ESTIMATORS, AdvantageBatch, StepContext, StepTraces
 from rredcot_verl.integration.estimators.ibpo import ibpo_repairs
 from rredcot_verl.integration.estimators.segment_mc import monte_carlo_values
-from rredcot_verl.tasks import load_model_dir, parse_prompt
+from rredcot_verl.tasks import load_model_dir
+from rredcot_verl.tasks.arithmetic import problem_from_reference
 from rredcot_verl.tasks.base import resolve_task
 from rredcot_verl.tasks.model import chat_prompt_ids
 from rredcot_verl.tasks.reward import compute_score
@@ -57,7 +58,8 @@ from rredcot_verl.tasks.reward import compute_score
 RESULTS_PATHS = {"default": common.RESULTS_DIR / "gradient_quality.json",
                  "hard": common.RESULTS_DIR / "gradient_quality_hard.json",
                  "long": common.RESULTS_DIR / "gradient_quality_long.json",
-                 "early": common.RESULTS_DIR / "gradient_quality_early.json"}
+                 "early": common.RESULTS_DIR / "gradient_quality_early.json",
+                 "items": common.RESULTS_DIR / "gradient_quality_items.json"}
 CACHE_DIR = common.ROOT / "outputs" / "gradient_quality"
 # The screen (issue 63): every setting, at the warm start and at a GRPO policy mid-training, against the Monte-Carlo
 # ceiling (K = 16) in both advantage forms and the verifier's step oracle; one JSON a run under SCREEN_DIR, gathered
@@ -299,8 +301,7 @@ def batch_traces(batch: Batch, pool: dict, tokenizer) -> list[common.Trace]:
     for (p, _), response, score, group in zip(batch.items, batch.responses, batch.scores.tolist(), batch.index):
         prompt = pool["prompts"][p]
         steps = prompt["reference_steps"]
-        problem = dataclasses.replace(parse_prompt(prompt["question"]),
-                                      restate_remaining_terms=len(steps) > 1 and " " in steps[0])
+        problem = problem_from_reference(prompt["question"], steps)
         traces.append(common.Trace(problem, torch.tensor(prompt["prompt_ids"]), torch.tensor(response),
                                    tokenizer.decode(response, skip_special_tokens=True), float(score), group,
                                    prompt["ground_truth"], steps))
@@ -547,7 +548,7 @@ def main(argv: list[str] | None = None) -> dict:
                             args.bootstrap, args.seed)
         scores = pool["scores"]
         result = {**summary, "settings": {
-            "setting": args.setting, "task": dataclasses.asdict(common.SETTINGS[args.setting].task),
+            "setting": args.setting, "task": common.SETTINGS[args.setting].task.as_dict(),
             "model": (f"the policy of the verl checkpoint {common.relative_to_repository(str(args.policy))} (the "
                       f"{limits.preset} build's architecture and tokenizer), fp32" if policy else
                       f"committed SFT warm start of the {limits.preset} build (tasks.build.PRESETS), 0.7M-param Qwen2, "

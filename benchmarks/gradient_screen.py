@@ -18,10 +18,10 @@ batches) and the GRPO runs of ``sample_efficiency``'s ledger, and judges:
   wrong step (argmin of R_k = V_k − V_{k-1} on the segment the verifier names) beside Monte-Carlo's own; bars
   within-trace ≥ 0.6 and localisation ≥ 60%;
 - **(2) decisions**: median segments a trace (the recipes' entropy segmentation, at most ``max_segments`` = 8); bar ≥ 8;
-- **(3) training moves**: GRPO's main runs on the setting (greedy validation accuracy at the last step minus step 0,
-  sampled training reward over the last 10 steps minus the first 10, seed means); bar ≥ 0.05 on both, at a rate
-  swept on the setting itself (≥ 3 rates with warmup, ≥ 2 seeds, 100 steps; the ledgers hold no such sweep on any
-  setting, which the JSON says).
+- **(3) training moves**: GRPO's main runs on the setting, or on a setting without them the runs at the best rate of
+  GRPO's own sweep there (``benchmarks/grpo_sweep.py``): greedy validation accuracy at the last step minus step 0,
+  sampled training reward over the last 10 steps minus the first 10, seed means; bar ≥ 0.05 on both, at a rate
+  swept on the setting itself (≥ 3 rates with warmup, ≥ 2 seeds, 100 steps).
 
 Intervals are per comparison (95%, t over the 16 batches), not corrected: the screen gates a study, it is not one.
 
@@ -119,9 +119,15 @@ def segment_conditions(traces: dict) -> dict:
 
 
 def training_conditions(setting: str, ledger: Path = LEDGER_DIR) -> dict:
-    """Condition (3) from GRPO's main runs in the ledger (``grpo_seed<k>.json``)."""
+    """Condition (3) from GRPO's main runs in the ledger (``grpo_seed<k>.json``) or, on a setting without them, from
+    the runs at the best rate of GRPO's own sweep there (``benchmarks/grpo_sweep.py``)."""
+    sweep = sweep_conditions(ledger / setting / "sweep")
+    paths = sorted((ledger / setting / "main").glob("grpo_seed*.json"))
+    source = "main runs" if paths else "sweep, best rate"
+    paths = paths or sweep.pop("best_rate_paths")
+    sweep.pop("best_rate_paths", None)
     greedy, sampled, rates, steps = [], [], set(), set()
-    for path in sorted((ledger / setting / "main").glob("grpo_seed*.json")):
+    for path in paths:
         run = json.loads(path.read_text())
         validation, diagnostics = run["summary"]["validation"], run["summary"].get("diagnostics") or {}
         greedy.append(validation[-1]["accuracy"] - validation[0]["accuracy"])
@@ -130,27 +136,34 @@ def training_conditions(setting: str, ledger: Path = LEDGER_DIR) -> dict:
             sampled.append(last["critic/score/mean"] - first["critic/score/mean"])
         rates.add(run["spec"]["lr"])
         steps.add(run["spec"]["steps"])
-    return {"grpo_runs": len(greedy), "rates": sorted(rates), "steps": sorted(steps),
-            "greedy_rise": float(np.mean(greedy)) if greedy else None,
-            "sampled_rise": float(np.mean(sampled)) if sampled else None, "sampled_runs": len(sampled),
-            **sweep_conditions(ledger / setting / "sweep")}
+    return {"grpo_runs": len(greedy), "rise_from": source if greedy else None, "rates": sorted(rates),
+            "steps": sorted(steps), "greedy_rise": float(np.mean(greedy)) if greedy else None,
+            "sampled_rise": float(np.mean(sampled)) if sampled else None, "sampled_runs": len(sampled), **sweep}
 
 
 def sweep_conditions(folder: Path) -> dict:
-    """GRPO's learning-rate sweep on the setting (``grpo_lr*.json``): per rate, the seeds and the fewest steps, and
-    whether it meets the bar: ≥ 3 rates, each with ≥ 2 seeds of ≥ 100 steps with a warmup override."""
+    """GRPO's learning-rate sweep on the setting (``grpo_lr*.json``): per rate, the seeds and the fewest steps; whether
+    it meets the bar (≥ 3 rates, each with ≥ 2 seeds of ≥ 100 steps with a warmup override); and the best rate
+    (highest seed-mean validation AUC, ties to the smaller) with its runs' paths."""
     by_rate: dict[float, dict] = {}
     for path in sorted(folder.glob("grpo_lr*.json")):
-        spec = json.loads(path.read_text())["spec"]
-        entry = by_rate.setdefault(spec["lr"], {"seeds": set(), "steps": spec["steps"], "warmup": True})
+        run = json.loads(path.read_text())
+        spec = run["spec"]
+        entry = by_rate.setdefault(spec["lr"], {"seeds": set(), "steps": spec["steps"], "warmup": True, "aucs": [],
+                                                "paths": []})
         entry["seeds"].add(spec["seed"])
         entry["steps"] = min(entry["steps"], spec["steps"])
         entry["warmup"] &= any("warmup" in override for override in spec["overrides"])
+        entry["aucs"].append(run["summary"]["auc"])
+        entry["paths"].append(path)
     qualified = [rate for rate, entry in by_rate.items()
                  if len(entry["seeds"]) >= 2 and entry["steps"] >= 100 and entry["warmup"]]
-    return {"sweep": {f"{rate:g}": {"seeds": len(entry["seeds"]), "steps": entry["steps"], "warmup": entry["warmup"]}
+    best = max(by_rate, key=lambda rate: (float(np.mean(by_rate[rate]["aucs"])), -rate)) if by_rate else None
+    return {"sweep": {f"{rate:g}": {"seeds": len(entry["seeds"]), "steps": entry["steps"], "warmup": entry["warmup"],
+                                    "auc": float(np.mean(entry["aucs"]))}
                       for rate, entry in sorted(by_rate.items())},
-            "sweep_meets_bar": len(qualified) >= 3}
+            "sweep_meets_bar": len(qualified) >= 3, "best_swept_rate": best,
+            "best_rate_paths": by_rate[best]["paths"] if best is not None else []}
 
 
 def judge(value: float | None, bar: float) -> bool | None:
@@ -213,6 +226,10 @@ def interval_text(row: dict | None) -> str:
     return f"{row['minus_grpo']:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
+def signed_text(value: float | None) -> str:
+    return "—" if value is None else f"{value:+.3f}"
+
+
 def policy_text(label: str, entry: dict) -> str:
     """``setting``, warm start, or the GRPO step its run label ends with (``..._step<n>``)."""
     step = re.search(r"_step(\d+)$", label)
@@ -242,7 +259,7 @@ def markdown_tables(result: dict) -> str:
             f"| {policy_text(label, entry)} | {values['within_trace_spearman']:.2f} (states {values['state_spearman']:.2f}) "
             f"| {values['localisation']:.0%} / {values['localisation_monte_carlo']:.0%} / "
             f"{values['localisation_chance']:.0%} | {entry['segments']['median_segments']:g} | "
-            f"{training['greedy_rise']:+.3f} / {training['sampled_rise']:+.3f} | "
+            f"{signed_text(training['greedy_rise'])} / {signed_text(training['sampled_rise'])} | "
             f"{'yes' if entry['conditions']['ceiling_ahead'] else 'no'} (`{entry['best_ceiling']}`) | "
             f"{', '.join(met) if met else 'none'} |")
     forms = CEILINGS[1:]

@@ -48,12 +48,14 @@ def test_values_are_judged_state_by_state_and_by_where_the_first_wrong_step_is()
     assert gradient_screen.segment_conditions(traces)["median_segments"] == 3
 
 
-def _run(path, lr, seed, steps, warmup):
+def _run(path, lr, seed, steps, warmup, auc=0.5, rise=0.1):
     overrides = ["trainer.total_training_steps=%d" % steps]
     if warmup:
         overrides.append("actor_rollout_ref.actor.optim.lr_warmup_steps=10")
+    summary = {"auc": auc, "validation": [{"step": 0, "accuracy": 0.3}, {"step": steps, "accuracy": 0.3 + rise}],
+               "diagnostics": {"first": {"critic/score/mean": 0.2}, "last": {"critic/score/mean": 0.2 + rise / 2}}}
     path.write_text(json.dumps({"spec": {"method": "grpo", "seed": seed, "steps": steps, "lr": lr,
-                                         "overrides": overrides}}))
+                                         "overrides": overrides}, "summary": summary}))
 
 
 def test_a_sweep_meets_the_bar_with_three_rates_of_two_seeds_and_a_hundred_steps_with_warmup(tmp_path):
@@ -65,8 +67,25 @@ def test_a_sweep_meets_the_bar_with_three_rates_of_two_seeds_and_a_hundred_steps
     assert not gradient_screen.sweep_conditions(tmp_path)["sweep_meets_bar"]
     _run(tmp_path / "grpo_lr0.0001_seed2.json", 1e-4, 2, 100, False)  # or without warmup
     swept = gradient_screen.sweep_conditions(tmp_path)
-    assert not swept["sweep_meets_bar"] and swept["sweep"]["0.0001"] == {"seeds": 2, "steps": 100, "warmup": False}
+    assert not swept["sweep_meets_bar"] and swept["sweep"]["0.0001"] == {"seeds": 2, "steps": 100, "warmup": False,
+                                                                         "auc": 0.5}
     assert not gradient_screen.sweep_conditions(tmp_path / "none")["sweep_meets_bar"]
+
+
+def test_a_setting_without_main_runs_is_judged_by_its_sweeps_best_rate(tmp_path):
+    """Condition (3) on a setting whose only GRPO runs are its own sweep: the rises of the runs at the rate with the
+    highest seed-mean AUC (ties to the smaller rate)."""
+    sweep = tmp_path / "items" / "sweep"
+    sweep.mkdir(parents=True)
+    for lr, auc, rise in ((3e-5, 0.40, 0.02), (1e-4, 0.55, 0.12), (3e-4, 0.45, 0.30)):
+        for seed in (1, 2):
+            _run(sweep / f"grpo_lr{lr:g}_seed{seed}.json", lr, seed, 100, True, auc, rise)
+    training = gradient_screen.training_conditions("items", tmp_path)
+    assert training["best_swept_rate"] == 1e-4 and training["rise_from"] == "sweep, best rate"
+    assert training["rates"] == [1e-4] and training["grpo_runs"] == 2 and training["sweep_meets_bar"]
+    assert abs(training["greedy_rise"] - 0.12) < 1e-9 and abs(training["sampled_rise"] - 0.06) < 1e-9
+    empty = gradient_screen.training_conditions("other", tmp_path)
+    assert empty["greedy_rise"] is None and empty["rise_from"] is None and empty["best_swept_rate"] is None
 
 
 def test_the_best_ceiling_is_the_form_with_the_largest_gain_and_is_ahead_only_above_zero():
@@ -104,3 +123,28 @@ def test_the_readme_and_results_md_lines_on_the_screen_are_the_json():
     hard = committed["settings"]["hard"]
     assert hard["conditions"]["ceiling_ahead"] and not hard["conditions"]["self_values"]
     assert not committed["settings"]["early"]["conditions"]["ceiling_ahead"]
+
+
+def test_grpo_sweep_picks_the_rate_with_the_best_mean_auc_and_says_whether_it_trains():
+    from benchmarks import grpo_sweep
+
+    def summary(auc, greedy_rise, sampled_rise):
+        return {"auc": auc, "steps": 100, "median_step_s": 2.0,
+                "validation": [{"step": 0, "accuracy": 0.5}, {"step": 100, "accuracy": 0.5 + greedy_rise}],
+                "diagnostics": {"first": {"critic/score/mean": 0.3},
+                                "last": {"critic/score/mean": 0.3 + sampled_rise}}}
+
+    rates = grpo_sweep.RATES
+    summaries = {(rates[0], 1): summary(0.50, 0.02, 0.01), (rates[0], 2): summary(0.52, 0.04, 0.03),
+                 (rates[1], 1): summary(0.60, 0.10, 0.08), (rates[1], 2): summary(0.58, 0.06, 0.04),
+                 (rates[2], 1): summary(0.70, 0.20, 0.20)}  # the highest AUC, but one seed short
+    result = grpo_sweep.analyse(summaries)
+    assert result["best_rate"] == rates[1] and result["complete_rates"] == 2 and not result["meets_sweep_bar"]
+    chosen = result["by_rate"][f"{rates[1]:g}"]
+    assert abs(chosen["greedy_rise"] - 0.08) < 1e-9 and abs(chosen["sampled_rise"] - 0.06) < 1e-9
+    assert result["trains_at_best_rate"] is True
+    summaries[rates[2], 2] = summary(0.66, -0.20, -0.16)
+    result = grpo_sweep.analyse(summaries)
+    assert result["best_rate"] == rates[2] and result["meets_sweep_bar"]
+    assert result["trains_at_best_rate"] is False  # seed means: greedy 0.00, sampled 0.02
+    assert grpo_sweep.analyse({})["best_rate"] is None

@@ -16,10 +16,13 @@ from rredcot_verl.tasks.arithmetic import (
     DATA_SOURCE,
     ArithmeticProblem,
     ArithmeticTaskConfig,
+    ItemsProblem,
     first_wrong_step,
     format_response,
     make_problem,
     parse_prompt,
+    problem_from_extra_info,
+    problem_from_reference,
     reference_response,
     reference_steps,
     slipped_steps,
@@ -36,6 +39,7 @@ from rredcot_verl.tasks.model import (
     response_ids,
     save_model_dir,
 )
+from rredcot_verl.tasks.base import TASKS
 from rredcot_verl.tasks.reward import compute_score, extract_boxed_answer
 from rredcot_verl.tasks.sft import (
     EXIT_TEXT,
@@ -514,3 +518,97 @@ def test_long_setting_meets_its_length_bar_within_its_models_positions():
     assert prompts + lengths[-1] <= preset.model.max_position_embeddings
     assert preset.sft.eval_max_new_tokens >= lengths[-1]  # the warm start is judged on whole traces
     assert build_module.PRESETS["default"] == build_module.Preset()  # the default build is unchanged
+
+
+# --- the items family ----------------------------------------------------------------------------------------------
+ITEMS = ItemsProblem((23, 38, 33, 9, 40, 17), ("+", "-", "+"))  # 61, 24, 57
+
+
+def test_items_reference_answer_and_prompt_round_trip():
+    """Independent items, one line each, the answer their two-digit results written one after another."""
+    assert ITEMS.prompt == "Compute each 23+38, 33-9, 40+17" and ITEMS.answer == 612457
+    assert reference_steps(ITEMS) == ["23+38=61", "33-9=24", "40+17=57"]
+    assert parse_prompt(ITEMS.prompt) == ITEMS
+    assert problem_from_reference(ITEMS.prompt, reference_steps(ITEMS)) == ITEMS
+    assert compute_score(None, reference_response(ITEMS), str(ITEMS.answer)) == 1.0
+    assert first_wrong_step(ITEMS, reference_response(ITEMS)) is None
+    config = build_module.ITEMS_TASK
+    problems = [make_problem(random.Random(i), config) for i in range(200)]
+    assert all(p.num_steps == config.independent_items for p in problems)
+    assert all(10 <= r <= 99 and 1 <= min(p.operands) and max(p.operands) <= config.max_operand
+               for p in problems for r in p.running_totals())
+
+
+@pytest.mark.parametrize("steps, expected", [
+    (["23+38=61", "33-9=25", "40+17=57"], 2),  # a wrong result
+    (["23+38=61", "40+17=57", "33-9=24"], 2),  # items out of order
+    (["23+38=61", "33-9=24"], 3),  # one missing
+    (["23+38=61", "33-9=24", "40+17=57", "1+1=2"], 4),  # one extra
+    (["23+38=61 ", "33-9 = 24", "40+17=57"], 2),  # the line must read a±b=c (surrounding spaces are stripped)
+])
+def test_items_first_wrong_step(steps, expected):
+    assert first_wrong_step(ITEMS, format_response(steps, 0)) == expected
+
+
+def test_an_items_slip_changes_its_own_item_and_answer_digits_only():
+    """Items are independent: a slip at item 2 moves that line and those two answer digits, nothing after it."""
+    assert slipped_steps(ITEMS, 2, 10) == ["23+38=61", "33-9=34", "40+17=57"]
+    assert ITEMS.slipped_answer(2, 10) == 613457 and ITEMS.slipped_answer(2, -1) == 612357
+    assert first_wrong_step(ITEMS, format_response(slipped_steps(ITEMS, 2, 10), 613457)) == 2
+
+
+def test_an_items_exit_example_copies_the_lines_written_and_answers_the_rest(tokenizer):
+    ids, mask = exit_example(tokenizer, ITEMS, 1)
+    assert ids == response_ids(tokenizer, format_response(["23+38=61"], 612457))
+    ids, mask = exit_example(tokenizer, ITEMS, 2, slip_step=1, delta=1)
+    assert ids == response_ids(tokenizer, format_response(["23+38=62", "33-9=24"], 622457))
+    assert tokenizer.decode([i for i, m in zip(ids, mask) if m == 0]) == "23+38=62\n" + EXIT_TEXT
+
+
+def test_items_rows_carry_their_family_and_the_task_adapter_judges_them(tmp_path):
+    train, _ = write_parquet(str(tmp_path), 4, 2, 0, build_module.ITEMS_TASK)
+    row = pd.read_parquet(train).iloc[0]
+    info = dict(row["extra_info"])
+    problem = problem_from_extra_info(info)
+    assert isinstance(problem, ItemsProblem) and row["reward_model"]["ground_truth"] == str(problem.answer)
+    with pytest.raises(ValueError):  # read as a chain without the flag, its operands do not fit
+        problem_from_extra_info({**info, "independent_items": None})
+    lines = list(info["reference_steps"])
+    wrong = format_response([lines[0], lines[1].split("=")[0] + "=0", *lines[2:]], 0)
+    step, span = TASKS["arithmetic"].first_wrong_step(info, wrong)
+    assert step == 2 and wrong[span[0]:span[1]] == lines[1].split("=")[0] + "=0"
+
+
+def test_items_settings_are_checked_and_leave_chain_fingerprints_alone():
+    for bad in ({"independent_items": 1}, {"independent_items": -2}, {"independent_items": 3, "max_operand": 4}):
+        with pytest.raises(ValueError):
+            ArithmeticTaskConfig(**bad)
+    assert "independent_items" not in ArithmeticTaskConfig().as_dict()
+    assert build_module.ITEMS_TASK.as_dict()["independent_items"] == 7
+    with pytest.raises(ValueError):
+        ItemsProblem((5, 3, 40, 17), ("+", "+"))  # 5+3 is not two-digit
+
+
+def test_committed_items_artefact_samples_in_its_band_and_its_exit_answers_rank_states():
+    """build --setting items copies the committed items warm start: it samples inside its preset's band; after a
+    forced exit its greedy answer is never exactly right (RESULTS.md, "The screen"), yet the probability it gives the
+    right answer rises with the right lines written and falls after a slipped one: what the exit probe scores."""
+    preset = build_module.PRESETS["items"]
+    record = build_module.shipped_warm_start(build_module.testbed("items"))
+    low, high = preset.sft.target_band
+    assert low <= record["kept"]["sampled"]["accuracy"] <= high
+    model, tokenizer = load_model_dir(preset.artefact.model_dir)
+
+    def answer_log_prob(problem, kept, slip_step=0, delta=0):
+        ids, _ = exit_example(tokenizer, problem, kept, slip_step, delta)
+        answer = tokenizer.encode("{" + f"{problem.answer}" + "}", add_special_tokens=False)
+        sequence = chat_prompt_ids(tokenizer, problem.prompt) + ids[:-1 - len(answer)] + answer
+        with torch.no_grad():
+            log_probs = model(torch.tensor([sequence])).logits[0, -len(answer) - 1:-1].log_softmax(-1)
+        return float(log_probs.gather(1, torch.tensor(answer)[:, None]).sum())
+
+    problems = [make_problem(random.Random(100 + i), preset.task) for i in range(4)]
+    for problem in problems:
+        right = [answer_log_prob(problem, kept) for kept in (0, 3, 6)]
+        assert right[0] < right[1] < right[2]
+        assert answer_log_prob(problem, 6, slip_step=2, delta=1) < right[2] - 3

@@ -12,6 +12,11 @@ is ``Compute 23+45-17+8`` and the reference response, which starts with ``<think
 
 Intermediate results and the answer may be negative. ``first_wrong_step`` checks a sampled response line by line
 against the prompt, which gives every trace a ground-truth location of its first error.
+
+The ``items`` family (``ArithmeticTaskConfig.independent_items``, ``ItemsProblem``) asks for several independent
+items at once, ``Compute each 23+45, 67-12, 31+8``, one line an item, the answer their two-digit results written one
+after another (``\\boxed{685539}``): every line is a decision of its own, and from any state the answer is the lines
+written so far plus the items left, each one step of work (docs/choices.md, "Items setting").
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import os
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 DATA_SOURCE = "rredcot_arithmetic"
@@ -27,10 +32,14 @@ ABILITY = "math"
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 PROMPT_PREFIX = "Compute "
+ITEMS_PROMPT_PREFIX = "Compute each "
+ITEM_RESULTS = (10, 99)  # every item's result has two digits, so the answer's digits say which item they belong to
 
 _STEP_LINE = re.compile(r"(-?\d+)([+-])(\d+)=(-?\d+)(?: ((?:[+-]\d+)+))?", re.ASCII)
 _PROMPT = re.compile(r"Compute (\d+(?:[+-]\d+)+)", re.ASCII)
 _TERM = re.compile(r"([+-]?)(\d+)", re.ASCII)
+_ITEMS_PROMPT = re.compile(r"Compute each (\d+[+-]\d+(?:, \d+[+-]\d+)+)", re.ASCII)
+_ITEM = re.compile(r"(\d+)([+-])(\d+)", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,9 @@ class ArithmeticTaskConfig:
         restate_remaining_terms: reference step lines end with the terms still to add (``27-1=26 +8+3``), so the
             next operand is always the first term of the line above instead of the k-th term of the prompt: the
             long setting's format, which a tiny model learns by copying locally (``docs/choices.md``).
+        independent_items: 0 for a chain (the default); n >= 2 for the items family (``ItemsProblem``): n items
+            ``a±b`` of operands min_operand..max_operand whose results are two-digit (``ITEM_RESULTS``); the chain
+            fields ``min_operands``, ``max_operands`` and ``restate_remaining_terms`` do not apply.
     """
 
     min_operand: int = 1
@@ -53,8 +65,14 @@ class ArithmeticTaskConfig:
     min_operands: int = 3
     max_operands: int = 6
     restate_remaining_terms: bool = False
+    independent_items: int = 0
 
     def __post_init__(self) -> None:
+        if self.independent_items == 1 or self.independent_items < 0:
+            raise ValueError(f"independent_items must be 0 (a chain) or >= 2, got {self.independent_items}")
+        if self.independent_items and (self.max_operand < ITEM_RESULTS[0] // 2 or self.min_operand > ITEM_RESULTS[1]):
+            raise ValueError(f"independent_items needs operands that can make results in {ITEM_RESULTS}, got "
+                             f"min_operand={self.min_operand}, max_operand={self.max_operand}")
         if not 0 <= self.min_operand <= self.max_operand:
             raise ValueError(
                 f"need 0 <= min_operand <= max_operand, got min_operand={self.min_operand}, "
@@ -65,6 +83,10 @@ class ArithmeticTaskConfig:
                 f"need 2 <= min_operands <= max_operands, got min_operands={self.min_operands}, "
                 f"max_operands={self.max_operands}"
             )
+
+    def as_dict(self) -> dict:
+        """The fields, ``independent_items`` only when set: the chain settings' fingerprints predate it."""
+        return {key: value for key, value in asdict(self).items() if key != "independent_items" or value}
 
 
 @dataclass(frozen=True)
@@ -112,22 +134,104 @@ class ArithmeticProblem:
     def answer(self) -> int:
         return self.running_totals()[-1]
 
+    def slipped_answer(self, step: int, delta: int) -> int:
+        """The answer of lines that slip by ``delta`` at ``step`` and go on from there (``slipped_steps``)."""
+        return self.answer + delta
 
-def make_problem(rng: random.Random, config: ArithmeticTaskConfig = ArithmeticTaskConfig()) -> ArithmeticProblem:
-    """Draw one problem: operand count uniform in [min_operands, max_operands], operands and ops uniform."""
+
+@dataclass(frozen=True)
+class ItemsProblem:
+    """Independent items ``operands[2i] ops[i] operands[2i+1]``, each result two-digit (``ITEM_RESULTS``).
+
+    The answer is the results written one after another as one integer (items 68, 55, 39 give 685539), so the
+    task's integer reward reads it and a wrong item changes exactly its own two digits.
+    """
+
+    operands: tuple[int, ...]
+    ops: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.ops) < 2 or len(self.operands) != 2 * len(self.ops):
+            raise ValueError(f"need >= 2 items (two operands and one op each), got {len(self.operands)} operands "
+                             f"and {len(self.ops)} ops")
+        if any(op not in "+-" or len(op) != 1 for op in self.ops):
+            raise ValueError(f"ops must each be '+' or '-', got {self.ops}")
+        low, high = ITEM_RESULTS
+        if not all(low <= result <= high for result in self.running_totals()):
+            raise ValueError(f"every item's result must be in {ITEM_RESULTS}, got {self.running_totals()}")
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.ops)
+
+    @property
+    def items(self) -> list[str]:
+        return [f"{a}{op}{b}" for a, op, b in zip(self.operands[::2], self.ops, self.operands[1::2])]
+
+    @property
+    def prompt(self) -> str:
+        return ITEMS_PROMPT_PREFIX + ", ".join(self.items)
+
+    def running_totals(self) -> list[int]:
+        """Each item's result (the name the chain's shared code reads)."""
+        return [a + b if op == "+" else a - b for a, op, b in zip(self.operands[::2], self.ops, self.operands[1::2])]
+
+    @property
+    def answer(self) -> int:
+        return self.slipped_answer(1, 0)
+
+    def slipped_answer(self, step: int, delta: int) -> int:
+        """The answer of lines whose item ``step`` (1-based) is ``delta`` off and the rest right."""
+        return int("".join(str(result + (delta if k == step else 0))
+                           for k, result in enumerate(self.running_totals(), start=1)))
+
+
+def make_problem(rng: random.Random, config: ArithmeticTaskConfig = ArithmeticTaskConfig()):
+    """Draw one problem: operand count uniform in [min_operands, max_operands], operands and ops uniform; for the
+    items family (``config.independent_items``), each item drawn uniformly until its result is two-digit."""
+    if config.independent_items:
+        operands, ops = [], []
+        while len(ops) < config.independent_items:
+            a, b = rng.randint(config.min_operand, config.max_operand), rng.randint(config.min_operand,
+                                                                                      config.max_operand)
+            op = rng.choice("+-")
+            if ITEM_RESULTS[0] <= (a + b if op == "+" else a - b) <= ITEM_RESULTS[1]:
+                operands += [a, b]
+                ops.append(op)
+        return ItemsProblem(tuple(operands), tuple(ops))
     n = rng.randint(config.min_operands, config.max_operands)
     operands = tuple(rng.randint(config.min_operand, config.max_operand) for _ in range(n))
     ops = tuple(rng.choice("+-") for _ in range(n - 1))
     return ArithmeticProblem(operands, ops, config.restate_remaining_terms)
 
 
-def parse_prompt(prompt: str) -> ArithmeticProblem:
-    """Inverse of ``ArithmeticProblem.prompt``; raises ValueError on any other text."""
+def parse_prompt(prompt: str):
+    """Inverse of ``ArithmeticProblem.prompt`` and ``ItemsProblem.prompt``; raises ValueError on any other text."""
+    items = _ITEMS_PROMPT.fullmatch(prompt.strip())
+    if items is not None:
+        parsed = _ITEM.findall(items.group(1))
+        return ItemsProblem(tuple(int(x) for a, _, b in parsed for x in (a, b)), tuple(op for _, op, _ in parsed))
     match = _PROMPT.fullmatch(prompt.strip())
     if match is None:
         raise ValueError(f"not an arithmetic prompt of the form 'Compute 23+45-17': {prompt!r}")
     terms = _TERM.findall(match.group(1))
     return ArithmeticProblem(tuple(int(digits) for _, digits in terms), tuple(sign for sign, _ in terms[1:]))
+
+
+def problem_from_reference(prompt: str, reference_steps: list[str]):
+    """The problem of a dataset row: the prompt does not say whether chain lines restate the terms left; the
+    reference's first line does (a space before the terms), and the problem keeps it, so that text written from it
+    (``reference_steps``, exit examples) is the build's format."""
+    problem = parse_prompt(prompt)
+    if isinstance(problem, ItemsProblem):
+        return problem
+    return replace(problem, restate_remaining_terms=len(reference_steps) > 1 and " " in reference_steps[0])
+
+
+def problem_from_extra_info(extra_info: dict):
+    """The problem of a row's ``extra_info`` (``operands``, ``ops``; ``independent_items`` for the items family)."""
+    operands, ops = tuple(int(x) for x in extra_info["operands"]), tuple(extra_info["ops"])
+    return ItemsProblem(operands, ops) if extra_info.get("independent_items") else ArithmeticProblem(operands, ops)
 
 
 def remaining_terms(problem: ArithmeticProblem, step: int) -> str:
@@ -148,6 +252,9 @@ def slipped_steps(problem: ArithmeticProblem, step: int, delta: int) -> list[str
     ``problem.answer + delta``. ``delta`` 0 gives the reference."""
     if not 1 <= step <= problem.num_steps:
         raise ValueError(f"step must be in 1..{problem.num_steps}, got {step}")
+    if isinstance(problem, ItemsProblem):
+        return [f"{item}={result + (delta if k == step else 0)}"
+                for k, (item, result) in enumerate(zip(problem.items, problem.running_totals()), start=1)]
     lines, left = [], problem.operands[0]
     for k, (op, b, total) in enumerate(zip(problem.ops, problem.operands[1:], problem.running_totals()), start=1):
         total += delta if k >= step else 0
@@ -196,6 +303,8 @@ def first_wrong_step(problem: ArithmeticProblem, response_text: str) -> int | No
     lines = response_step_lines(response_text)
     if lines is None:
         return 1
+    if isinstance(problem, ItemsProblem):
+        return _first_wrong_item(problem, lines)
     expected_left = problem.operands[0]
     for k, (op, b) in enumerate(zip(problem.ops, problem.operands[1:]), start=1):
         if k > len(lines):
@@ -215,6 +324,14 @@ def first_wrong_step(problem: ArithmeticProblem, response_text: str) -> int | No
     return None
 
 
+def _first_wrong_item(problem: ItemsProblem, lines: list[str]) -> int | None:
+    """Line k must be item k with its result: ``a±b=c``."""
+    for k, (item, result) in enumerate(zip(problem.items, problem.running_totals()), start=1):
+        if k > len(lines) or lines[k - 1] != f"{item}={result}":
+            return k
+    return problem.num_steps + 1 if len(lines) > problem.num_steps else None
+
+
 def _row(problem: ArithmeticProblem, split: str, index: int) -> dict:
     return {
         "data_source": DATA_SOURCE,
@@ -226,6 +343,7 @@ def _row(problem: ArithmeticProblem, split: str, index: int) -> dict:
             "index": index,
             "operands": list(problem.operands),
             "ops": list(problem.ops),
+            **({"independent_items": True} if isinstance(problem, ItemsProblem) else {}),
             "reference_steps": reference_steps(problem),
             "reference_response": reference_response(problem),
         },

@@ -38,7 +38,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from rredcot_verl.tasks.arithmetic import THINK_CLOSE, THINK_OPEN, ArithmeticProblem
+from rredcot_verl.tasks.arithmetic import THINK_CLOSE, THINK_OPEN, problem_from_extra_info
 from rredcot_verl.tasks.arithmetic import first_wrong_step as arithmetic_first_wrong_step
 from rredcot_verl.tasks.calculator import calculator_wrong_step
 from rredcot_verl.tasks.code import equivalent_programs, extract_program
@@ -188,7 +188,7 @@ def arithmetic_wrong_step(extra_info: Any, response_text: str) -> StepSpan | Non
     if not isinstance(extra_info, dict) or "operands" not in extra_info or "ops" not in extra_info:
         return None
     try:
-        problem = ArithmeticProblem(tuple(int(x) for x in extra_info["operands"]), tuple(extra_info["ops"]))
+        problem = problem_from_extra_info(extra_info)
     except (TypeError, ValueError):
         return None
     step = arithmetic_first_wrong_step(problem, response_text)

@@ -56,6 +56,10 @@ LONG_TASK = ArithmeticTaskConfig(min_operand=1, max_operand=9, min_operands=17, 
 # reads the answer the written lines lead to.
 EARLY_TASK = ArithmeticTaskConfig(min_operand=1, max_operand=99, min_operands=3, max_operands=3,
                                   restate_remaining_terms=True)
+# Seven independent items a±b of operands 1..49 with two-digit results (tasks/arithmetic.py, ``ItemsProblem``): seven
+# decisions a trace, and from any state the answer is the lines written plus the items left, one step of work each
+# (docs/choices.md, "Items setting").
+ITEMS_TASK = ArithmeticTaskConfig(min_operand=1, max_operand=49, independent_items=7)
 Log = Callable[[str], None]
 
 
@@ -130,18 +134,25 @@ PRESETS = {
                               exit_examples=ExitExamples(fraction=0.5, steps_left_weights=(3.0, 1.0),
                                                          slip_fraction=0.5)),
                     Artefact(os.path.join(ASSETS, "warmstart_early"))),
+    # Answer-early examples cut anywhere (every item left is one step of work), half of them after a slipped line;
+    # answers of 14 digits.
+    "items": Preset(ITEMS_TASK, TinyModelConfig(),
+                    SFTConfig(max_steps=4000, budget_s=1500.0, eval_every_steps=100, n_eval=128, eval_max_new_tokens=128,
+                              target_band=(0.2, 0.5),
+                              exit_examples=ExitExamples(fraction=0.5, steps_left_weights=(1.0,), slip_fraction=0.5)),
+                    Artefact(os.path.join(ASSETS, "warmstart_items"))),
 }
 
 
 def data_fingerprint(task: ArithmeticTaskConfig, n_train: int, n_val: int, seed: int) -> dict:
-    return {"build_version": BUILD_VERSION, "task": asdict(task), "n_train": n_train, "n_val": n_val, "seed": seed}
+    return {"build_version": BUILD_VERSION, "task": task.as_dict(), "n_train": n_train, "n_val": n_val, "seed": seed}
 
 
 def model_fingerprint(task: ArithmeticTaskConfig, model: TinyModelConfig, sft: SFTConfig) -> dict:
     # Answer-early examples came after the default and long artefacts: they enter the fingerprint only when set, so
     # those artefacts (built without them) still match.
     sft_settings = {key: value for key, value in asdict(sft).items() if key != "exit_examples" or value is not None}
-    return {"build_version": BUILD_VERSION, "task": asdict(task), "model": model.as_dict(), "sft": sft_settings}
+    return {"build_version": BUILD_VERSION, "task": task.as_dict(), "model": model.as_dict(), "sft": sft_settings}
 
 
 def _train_arithmetic(preset: Preset, data, model_dir: str, log: Log) -> dict:

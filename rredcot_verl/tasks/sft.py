@@ -155,8 +155,8 @@ def exit_example(tokenizer, problem: ArithmeticProblem, kept_steps: int, slip_st
                  delta: int = 0) -> tuple[list[int], list[int]]:
     """(response ids, loss mask) of the reference cut after ``kept_steps`` lines, ``EXIT_TEXT`` and the boxed answer
     those lines lead to, then eos: ``format_response`` of the kept lines. With ``slip_step`` (1-based, at most
-    ``kept_steps``; 0 for none) that line's result is ``delta`` off and the answer is ``problem.answer + delta``
-    (``slipped_steps``). The mask is 0 on the exit text and on the slipped line, 1 elsewhere."""
+    ``kept_steps``; 0 for none) that line's result is ``delta`` off and the answer is the one the slipped lines
+    lead to (``slipped_steps``, ``slipped_answer``). The mask is 0 on the exit text and on the slipped line, 1 elsewhere."""
     if not 0 <= kept_steps < problem.num_steps:
         raise ValueError(f"kept_steps must be in 0..{problem.num_steps - 1}, got {kept_steps}")
     if not (0 <= slip_step <= kept_steps and (slip_step == 0) == (delta == 0)):
@@ -164,7 +164,7 @@ def exit_example(tokenizer, problem: ArithmeticProblem, kept_steps: int, slip_st
                          f"slip_step={slip_step}, delta={delta}, kept_steps={kept_steps}")
     lines = slipped_steps(problem, max(slip_step, 1), delta)[:kept_steps]
     pieces = [(THINK_OPEN + "\n", 1), *((line + "\n", int(k != slip_step)) for k, line in enumerate(lines, 1)),
-              (EXIT_TEXT, 0), ("{" + f"{problem.answer + delta}" + "}", 1)]
+              (EXIT_TEXT, 0), ("{" + f"{problem.slipped_answer(slip_step, delta)}" + "}", 1)]
     ids, mask = [], []
     for text, weight in pieces:
         piece = tokenizer.encode(text, add_special_tokens=False)
@@ -299,20 +299,22 @@ def generate_after(model, tokenizer, sequences: list[list[int]], do_sample: bool
     return responses
 
 
-def exit_accuracy(model, tokenizer, problems: list[ArithmeticProblem], max_new_tokens: int = 8) -> dict:
+def exit_accuracy(model, tokenizer, problems: list[ArithmeticProblem], max_new_tokens: int | None = None) -> dict:
     """Greedy accuracy of the answer written right after a forced exit on the reference cut after each of its lines
     (``exit_example``'s text up to the answer): ``{"by_steps_left": {steps left: accuracy}, "immediate": accuracy
     of the exit before any line, "last_step": accuracy with one step left}``. What the exit probe reads from a right
     prefix, as accuracy: the warm start can answer early where it is high, and the task is still a reasoning task
     where the immediate exit is well below the sampled accuracy of whole traces."""
     sequences, keys = [], []
+    longest_answer = max(len(tokenizer.encode("{" + f"{problem.answer}" + "}", add_special_tokens=False))
+                         for problem in problems)
     for problem in problems:
         prompt = chat_prompt_ids(tokenizer, problem.prompt)
         answer_length = len(tokenizer.encode("{" + f"{problem.answer}" + "}", add_special_tokens=False)) + 1
         for kept in range(problem.num_steps):
             sequences.append(prompt + exit_example(tokenizer, problem, kept)[0][:-answer_length])
             keys.append((problem, problem.num_steps - kept))
-    texts = generate_after(model, tokenizer, sequences, False, max_new_tokens)
+    texts = generate_after(model, tokenizer, sequences, False, max_new_tokens or longest_answer + 2)
     by_left: dict[int, list[float]] = {}
     immediate = []
     for (problem, left), text in zip(keys, texts):
@@ -417,7 +419,7 @@ def train_warm_start(model, tokenizer, task: ArithmeticTaskConfig, config: SFTCo
         "torch_threads": torch.get_num_threads(),
         "checkpoints": checkpoints,
         "sft_config": asdict(config),
-        "task_config": asdict(task),
+        "task_config": task.as_dict(),
     }
 
 

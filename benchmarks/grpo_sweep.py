@@ -1,0 +1,125 @@
+"""GRPO's own learning-rate sweep on a setting: does the baseline train there, and at which rate?
+
+The screen's condition (3) (``benchmarks/gradient_screen.py``): GRPO trains at its best rate from a sweep on the setting
+itself, at least 3 rates with warmup, 2 seeds and 100 steps, and at that rate greedy and sampled accuracy both rise by
+at least 0.05. Each run is a real verl run (``recipes/tiny_cpu/run.sh grpo``) on the setting's build, with problems
+of the sweep's generator stream (``sample_efficiency.SWEEP_DATA_SEED``: not the main runs' validation problems) and
+greedy validation every ``--test-freq`` steps. Finished runs go to ``sample_efficiency``'s ledger
+(``results/sample_efficiency_runs/<setting>/sweep/grpo_lr<rate>_seed<seed>.json``), where the screen reads them; a run
+the ledger holds is read, not launched, so an interrupted sweep resumes. The best rate is the one with the highest
+seed-mean validation AUC (ties to the smaller rate); its rises are seed means of last minus first: greedy validation,
+and the sampled reward (``critic/score/mean``) averaged over the first and last 10 steps.
+
+    nohup nice -n 10 python -m benchmarks.grpo_sweep --setting items > outputs/grpo_sweep_items.log 2>&1 &
+    python -m benchmarks.grpo_sweep --setting items --no-launch     # results/grpo_sweep_items.json from the ledger
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import common
+from benchmarks import sample_efficiency as se
+
+RATES = (3e-5, 1e-4, 3e-4)  # the recipe's rate, then the 1e-4..3e-4 that tiny-model RL reports use with warmup
+SEEDS = (1, 2)
+WARMUP_STEPS = 10
+RISE_BAR = 0.05  # greedy and sampled accuracy, last minus first, at the best rate
+RESULTS_PATH = common.RESULTS_DIR / "grpo_sweep_items.json"
+
+
+def run_specs(steps: int, test_freq: int, data: tuple[str, ...]) -> dict[tuple[float, int], se.RunSpec]:
+    overrides = (*common.METHODS["grpo"].overrides, *data, *se.schedule_overrides(steps, test_freq),
+                 f"actor_rollout_ref.actor.optim.lr_warmup_steps={WARMUP_STEPS}")
+    return {(lr, seed): se.RunSpec("grpo", seed, steps, lr, overrides) for lr in RATES for seed in SEEDS}
+
+
+def run_dir(setting_dir: Path, lr: float, seed: int) -> Path:
+    return setting_dir / "sweep" / f"grpo_lr{lr:g}_seed{seed}"
+
+
+def rises(summary: dict) -> dict:
+    """Last minus first greedy validation accuracy and sampled reward (means over the first and last 10 steps)."""
+    validation, diagnostics = summary["validation"], summary.get("diagnostics") or {}
+    first, last = (diagnostics.get(part) or {} for part in ("first", "last"))
+    sampled = (last["critic/score/mean"] - first["critic/score/mean"]
+               if "critic/score/mean" in first and "critic/score/mean" in last else None)
+    return {"greedy_first": validation[0]["accuracy"], "greedy_last": validation[-1]["accuracy"],
+            "greedy_rise": validation[-1]["accuracy"] - validation[0]["accuracy"], "sampled_rise": sampled,
+            "auc": summary["auc"], "steps": summary["steps"], "median_step_s": summary["median_step_s"]}
+
+
+def analyse(summaries: dict[tuple[float, int], dict | None]) -> dict:
+    """Per rate: each seed's rises and their means; the best rate (highest mean AUC among complete rates, ties to
+    the smaller) and whether it trains (both rises at least ``RISE_BAR``)."""
+    by_rate = {}
+    for lr in RATES:
+        runs = {seed: rises(summaries[lr, seed]) for seed in SEEDS if summaries.get((lr, seed))}
+        entry = {"seeds": {str(seed): run for seed, run in runs.items()}, "complete": len(runs) == len(SEEDS)}
+        for key in ("greedy_rise", "sampled_rise", "auc"):
+            values = [run[key] for run in runs.values() if run[key] is not None]
+            entry[key] = float(np.mean(values)) if values else None
+        by_rate[f"{lr:g}"] = entry
+    complete = [lr for lr in RATES if by_rate[f"{lr:g}"]["complete"]]
+    best = max(complete, key=lambda lr: (by_rate[f"{lr:g}"]["auc"], -lr)) if complete else None
+    chosen = by_rate[f"{best:g}"] if best is not None else None
+    trains = None if chosen is None or chosen["sampled_rise"] is None else (
+        chosen["greedy_rise"] >= RISE_BAR and chosen["sampled_rise"] >= RISE_BAR)
+    return {"by_rate": by_rate, "best_rate": best, "complete_rates": len(complete), "trains_at_best_rate": trains,
+            "meets_sweep_bar": len(complete) >= 3}
+
+
+def print_table(result: dict) -> None:
+    print("| rate | seeds | greedy first → last (rise) | sampled rise | AUC |")
+    print("|---|---|---|---|---|")
+    best = None if result["best_rate"] is None else f"{result['best_rate']:g}"
+    for rate, entry in result["by_rate"].items():
+        seeds = entry["seeds"].values()
+        greedy = ", ".join(f"{run['greedy_first']:.3f} → {run['greedy_last']:.3f}" for run in seeds)
+        print(f"| {rate}{' (best)' if rate == best else ''} | {len(entry['seeds'])} | {greedy} ({common.fmt(entry['greedy_rise'])}) | "
+              f"{common.fmt(entry['sampled_rise'])} | {common.fmt(entry['auc'])} |")
+    print(f"trains at its best rate (both rises >= {RISE_BAR}): {result['trains_at_best_rate']}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = common.parser(__doc__, RESULTS_PATH, "not supported: the sweep is real runs only", build=False)
+    parser.add_argument("--setting", choices=tuple(common.SETTINGS), default="items")
+    parser.add_argument("--runs-root", type=Path, default=common.ROOT / "outputs" / "bench" / "sample_efficiency",
+                        help="runs go to <runs-root>/<setting>/sweep/")
+    parser.add_argument("--ledger", type=Path, default=se.LEDGER_DIR)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--test-freq", type=int, default=10)
+    parser.add_argument("--val-size", type=int, default=256)
+    parser.add_argument("--no-launch", action="store_true", help="only read the ledger")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        parser.error("--smoke: the sweep has no synthetic mode; --no-launch reads the ledger")
+    setting = common.SETTINGS[args.setting]
+    setting_dir, ledger = args.runs_root / args.setting, se.Ledger(args.ledger, args.runs_root)
+    data = common.setting_data if args.no_launch else common.write_setting_data
+    record = data(setting_dir / "data_sweep", setting, args.val_size, se.SWEEP_DATA_SEED)
+    build = common.BUILD_DIRS[setting.preset]
+    if not args.no_launch:
+        common.build_task(build, setting.preset)
+        se.check_lengths_fit(record, setting, build)
+    specs = run_specs(args.steps, args.test_freq, se.data_overrides(record, setting))
+    codes = {}
+    for (lr, seed), spec in specs.items():  # rate-major: a stopped sweep has its low rates complete
+        if not args.no_launch:
+            codes[f"grpo_lr{lr:g}_seed{seed}"] = se.ensure_run(run_dir(setting_dir, lr, seed), spec, build, ledger,
+                                                               setting.preset)
+    result = analyse({key: ledger.summary(run_dir(setting_dir, *key), spec) for key, spec in specs.items()})
+    result["meta"] = {"setting": args.setting, "rates": list(RATES), "seeds": list(SEEDS),
+                      "warmup_steps": WARMUP_STEPS, "steps": args.steps, "test_freq": args.test_freq,
+                      "val_size": args.val_size, "data_seed": se.SWEEP_DATA_SEED, "rise_bar": RISE_BAR,
+                      "rule": "best rate: highest seed-mean validation AUC, ties to the smaller rate",
+                      "exit_codes": codes, **common.machine_meta()}
+    print_table(result)
+    out = args.out or RESULTS_PATH.with_name(f"grpo_sweep_{args.setting}.json")
+    return common.write_result(result, out)
+
+
+if __name__ == "__main__":
+    main()
