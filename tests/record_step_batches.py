@@ -193,16 +193,18 @@ def record(case: str, work: Path) -> dict:
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     (out / "stdout.log").write_text(result.stdout + result.stderr)
     if result.returncode != 0:
-        raise RuntimeError(f"{case}: the run failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-4000:]}")
+        log = (result.stdout + result.stderr)[-4000:]
+        raise RuntimeError(f"{case}: the run failed (exit {result.returncode}):\n{log}")
     recorded: dict[str, list] = {"traces": [], "value_pass": [], "scores": [], "advantage": []}
     for path in sorted(folder.glob("records_*.pt")):
         for kind, entry in torch.load(path, weights_only=False):
             recorded[kind].append(entry)
-    recorded["scores"].sort(key=lambda entry: entry["call"])
+    recorded["scores"].sort(key=lambda entry: entry["call"])  # one actor rank: one process counts them
     steps = []
     for step, advantage in enumerate(recorded["advantage"], start=1):
         if advantage.get("step") != step:
-            raise RuntimeError(f"{case}: advantage records out of order: {[a.get('step') for a in recorded['advantage']]}")
+            order = [entry.get("step") for entry in recorded["advantage"]]
+            raise RuntimeError(f"{case}: advantage records out of order: {order}")
         steps.append({"advantage": advantage})
     # One value pass a step (one actor rank: one scoring call each), and the value stage's traces (read with the
     # log-prob pass's entropies) one a step.

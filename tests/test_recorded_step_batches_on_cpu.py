@@ -1,8 +1,8 @@
 """Step batches recorded from short end-to-end runs, replayed through the trainer's code: the advantages are bit-equal.
 
-The fixtures (``tests/fixtures/recorded_step_batches/<case>.pt``) were recorded by ``.venv/bin/python
-tests/record_step_batches.py`` (each names the commit it ran at, ``commit``): two steps of a tiny recipe per case,
-``rredcot`` with the exit probe and with reference continuations, ``ibpo`` (the recipe's ``rewrite`` repairs),
+The fixtures (``tests/fixtures/recorded_step_batches/<case>.pt``) were recorded at commit bc6dfe3 by
+``.venv/bin/python tests/record_step_batches.py`` (each names its commit, ``commit``): two steps of a tiny recipe per
+case, ``rredcot`` with the exit probe and with reference continuations, ``ibpo`` (the recipe's ``rewrite`` repairs),
 ``rredcot_ibpo`` and ``segment_mc``. Per step they keep what the advantage step received (verl's rewards, mask and
 uids, the ``AdvantageBatch`` the trainer built, ``algorithm`` as a container) and the advantages and returns the
 estimator gave verl; for the value pass's estimators also what the value stage read from verl's batch, the request it
