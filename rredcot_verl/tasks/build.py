@@ -5,10 +5,12 @@
 
 Every testbed is a ``Testbed`` (``testbed(setting)``), built by the one ``build``:
 
-- ``default``, ``long``, ``early``: the embedded task (``tasks/arithmetic.py``) on a tiny Qwen2 (``PRESETS``).
+- ``default``, ``long``, ``early``, ``items``: the embedded task (``tasks/arithmetic.py``) on a tiny Qwen2
+  (``PRESETS``).
   ``default``: 2-5-step chains of operands 1..99, about 45-token traces. ``long``: 16-17-step chains of operands 1..9,
   each line restating the terms still to add (median reference response about 390 tokens), on a model whose positions
-  fit it (``docs/choices.md``, "Long setting"). ``early``: the answer-early setting (``EARLY_TASK``).
+  fit it (``docs/choices.md``, "Long setting"). ``early``: the answer-early setting (``EARLY_TASK``). ``items``:
+  seven independent items a trace, answered as their results written one after another (``ITEMS_TASK``).
 - ``qwen3``, ``r1_distill``, ``qwen2_5``, ``qwen3_gsm8k``: miniature stand-ins of the paper and quickstart model
   families (``tasks/miniature.py``; data in ``data/{train,test}.parquet``).
 - ``calculator``: the calculator task for verl's tool agent loop (``tasks/calculator_miniature.py``), plus
@@ -137,8 +139,8 @@ PRESETS = {
     # Answer-early examples cut anywhere (every item left is one step of work), half of them after a slipped line;
     # answers of 14 digits.
     "items": Preset(ITEMS_TASK, TinyModelConfig(),
-                    SFTConfig(max_steps=4000, budget_s=1500.0, eval_every_steps=100, n_eval=128, eval_max_new_tokens=128,
-                              target_band=(0.2, 0.5),
+                    SFTConfig(max_steps=4000, budget_s=1500.0, eval_every_steps=100, n_eval=128,
+                              eval_max_new_tokens=128, target_band=(0.2, 0.5),
                               exit_examples=ExitExamples(fraction=0.5, steps_left_weights=(1.0,), slip_fraction=0.5)),
                     Artefact(os.path.join(ASSETS, "warmstart_items"))),
 }
