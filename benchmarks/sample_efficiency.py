@@ -829,7 +829,8 @@ def main(argv: list[str] | None = None) -> dict:
         entry["sweep"] = lrs[method]["auc_by_lr"]
     result["sweep"] = lrs
     result["meta"] = {
-        "setting": args.setting, "setting_parameters": asdict(setting), "runs_dir": str(setting_dir),
+        "setting": args.setting, "setting_parameters": {**asdict(setting), "task": setting.task.as_dict()},
+        "runs_dir": str(setting_dir),
         "ledger": str(ledger.root),
         "seeds": args.seeds, "timing_seeds": args.timing_seeds or args.seeds, "steps": args.steps,
         "segment_mc_steps": args.segment_mc_steps,
