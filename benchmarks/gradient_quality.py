@@ -194,8 +194,8 @@ def batch_segment_values(batch: Batch, pool: dict, settings, model, tokenizer, c
         cache[key] = compute_segment_values(model, tokenizer, batch_records(batch, pool), settings,
                                             task=resolve_task(settings.task),
                                             max_positions=model.config.max_position_embeddings, repairs=repairs)
-    values = cache[key]
-    return {"segment_ends": values.segment_ends, "raw_values": values.raw_values}, values.metrics
+    segment_ends, raw_values, metrics = cache[key]
+    return {"segment_ends": segment_ends, "raw_values": raw_values}, metrics
 
 
 def estimator_advantages(estimator: str, settings, batch: Batch, mask, inputs: dict):

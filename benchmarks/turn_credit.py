@@ -180,13 +180,13 @@ def evaluate_batch(player: Player, pool: dict, gstar: dict, table: dict, items, 
         if estimator == "grpo":
             advantages = group_outcome_advantage(scores, index)[0].unsqueeze(-1) * mask
         else:
-            values = player_segment_values(player, records, settings)
+            segment_ends, raw_values, value_metrics = player_segment_values(player, records, settings)
             outcome = ESTIMATORS[estimator].advantage(
-                AdvantageBatch(scores=scores, response_mask=mask, index=index, segment_ends=values.segment_ends,
-                               raw_values=values.raw_values), settings)
+                AdvantageBatch(scores=scores, response_mask=mask, index=index, segment_ends=segment_ends,
+                               raw_values=raw_values), settings)
             advantages = outcome.advantages.float()
             info = {"fallback_frac": float(outcome.fallback.float().mean()),
-                    "traces_without_candidates": values.metrics.get("rredcot/traces_without_candidates", 0.0)}
+                    "traces_without_candidates": value_metrics.get("rredcot/traces_without_candidates", 0.0)}
         if bool((advantages[mask == 0] != 0).any()):
             raise AssertionError(f"{method}: advantage on a tool-output, template or padding token")
         row = common.gradient_row(model, advantages, logp, mask, tokens, reference)
@@ -264,13 +264,13 @@ def value_quality(player: Player, args, cache: Path, table: dict) -> dict:
         ends, values, seconds = None, {}, {}
         for name in VALUE_SOURCES:
             t0 = time.perf_counter()
-            result = player_segment_values(player, records, table[name][1])
+            segment_ends, raw_values, _ = player_segment_values(player, records, table[name][1])
             seconds[name] = time.perf_counter() - t0
-            trace_ends = [[e for e in row.tolist() if e >= 0] for row in result.segment_ends]
+            trace_ends = [[e for e in row.tolist() if e >= 0] for row in segment_ends]
             if ends is not None and trace_ends != ends:
                 raise RuntimeError("segmentation differs between value sources")
             ends = trace_ends
-            values[name] = [result.raw_values[k, : len(e)].tolist() for k, e in enumerate(ends)]
+            values[name] = [raw_values[k, : len(e)].tolist() for k, e in enumerate(ends)]
         starts = []  # (state, turn, problem) of every S_k, k < K
         for k, (i, t) in enumerate(flat):
             for start in [0, *ends[k][:-1]]:

@@ -96,9 +96,8 @@ def warm_start_batch(model, tokenizer, problems, samples: int, seed: int, rng: n
         else:
             value_source, normalization, candidates, mapping = SOURCES[name]
             settings = common.embedded_settings(value_source, normalization, candidates)
-            values = compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC,
-                                            max_positions=model.config.max_position_embeddings)
-            ends, raw = values.segment_ends, values.raw_values
+            ends, raw, _ = compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC,
+                                                  max_positions=model.config.max_position_embeddings)
             if name == "reference_both":
                 reference = (ends, raw)
         # The gate off, so that localisation is measured on every batch; the counts are the gate's own.

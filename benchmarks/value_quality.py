@@ -108,14 +108,14 @@ def value_sources(model, tokenizer, traces, sources: dict[str, Source] = PROBE_S
         settings = common.embedded_settings(source.value_source, source.normalization, candidates, segmentation,
                                             reference_alignment=source.alignment)
         started = time.perf_counter()
-        result = compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC,
+        segment_ends, raw_values, _ = compute_segment_values(model, tokenizer, records, settings, task=ARITHMETIC,
                                         max_positions=model.config.max_position_embeddings)
         timings[name] = time.perf_counter() - started
-        trace_ends = [[e for e in row.tolist() if e >= 0] for row in result.segment_ends]
+        trace_ends = [[e for e in row.tolist() if e >= 0] for row in segment_ends]
         if ends is not None and trace_ends != ends:
             raise RuntimeError("segmentation differs between value sources")
         ends = trace_ends
-        values[name] = [result.raw_values[i, : len(e)].numpy().astype(float) for i, e in enumerate(ends)]
+        values[name] = [raw_values[i, : len(e)].numpy().astype(float) for i, e in enumerate(ends)]
     return ends, values, timings
 
 

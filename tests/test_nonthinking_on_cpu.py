@@ -277,8 +277,8 @@ def test_values_are_finite_for_every_state_with_a_real_model(qwen25):
                                          max_position_embeddings=512)).eval()
     traces = _gsm8k_traces(qwen25, with_wrong_only_group=True)
     for source in ("exit_probe", "reference_continuation"):
-        values = compute_segment_values(model, qwen25, traces, _settings(source), task=GSM8K)
-        for row, ends in zip(values.raw_values, values.segment_ends):
+        segment_ends, raw_values, _ = compute_segment_values(model, qwen25, traces, _settings(source), task=GSM8K)
+        for row, ends in zip(raw_values, segment_ends):
             k = int((ends >= 0).sum())
             assert k > 1 and torch.isfinite(row[: k + 1]).all(), (source, row)
 

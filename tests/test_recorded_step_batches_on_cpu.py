@@ -134,10 +134,10 @@ def _replayed_value_pass(recorded_pass: dict, monkeypatch, where: str):
         _same({key: request.batch[key] for key in request.batch.keys()}, recorded_pass["tensors"], f"{where} request")
         _same(dict(request.meta_info), recorded_pass["meta_info"], f"{where} meta_info")
         meta = request.meta_info
-        values = core_values.score_plans(None, plans, max_segments=int(meta["max_segments"]),
-                                         max_token_len=meta["value_pass"]["max_token_len"])  # fmt: skip
-        return DataProto.from_dict(tensors={"segment_ends": values.segment_ends, "raw_values": values.raw_values},
-                                   meta_info={"metrics": values.metrics})  # fmt: skip
+        segment_ends, raw_values, metrics = core_values.score_plans(
+            None, plans, max_segments=int(meta["max_segments"]), max_token_len=meta["value_pass"]["max_token_len"])
+        return DataProto.from_dict(tensors={"segment_ends": segment_ends, "raw_values": raw_values},
+                                   meta_info={"metrics": metrics})  # fmt: skip
 
     return value_pass
 

@@ -57,8 +57,8 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
         fully_shard(model)
         forwards = []
         model.register_forward_hook(lambda *args: forwards.append(1))
-        values = score_plans(model, _shards()[rank], max_segments=2, max_token_len=64)
-        torch.save({"forwards": len(forwards), "values": values.raw_values, "metrics": values.metrics}, out)
+        _, raw_values, metrics = score_plans(model, _shards()[rank], max_segments=2, max_token_len=64)
+        torch.save({"forwards": len(forwards), "values": raw_values, "metrics": metrics}, out)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -90,6 +90,6 @@ def test_ranks_make_the_same_number_of_forwards_and_finish(tmp_path):
     assert idle["metrics"]["rredcot/value_micro_batches"] == 0 and idle["metrics"]["rredcot/value_dummy_forwards"] == 3
     assert busy["forwards"] == idle["forwards"] == 3
     # The sharded run's values are the single-process ones.
-    expected = score_plans(_model(), _shards()[0], max_segments=2, max_token_len=64).raw_values
+    _, expected, _ = score_plans(_model(), _shards()[0], max_segments=2, max_token_len=64)
     torch.testing.assert_close(busy["values"], expected, rtol=1e-5, atol=1e-6)
     assert torch.isnan(idle["values"][:, :2]).all()

@@ -200,19 +200,20 @@ def expected_values(model, plan, max_positions=None):
 def test_score_plans_equals_naive_values(model, monkeypatch, max_token_len):
     monkeypatch.setattr(scoring_module, "MIN_MICRO_BATCH_FILL", 0.0)  # rows of every width share the forwards
     plans = _plans(2)
-    out = score_plans(model, plans, max_segments=6, max_positions=45, max_token_len=max_token_len)
-    assert out.raw_values.shape == (len(plans), 7) and out.segment_ends.shape == (len(plans), 6)
+    segment_ends, raw_values, metrics = score_plans(model, plans, max_segments=6, max_positions=45,
+                                                   max_token_len=max_token_len)
+    assert raw_values.shape == (len(plans), 7) and segment_ends.shape == (len(plans), 6)
     for i, plan in enumerate(plans):
         expected = expected_values(model, plan, max_positions=45)
-        actual = out.raw_values[i, : plan.num_values]
+        actual = raw_values[i, : plan.num_values]
         assert relative_error(actual, expected) < REL_TOL, (i, plan.value_rule)
         if plan.num_values:
-            assert out.raw_values[i, plan.num_values] == plan.outcome
-    assert torch.isnan(out.raw_values[3, :4]).all() and (out.segment_ends[5] == -1).all()
-    assert out.metrics["rredcot/value_dummy_forwards"] == 0
-    assert out.metrics["rredcot/value_micro_batches"] == (1 if max_token_len == 16384 else 4)
-    assert out.metrics["rredcot/probes_skipped_too_long"] > 0
-    assert out.metrics["rredcot/traces_without_candidates"] == 1
+            assert raw_values[i, plan.num_values] == plan.outcome
+    assert torch.isnan(raw_values[3, :4]).all() and (segment_ends[5] == -1).all()
+    assert metrics["rredcot/value_dummy_forwards"] == 0
+    assert metrics["rredcot/value_micro_batches"] == (1 if max_token_len == 16384 else 4)
+    assert metrics["rredcot/probes_skipped_too_long"] > 0
+    assert metrics["rredcot/traces_without_candidates"] == 1
 
 
 def test_score_plans_scores_at_the_rollout_temperature(model):
@@ -220,12 +221,12 @@ def test_score_plans_scores_at_the_rollout_temperature(model):
     plans = [plan for plan in _plans(3) if plan.value_rule != "own_continuation"]
     for plan in plans:
         plan.temperature = 0.7
-    out = score_plans(model, plans, max_segments=6)
-    at_one = score_plans(model, [dataclasses.replace(p, temperature=1.0) for p in plans], max_segments=6)
+    _, values, _ = score_plans(model, plans, max_segments=6)
+    _, at_one, _ = score_plans(model, [dataclasses.replace(p, temperature=1.0) for p in plans], max_segments=6)
     for i, plan in enumerate(plans):
         if plan.probes:
-            assert relative_error(out.raw_values[i, : plan.num_values], expected_values(model, plan)) < REL_TOL
-            assert not torch.allclose(out.raw_values[i, : plan.num_values], at_one.raw_values[i, : plan.num_values])
+            assert relative_error(values[i, : plan.num_values], expected_values(model, plan)) < REL_TOL
+            assert not torch.allclose(values[i, : plan.num_values], at_one[i, : plan.num_values])
     plans[0].temperature = 1.0
     with pytest.raises(ValueError, match="share the rollout temperature"):
         score_plans(model, plans, max_segments=6)
@@ -235,10 +236,10 @@ def test_score_plans_of_an_empty_shard_makes_no_forward(model):
     calls = []
     handle = model.register_forward_hook(lambda *args: calls.append(1))
     try:
-        out = score_plans(model, [], max_segments=4)
+        _, raw_values, _ = score_plans(model, [], max_segments=4)
     finally:
         handle.remove()
-    assert out.raw_values.shape == (0, 5) and not calls
+    assert raw_values.shape == (0, 5) and not calls
 
 
 def _flex_attention_runs() -> str | None:
@@ -338,10 +339,10 @@ def test_probes_of_a_multi_turn_trace_read_the_tool_output_the_policy_saw(model)
 
     seen = plan(response)
     other_tool = plan(torch.cat([turn_one, random_ids(rng, 7), turn_two]))
-    out = score_plans(model, [seen, other_tool], max_segments=3)
-    assert relative_error(out.raw_values[0, :3], expected_values(model, seen)) < REL_TOL
-    assert out.raw_values[0, :2].tolist() == out.raw_values[1, :2].tolist()  # states before the tool output
-    assert out.raw_values[0, 2] != out.raw_values[1, 2]
+    _, values, _ = score_plans(model, [seen, other_tool], max_segments=3)
+    assert relative_error(values[0, :3], expected_values(model, seen)) < REL_TOL
+    assert values[0, :2].tolist() == values[1, :2].tolist()  # states before the tool output
+    assert values[0, 2] != values[1, 2]
 
 
 def continuation_batch(seed, count=5):

@@ -53,29 +53,28 @@ def _record(tokenizer, text, outcome, group="g", truth="59", steps=True):
 def test_reference_values_fall_after_the_wrong_step(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     traces = [_record(tokenizer, reference_response(PROBLEM), 1.0), _record(tokenizer, WRONG, 0.0)]
-    out = compute_segment_values(model, tokenizer, traces, _settings(), task=ARITHMETIC)
+    segment_ends, raw_values, metrics = compute_segment_values(model, tokenizer, traces, _settings(), task=ARITHMETIC)
     for i, trace in enumerate(traces):
-        ends = [e for e in out.segment_ends[i].tolist() if e >= 0]
+        ends = [e for e in segment_ends[i].tolist() if e >= 0]
         assert ends[-1] == trace.response_ids.numel() and len(ends) == 5  # <think>, 3 step lines, answer segment
-        values = out.raw_values[i, : len(ends) + 1]
+        values = raw_values[i, : len(ends) + 1]
         assert torch.isfinite(values).all() and ((values >= 0) & (values <= 1)).all()
         assert values[-1] == trace.outcome
-    correct, wrong = out.raw_values[0], out.raw_values[1]
+    correct, wrong = raw_values[0], raw_values[1]
     # Same prefix up to the end of step 1; the wrong second line collapses the reference continuation's probability.
     assert wrong[2] == pytest.approx(float(correct[2]), rel=1e-4)
     assert wrong[3] < 0.01 * correct[3]
-    assert out.metrics["rredcot/traces_without_candidates"] == 0
+    assert metrics["rredcot/traces_without_candidates"] == 0
 
 
 def test_exit_probe_and_own_continuation_sources(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     traces = [_record(tokenizer, reference_response(PROBLEM), 1.0), _record(tokenizer, WRONG, 0.0)]
     for source in ("exit_probe", "own_continuation"):
-        out = compute_segment_values(model, tokenizer, traces, _settings(source), task=ARITHMETIC)
-        values = out.raw_values[:, :5]
+        values = compute_segment_values(model, tokenizer, traces, _settings(source), task=ARITHMETIC)[1][:, :5]
         assert torch.isfinite(values).all() and ((values >= 0) & (values <= 1)).all(), source
-    own = compute_segment_values(model, tokenizer, traces, _settings("own_continuation"), task=ARITHMETIC)
-    assert (own.raw_values[1, :5] == 0).all()  # ζ = 0: the own continuation carries no value
+    _, own_values, _ = compute_segment_values(model, tokenizer, traces, _settings("own_continuation"), task=ARITHMETIC)
+    assert (own_values[1, :5] == 0).all()  # ζ = 0: the own continuation carries no value
 
 
 def test_no_candidates_empty_responses_and_position_budget_fall_back(model_and_tokenizer):
@@ -83,13 +82,15 @@ def test_no_candidates_empty_responses_and_position_budget_fall_back(model_and_t
     no_truth = _record(tokenizer, WRONG, 0.0, group="alone", truth=None, steps=False)
     empty = dataclasses.replace(_record(tokenizer, WRONG, 0.0, group="e"), response_ids=torch.zeros(0, dtype=torch.long),
                                 entropy=torch.zeros(0))
-    out = compute_segment_values(model, tokenizer, [no_truth, empty], _settings("exit_probe"), task=ARITHMETIC)
-    assert math.isnan(out.raw_values[0, 0]) and out.metrics["rredcot/traces_without_candidates"] == 1
-    assert (out.segment_ends[1] == -1).all()
+    segment_ends, raw_values, metrics = compute_segment_values(model, tokenizer, [no_truth, empty],
+                                                                _settings("exit_probe"), task=ARITHMETIC)
+    assert math.isnan(raw_values[0, 0]) and metrics["rredcot/traces_without_candidates"] == 1
+    assert (segment_ends[1] == -1).all()
     long_trace = _record(tokenizer, reference_response(PROBLEM), 1.0)
-    limited = compute_segment_values(model, tokenizer, [long_trace], _settings(), task=ARITHMETIC, max_positions=30)
-    assert limited.metrics["rredcot/probes_skipped_too_long"] > 0
-    assert torch.isnan(limited.raw_values[0, :4]).any()
+    _, limited_values, limited_metrics = compute_segment_values(model, tokenizer, [long_trace], _settings(),
+                                                                task=ARITHMETIC, max_positions=30)
+    assert limited_metrics["rredcot/probes_skipped_too_long"] > 0
+    assert torch.isnan(limited_values[0, :4]).any()
 
 
 def test_records_from_padded_arrays_strip_padding_and_read_dataset_fields(model_and_tokenizer):
@@ -120,17 +121,17 @@ def test_values_do_not_depend_on_how_the_batch_is_split_across_ranks(model_and_t
     traces = [_record(tokenizer, text, outcome, group=group) for group in ("a", "b") for text, outcome in texts]
     settings = dataclasses.replace(_settings(source), candidates=CandidateSettings(source=candidates))
     plans = plan_traces(traces, settings, tokenizer, ARITHMETIC)
-    whole = score_plans(model, plans, max_segments=8).raw_values
+    _, whole, _ = score_plans(model, plans, max_segments=8)
     assert not whole[:, 0].isnan().any()
 
     shards = [[4, 1, 2], [0, 5, 3]]  # each group's correct trace on the other rank than its wrong ones
     split = torch.full_like(whole, float("nan"))
     for shard in shards:
-        split[shard] = score_plans(model, [plans[i] for i in shard], max_segments=8).raw_values
+        split[shard] = score_plans(model, [plans[i] for i in shard], max_segments=8)[1]
     torch.testing.assert_close(split, whole, equal_nan=True)
 
     # Planning a shard on its own, without its groups' other answers and correct traces, gives other values (no
     # reference at all for the group-only bank): the whole-batch plan is what makes the split safe.
     shard = shards[0]
-    alone = compute_segment_values(model, tokenizer, [traces[i] for i in shard], settings, task=ARITHMETIC).raw_values
+    _, alone, _ = compute_segment_values(model, tokenizer, [traces[i] for i in shard], settings, task=ARITHMETIC)
     assert not torch.allclose(alone, whole[shard], equal_nan=True)

@@ -9,7 +9,6 @@ Imports neither verl nor ray.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -20,21 +19,6 @@ from rredcot_verl.core.scoring import ValuePassSettings, score_batch_packed_with
 from rredcot_verl.core.traces import TraceRecord
 
 
-@dataclass
-class SegmentValues:
-    """Output of ``score_plans``.
-
-    Attributes:
-        segment_ends: (bs, Kmax) int64 exclusive segment ends into each response, -1 padded.
-        raw_values: (bs, Kmax + 1) float32 v̂_0..v̂_K (column K = ζ), NaN padded; NaN inside a row means "no estimate".
-        metrics: scalar diagnostics (``rredcot/...`` keys).
-    """
-
-    segment_ends: torch.Tensor
-    raw_values: torch.Tensor
-    metrics: dict[str, float]
-
-
 @torch.no_grad()
 def score_plans(
     model,
@@ -43,8 +27,9 @@ def score_plans(
     max_segments: int,
     max_positions: int | None = None,
     max_token_len: int = ValuePassSettings.max_token_len,
-) -> SegmentValues:
-    """Score every plan's probes with ``model`` and return the raw values.
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Score every plan's probes with ``model``: ``(segment_ends, raw_values, metrics)``, the first two being
+    ``AdvantageBatch``'s segment inputs as they are (no container of their own, so the two cannot drift apart).
 
     All plans are scored together (``score_batch_packed``): micro-batches of at most ``max_token_len`` padded tokens,
     one forward each, and under torch.distributed as many forwards as the busiest rank (FSDP2 gathers parameters in
@@ -59,6 +44,11 @@ def score_plans(
         max_segments: the output width Kmax (``segmentation.max_segments``), fixed so that shards concatenate.
         max_positions: the model's position budget.
         max_token_len: ``value_pass.max_token_len``.
+
+    Returns:
+        segment_ends: (bs, Kmax) int64 exclusive segment ends into each response, -1 padded.
+        raw_values: (bs, Kmax + 1) float32 v̂_0..v̂_K (column K = ζ), NaN padded; NaN inside a row means "no estimate".
+        metrics: scalar diagnostics (``rredcot/...`` keys).
     """
     started = time.perf_counter()
     k_max = max([max_segments, *(p.num_values for p in plans)])
@@ -105,13 +95,13 @@ def score_plans(
         "rredcot/probes_skipped_too_long": float(num_skipped),
         "rredcot/traces_without_candidates": float(sum(p.no_candidates for p in plans)),
     }
-    return SegmentValues(segment_ends, raw_values, metrics)
+    return segment_ends, raw_values, metrics
 
 
 @torch.no_grad()
 def compute_segment_values(
     model, tokenizer, traces, settings, *, task, vocab=None, max_positions=None, repairs=None
-) -> SegmentValues:
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Plan and score in one process (analysis and benchmarks): ``plan_traces`` then ``score_plans``.
     ``task``: the task adapter (``rredcot_verl.tasks.resolve_task``); ``repairs``: verified repairs per group
     (``candidates.source: group_and_repairs``)."""

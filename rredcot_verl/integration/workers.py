@@ -63,7 +63,7 @@ class SegmentActorRolloutRefWorker(ActorRolloutRefWorker):
             model = engine.module
             # score_plans makes the same number of forwards on every rank (FSDP2 all-gathers in each), even for an
             # empty shard, and runs attention through its own backend whatever the actor was loaded with.
-            values = score_plans(
+            segment_ends, raw_values, metrics = score_plans(
                 model,
                 list(data.non_tensor_batch["plan"]),
                 max_segments=int(data.meta_info["max_segments"]),
@@ -71,6 +71,5 @@ class SegmentActorRolloutRefWorker(ActorRolloutRefWorker):
                 max_token_len=value_pass.max_token_len,
             )
         return DataProto.from_dict(
-            tensors={"segment_ends": values.segment_ends, "raw_values": values.raw_values},
-            meta_info={"metrics": values.metrics},
+            tensors={"segment_ends": segment_ends, "raw_values": raw_values}, meta_info={"metrics": metrics}
         )
