@@ -4,15 +4,16 @@ against."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rredcot_verl.core import montecarlo
 from rredcot_verl.core.profiles import decode_batch
 from rredcot_verl.core.segmentation import segment_response
-from rredcot_verl.core.settings import RRedCoTSettings
 from rredcot_verl.integration import rollouts
 from rredcot_verl.integration.estimators.base import (
-    AdvantageBatch, AdvantageResult, EngineUse, EstimatorSpec, Stage, StepContext, StepTraces,
+    EngineUse, EstimatorSpec, Stage, StepContext, StepTraces,
 )
 from rredcot_verl.integration.estimators.rredcot import SEGMENT_INPUTS, redistributed_advantage
 
@@ -76,11 +77,6 @@ def monte_carlo_values(ctx: StepContext, traces: StepTraces) -> tuple[dict[str, 
     return {"segment_ends": seg_ends, "raw_values": raw_values}, metrics
 
 
-def segment_mc_advantage(batch: AdvantageBatch, settings: RRedCoTSettings) -> AdvantageResult:
-    """Monte-Carlo segment values (K continuations per boundary) through the same redistribution as ``rredcot``."""
-    return redistributed_advantage("segment_mc", batch, settings)
-
-
 # Its boundaries need the pass's entropies: the engine is woken after the pass.
 CONTINUATION_STAGE = Stage(monte_carlo_values, EngineUse.AFTER_LOG_PROB_PASS)
 
@@ -88,7 +84,8 @@ SPEC = EstimatorSpec(
     name="segment_mc",
     inputs=SEGMENT_INPUTS,
     stages=lambda settings: (CONTINUATION_STAGE,),
-    advantage=segment_mc_advantage,
+    # Monte-Carlo segment values (K continuations per boundary) through the same redistribution as ``rredcot``.
+    advantage=functools.partial(redistributed_advantage, "segment_mc"),
     uses_value_pass=False,
     whole_traces_per_rank=True,
 )
