@@ -47,6 +47,7 @@ RUNS_DIR = common.RESULTS_DIR / "gradient_screen_runs"
 LEDGER_DIR = common.RESULTS_DIR / "sample_efficiency_runs"
 OUT = common.RESULTS_DIR / "gradient_screen.json"
 HEADLINE = "128"  # 32 prompts × 4 rollouts
+SCREEN_BATCHES = 16  # paired batches a complete run has (gradient_quality --screen)
 CEILINGS = ("mc_ceiling", "mc_ceiling_raw", "mc_ceiling_signed", "mc_ceiling_signed_degenerate")
 EXIT_PROBES = ("rredcot_exit_probe", "rredcot_exit_probe_signed")
 BARS = {"within_trace_spearman": 0.6, "localisation": 0.6, "median_segments": 8, "greedy_rise": 0.05,
@@ -170,10 +171,16 @@ def judge(value: float | None, bar: float) -> bool | None:
     return None if value is None else value >= bar
 
 
+def batches_done(rows: dict) -> int:
+    """Paired batches every screened method has (a run written while it goes on, or stopped, has fewer)."""
+    return min((row["n_batches"] for name, row in rows.items() if name != "grpo" and row.get("n_batches")), default=0)
+
+
 def screen_entry(run: dict, label: str) -> dict:
     settings = run["settings"]
     setting = settings["setting"]
     rows = method_rows(run)
+    batches = batches_done(rows)
     ceiling = best_of(rows, CEILINGS)
     probe = best_of(rows, EXIT_PROBES)
     values = value_conditions(run["traces"])
@@ -187,8 +194,9 @@ def screen_entry(run: dict, label: str) -> dict:
         "training_moves": (judge(training["greedy_rise"], BARS["greedy_rise"]) and
                            judge(training["sampled_rise"], BARS["sampled_rise"])),
         "rate_swept_on_setting": training["sweep_meets_bar"],
+        "all_batches": batches == SCREEN_BATCHES,
     }
-    return {"setting": setting, "policy": settings["model"], "pool_accuracy": settings["pool_accuracy"],
+    return {"setting": setting, "batches": batches, "policy": settings["model"], "pool_accuracy": settings["pool_accuracy"],
             "gstar_split_half_cosine": settings["gstar"]["split_half_cosine"], "methods": rows,
             "best_ceiling": ceiling, "ceiling_forms_minus_sigma": form_differences(run), "best_exit_probe": probe, "exit_probe_ahead": ahead(rows.get(probe)),
             "values": values, "segments": segments, "training": training, "conditions": conditions,
@@ -222,6 +230,8 @@ GRADIENT_COLUMNS = {"mc_ceiling": "MC ceiling, sigma", "mc_ceiling_raw": "MC, si
 def interval_text(row: dict | None) -> str:
     if not row or row.get("minus_grpo") is None:
         return "—"
+    if row.get("minus_grpo_ci95") is None:  # one batch: no interval
+        return f"{row['minus_grpo']:+.3f} [—]"
     low, high = row["minus_grpo_ci95"]
     return f"{row['minus_grpo']:+.3f} [{low:+.3f}, {high:+.3f}]"
 
@@ -233,7 +243,8 @@ def signed_text(value: float | None) -> str:
 def policy_text(label: str, entry: dict) -> str:
     """``setting``, warm start, or the GRPO step its run label ends with (``..._step<n>``)."""
     step = re.search(r"_step(\d+)$", label)
-    return f"`{entry['setting']}`, " + (f"GRPO step {step.group(1)}" if step else "warm start")
+    partial = "" if entry["batches"] == SCREEN_BATCHES else f" ({entry['batches']} of {SCREEN_BATCHES} batches)"
+    return f"`{entry['setting']}`, " + (f"GRPO step {step.group(1)}" if step else "warm start") + partial
 
 
 def markdown_tables(result: dict) -> str:
@@ -268,7 +279,8 @@ def markdown_tables(result: dict) -> str:
     for label in order:
         differences = entries[label]["ceiling_forms_minus_sigma"]
         lines.append(f"| {policy_text(label, entries[label])} | " + " | ".join(
-            f"{d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]" for d in map(differences.get, forms)) + " |")
+            interval_text({"minus_grpo": d["mean"], "minus_grpo_ci95": d["ci95"]}) for d in map(differences.get, forms))
+            + " |")
     return "\n".join(lines) + "\n"
 
 

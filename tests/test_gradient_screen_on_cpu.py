@@ -16,10 +16,14 @@ def test_the_committed_screen_recomputes_from_its_runs_and_the_ledgers(tmp_path)
     runs = sorted(path.stem for path in gradient_screen.RUNS_DIR.glob("*.json"))
     assert sorted(committed["settings"]) == runs
     for label, entry in committed["settings"].items():
-        # every ceiling form and the exit probe measured on the same 16 paired batches as GRPO
+        # every ceiling form and the exit probe measured on the same paired batches as GRPO: all 16, or a run stopped
+        # early, which says so and cannot qualify
         for name in (*gradient_screen.CEILINGS, *gradient_screen.EXIT_PROBES, "step_oracle", "step_oracle_signed"):
-            assert entry["methods"][name]["n_batches"] == 16, (label, name)
-            assert entry["methods"][name]["minus_grpo_ci95"] is not None
+            assert entry["methods"][name]["n_batches"] == entry["batches"], (label, name)
+        assert entry["conditions"]["all_batches"] == (entry["batches"] == gradient_screen.SCREEN_BATCHES)
+        if not entry["conditions"]["all_batches"]:
+            assert label not in committed["qualifies"]
+            assert f"({entry['batches']} of 16 batches)" in gradient_screen.policy_text(label, entry)
 
 
 def _trace(exit_probe, monte_carlo, outcome, holder):
@@ -148,3 +152,19 @@ def test_grpo_sweep_picks_the_rate_with_the_best_mean_auc_and_says_whether_it_tr
     assert result["best_rate"] == rates[2] and result["meets_sweep_bar"]
     assert result["trains_at_best_rate"] is False  # seed means: greedy 0.00, sampled 0.02
     assert grpo_sweep.analyse({})["best_rate"] is None
+
+
+def test_the_committed_items_sweep_recomputes_from_the_ledger(tmp_path):
+    """results/grpo_sweep_items.json is what grpo_sweep makes of the committed ledger alone (no run folders), and the
+    screen's condition (3) on `items` reads the same runs."""
+    from benchmarks import grpo_sweep
+
+    committed = json.loads((gradient_screen.OUT.parent / "grpo_sweep_items.json").read_text())
+    result = grpo_sweep.main(["--setting", "items", "--no-launch", "--runs-root", str(tmp_path / "runs"),
+                              "--out", str(tmp_path / "sweep.json")])
+    assert result["by_rate"] == committed["by_rate"] and result["best_rate"] == committed["best_rate"]
+    assert result["meets_sweep_bar"] == committed["meets_sweep_bar"]
+    training = gradient_screen.training_conditions("items")
+    assert training["best_swept_rate"] == committed["best_rate"]
+    best = committed["by_rate"][f"{committed['best_rate']:g}"]
+    assert abs(training["greedy_rise"] - best["greedy_rise"]) < 1e-12
