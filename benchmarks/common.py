@@ -806,6 +806,7 @@ METHODS = {
     "mc_ceiling_signed": Method("segment_mc", (*_MC_CEILING, _RAW, _SIGNED)),
     "mc_ceiling_signed_degenerate": Method("segment_mc", (*_MC_CEILING, _RAW, _SIGNED, _VALUE_DIFFERENCES)),
     "rredcot_exit_probe_signed": Method("rredcot", (*_EXIT_PROBE, _SIGNED)),
+    "rredcot_exit_probe_signed_degenerate": Method("rredcot", (*_EXIT_PROBE, _SIGNED, _VALUE_DIFFERENCES)),
     # A diagnostic, not a value source: gradient_quality.py replaces the values by the task's verifier (0.9 before
     # the segment completing the first wrong step line, 0 from it on), through both forms.
     "step_oracle": Method("segment_mc", (_RAW,)),

@@ -67,7 +67,7 @@ CACHE_DIR = common.ROOT / "outputs" / "gradient_quality"
 SCREEN_DIR = common.RESULTS_DIR / "gradient_screen_runs"
 SCREEN_METHODS = ("grpo", "rredcot_exit_probe", "rredcot_exit_probe_signed", "rredcot", "ibpo_resume", "mc_ceiling",
                   "mc_ceiling_raw", "mc_ceiling_signed", "mc_ceiling_signed_degenerate", "step_oracle",
-                  "step_oracle_signed")
+                  "step_oracle_signed", "rredcot_exit_probe_signed_degenerate")
 # Exit-probe values compared state by state with the ceiling's Monte-Carlo values on the same boundaries.
 VALUE_AGREEMENT = ("rredcot_exit_probe", "mc_ceiling")
 DATA_SOURCE = "rredcot_arithmetic"
@@ -77,7 +77,7 @@ METHODS = ("grpo", "rredcot_exit_probe_log_affine", "rredcot", "rredcot_ground_t
            "rredcot_repairs_degenerate_resume", "rredcot_credit_incorrect", "rredcot_credit_correct",
            "rredcot_repairs_degenerate_resume_credit_incorrect", "rredcot_repairs_degenerate_resume_credit_correct",
            "rredcot_exit_probe", "rredcot_exit_probe_signed", "mc_ceiling", "mc_ceiling_raw", "mc_ceiling_signed",
-           "mc_ceiling_signed_degenerate", "step_oracle", "step_oracle_signed")
+           "mc_ceiling_signed_degenerate", "step_oracle", "step_oracle_signed", "rredcot_exit_probe_signed_degenerate")
 
 
 def uses_repairs(estimator: str, settings) -> bool:

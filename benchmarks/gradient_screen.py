@@ -49,7 +49,8 @@ OUT = common.RESULTS_DIR / "gradient_screen.json"
 HEADLINE = "128"  # 32 prompts × 4 rollouts
 SCREEN_BATCHES = 16  # paired batches a complete run has (gradient_quality --screen)
 CEILINGS = ("mc_ceiling", "mc_ceiling_raw", "mc_ceiling_signed", "mc_ceiling_signed_degenerate")
-EXIT_PROBES = ("rredcot_exit_probe", "rredcot_exit_probe_signed")
+# signed on all groups: measured on `items` only (added after the other runs)
+EXIT_PROBES = ("rredcot_exit_probe", "rredcot_exit_probe_signed", "rredcot_exit_probe_signed_degenerate")
 BARS = {"within_trace_spearman": 0.6, "localisation": 0.6, "median_segments": 8, "greedy_rise": 0.05,
         "sampled_rise": 0.05}
 
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
 GRADIENT_COLUMNS = {"mc_ceiling": "MC ceiling, sigma", "mc_ceiling_raw": "MC, sigma, raw mapping",
                     "mc_ceiling_signed": "MC, signed", "mc_ceiling_signed_degenerate": "MC, signed, all groups",
                     "rredcot_exit_probe": "exit probe, sigma", "rredcot_exit_probe_signed": "exit probe, signed",
+                    "rredcot_exit_probe_signed_degenerate": "exit probe, signed, all groups",
                     "step_oracle": "step oracle, sigma", "step_oracle_signed": "step oracle, signed",
                     "rredcot": "references", "ibpo_resume": "IBPO (resume)"}
 
