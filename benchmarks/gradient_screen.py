@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # ``python benchmarks/gradient_screen.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common
+from benchmarks.grpo_sweep import greedy_and_sampled_rise
 from benchmarks.output import print_table
 
 RUNS_DIR = common.RESULTS_DIR / "gradient_screen_runs"
@@ -124,18 +125,16 @@ def training_conditions(setting: str, ledger: Path = LEDGER_DIR) -> dict:
     """Condition (3) from GRPO's main runs in the ledger (``grpo_seed<k>.json``) or, on a setting without them, from
     the runs at the best rate of GRPO's own sweep there (``benchmarks/grpo_sweep.py``)."""
     sweep = sweep_conditions(ledger / setting / "sweep")
-    paths = sorted((ledger / setting / "main").glob("grpo_seed*.json"))
-    source = "main runs" if paths else "sweep, best rate"
-    paths = paths or sweep.pop("best_rate_paths")
-    sweep.pop("best_rate_paths", None)
+    best_rate_paths = sweep.pop("best_rate_paths")
+    main_paths = sorted((ledger / setting / "main").glob("grpo_seed*.json"))
+    source = "main runs" if main_paths else "sweep, best rate"
     greedy, sampled, rates, steps = [], [], set(), set()
-    for path in paths:
+    for path in main_paths or best_rate_paths:
         run = json.loads(path.read_text())
-        validation, diagnostics = run["summary"]["validation"], run["summary"].get("diagnostics") or {}
-        greedy.append(validation[-1]["accuracy"] - validation[0]["accuracy"])
-        first, last = (diagnostics.get(part) or {} for part in ("first", "last"))
-        if "critic/score/mean" in first and "critic/score/mean" in last:
-            sampled.append(last["critic/score/mean"] - first["critic/score/mean"])
+        greedy_rise, sampled_rise = greedy_and_sampled_rise(run["summary"])
+        greedy.append(greedy_rise)
+        if sampled_rise is not None:
+            sampled.append(sampled_rise)
         rates.add(run["spec"]["lr"])
         steps.add(run["spec"]["steps"])
     return {"grpo_runs": len(greedy), "rise_from": source if greedy else None, "rates": sorted(rates),
@@ -199,7 +198,8 @@ def screen_entry(run: dict, label: str) -> dict:
     }
     return {"setting": setting, "batches": batches, "policy": settings["model"], "pool_accuracy": settings["pool_accuracy"],
             "gstar_split_half_cosine": settings["gstar"]["split_half_cosine"], "methods": rows,
-            "best_ceiling": ceiling, "ceiling_forms_minus_sigma": form_differences(run), "best_exit_probe": probe, "exit_probe_ahead": ahead(rows.get(probe)),
+            "best_ceiling": ceiling, "ceiling_forms_minus_sigma": form_differences(run), "best_exit_probe": probe,
+            "exit_probe_ahead": ahead(rows.get(probe)),
             "values": values, "segments": segments, "training": training, "conditions": conditions,
             "run": f"benchmarks/results/gradient_screen_runs/{label}.json", "command": settings["commands"]["run"]}
 

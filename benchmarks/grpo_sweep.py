@@ -40,14 +40,21 @@ def run_dir(setting_dir: Path, lr: float, seed: int) -> Path:
     return setting_dir / "sweep" / f"grpo_lr{lr:g}_seed{seed}"
 
 
-def rises(summary: dict) -> dict:
-    """Last minus first greedy validation accuracy and sampled reward (means over the first and last 10 steps)."""
+def greedy_and_sampled_rise(summary: dict) -> tuple[float, float | None]:
+    """A run summary's last minus first greedy validation accuracy, and sampled reward (means over the first and last
+    10 steps; None when the run logged none)."""
     validation, diagnostics = summary["validation"], summary.get("diagnostics") or {}
     first, last = (diagnostics.get(part) or {} for part in ("first", "last"))
     sampled = (last["critic/score/mean"] - first["critic/score/mean"]
                if "critic/score/mean" in first and "critic/score/mean" in last else None)
+    return validation[-1]["accuracy"] - validation[0]["accuracy"], sampled
+
+
+def rises(summary: dict) -> dict:
+    greedy, sampled = greedy_and_sampled_rise(summary)
+    validation = summary["validation"]
     return {"greedy_first": validation[0]["accuracy"], "greedy_last": validation[-1]["accuracy"],
-            "greedy_rise": validation[-1]["accuracy"] - validation[0]["accuracy"], "sampled_rise": sampled,
+            "greedy_rise": greedy, "sampled_rise": sampled,
             "auc": summary["auc"], "steps": summary["steps"], "median_step_s": summary["median_step_s"]}
 
 
