@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from rredcot_verl.tasks import TASKS
+from rredcot_verl.tasks import TASKS, sandbox
 from rredcot_verl.tasks.code import code_task_refusal
 from rredcot_verl.tasks.code_reward import compute_score, parse_tests
-from rredcot_verl.tasks.sandbox import UID_BASE, UID_SPAN, CodeTests, SandboxLimits, live_processes_of, run_tests
+from rredcot_verl.tasks.sandbox import CodeTests, SandboxLimits, live_processes_of, run_tests
 
 LIMITS = SandboxLimits(timeout_s=2.0, memory_bytes=512 << 20, processes=16)
 SQUARE_ASSERTS = CodeTests("assert", ("assert square(2) == 4", "assert square(-3) == 9"))
@@ -29,6 +29,21 @@ def _hostile(body: str) -> tuple[object, float]:
     start = time.monotonic()
     result = run_tests(body + "\n" + SQUARE, SQUARE_ASSERTS, LIMITS)
     return result, time.monotonic() - start
+
+
+@pytest.fixture
+def uids_of_this_test(monkeypatch) -> set[int]:
+    """The uids the sandbox dropped to in this test (the real kill runs; only its argument is noted): another
+    process's sandbox (an end-to-end code run beside this tier) may have live processes under its own uid."""
+    used: set[int] = set()
+    kill_uid = sandbox._kill_uid
+
+    def noting(uid, *args, **kwargs):
+        used.add(uid)
+        return kill_uid(uid, *args, **kwargs)
+
+    monkeypatch.setattr(sandbox, "_kill_uid", noting)
+    return used
 
 
 def test_a_correct_program_passes_every_assert():
@@ -69,32 +84,20 @@ def test_a_memory_hog_fails_with_status_memory():
     assert (result.passed, result.status) == (0, "memory") and took < BOUND_S
 
 
-def test_a_fork_bomb_is_contained():
+def test_a_fork_bomb_is_contained(uids_of_this_test):
     result, took = _hostile("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
     assert result.passed == 0 and result.status in ("timeout", "error") and took < BOUND_S
     # Nothing of it survives the run (when the uid was dropped every process of that uid is killed).
     if "unprivileged_user" in result.isolation:
-        assert not [uid for uid in _sandbox_uids() if live_processes_of(uid)]
+        assert uids_of_this_test and not [uid for uid in uids_of_this_test if live_processes_of(uid)]
 
 
-def test_a_child_that_leaves_the_process_group_is_killed():
+def test_a_child_that_leaves_the_process_group_is_killed(uids_of_this_test):
     result, _ = _hostile("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)")
     assert result.all_passed
     if "unprivileged_user" not in result.isolation:
         pytest.skip("only a dropped uid lets the parent find a child outside the process group")
-    assert not [uid for uid in _sandbox_uids() if live_processes_of(uid)]
-
-
-def _sandbox_uids() -> set[int]:
-    uids = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            uid = os.stat(f"/proc/{pid}").st_uid
-        except OSError:
-            continue
-        if UID_BASE <= uid < UID_BASE + UID_SPAN:
-            uids.add(uid)
-    return uids
+    assert uids_of_this_test and not [uid for uid in uids_of_this_test if live_processes_of(uid)]
 
 
 def test_a_write_outside_the_working_directory_fails_and_leaves_no_file(tmp_path):

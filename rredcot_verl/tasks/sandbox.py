@@ -261,15 +261,18 @@ def _interpreter(drop_uid: bool) -> str:
     return ""
 
 
-def _kill_uid(uid: int) -> None:
+def _kill_uid(uid: int, within_s: float = 5.0) -> None:
     """SIGKILL every process of ``uid`` (a program's children that left its process group included), by a helper
-    that takes the uid and signals everything it may (``kill(-1)``); repeated while any is left."""
-    for _ in range(5):
-        if not live_processes_of(uid):
-            return
-        helper = "import os, sys; u = int(sys.argv[1]); os.setgroups([]); os.setgid(u); os.setuid(u); os.kill(-1, 9)"
+    that takes the uid and signals everything it may (``kill(-1)``); repeated while any is left, for up to
+    ``within_s``: a killed process stays alive until the kernel has torn it down, which on a loaded machine can take
+    longer than one pass, and a fork bomb's child born during a pass escapes it."""
+    helper = "import os, sys; u = int(sys.argv[1]); os.setgroups([]); os.setgid(u); os.setuid(u); os.kill(-1, 9)"
+    deadline = time.monotonic() + within_s
+    pause = 0.02
+    while live_processes_of(uid) and time.monotonic() < deadline:
         subprocess.run([sys.executable, "-I", "-S", "-c", helper, str(uid)], env={}, check=False, timeout=10)
-        time.sleep(0.05)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.5)
 
 
 def live_processes_of(uid: int) -> list[int]:
