@@ -42,10 +42,11 @@ def build(tmp_path_factory) -> Path:
 
 
 RUN_TIMEOUT_S = 900
-# Values from the two ranks against one process on the same plans, with the actor's precision: measured equal
-# (max difference 0.0; 6.7e-6 between other micro-batch splits). A trace given its neighbour's values differs by
-# 0.38 (median), and a model cast wholly to bf16 (rotary frequencies included) by 0.011.
-VALUE_ATOL = 1e-4
+# Values from the two ranks against one process on the same plans, with the actor's precision: usually equal (max
+# difference 0.0; 6.7e-6 between other micro-batch splits), once 8.3e-4 on a loaded clean-clone CI (bf16 sums
+# whose order a CPU kernel chose differently). A trace given its neighbour's values differs by 0.38 (median), and a
+# model cast wholly to bf16 (rotary frequencies included) by 0.011: both still fail by a wide margin.
+VALUE_ATOL = 2e-3
 
 
 def _train(estimator: str, build: Path, out: Path, steps: int = 2, extra=(), env_extra=None) -> subprocess.CompletedProcess:
