@@ -42,6 +42,7 @@ if __package__ in (None, ""):  # ``python benchmarks/gradient_quality.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common
+from benchmarks.grpo_sweep import best_rate_overrides
 from rredcot_verl.core.outcomes import group_outcome_advantage
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.segmentation import segment_response
@@ -453,8 +454,9 @@ def policy_model_dir(build_model: Path, checkpoint: Path, out: Path) -> Path:
 
 
 def grpo_checkpoint(setting: str, steps: int) -> Path:
-    """``<run>/checkpoints/global_step_<steps>`` of a GRPO run on ``setting`` (seed 1, the recipe's rate), trained
-    first when it is not there: a policy mid-training for the screen."""
+    """``<run>/checkpoints/global_step_<steps>`` of a GRPO run on ``setting`` (seed 1; the best rate and warmup of
+    GRPO's committed sweep on the setting, else the recipe's rate), trained first when it is not there: a policy
+    mid-training for the screen."""
     limits = common.SETTINGS[setting]
     run = CACHE_DIR.parent / "gradient_screen" / f"{setting}_grpo_seed1"
     checkpoint = run / "checkpoints" / f"global_step_{steps}"
@@ -465,7 +467,8 @@ def grpo_checkpoint(setting: str, steps: int) -> Path:
             f"data.train_files={data['train_files']}", f"data.val_files={data['val_files']}",
             f"data.max_prompt_length={limits.max_prompt_length}",
             f"data.max_response_length={limits.max_response_length}", f"trainer.test_freq={steps}",
-            f"trainer.default_local_dir={run / 'checkpoints'}", f"trainer.save_freq={steps}"),
+            f"trainer.default_local_dir={run / 'checkpoints'}", f"trainer.save_freq={steps}",
+            *best_rate_overrides(setting)),
             timeout_s=7200, preset=limits.preset)
         if code != 0 or not (checkpoint / "actor").is_dir():
             raise SystemExit(f"GRPO run for --policy-grpo-steps exited {code}: see {run / 'train.log'}")

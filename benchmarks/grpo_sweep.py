@@ -16,6 +16,8 @@ and the sampled reward (``critic/score/mean``) averaged over the first and last 
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,23 @@ def run_specs(steps: int, test_freq: int, data: tuple[str, ...]) -> dict[tuple[f
     overrides = (*common.METHODS["grpo"].overrides, *data, *se.schedule_overrides(steps, test_freq),
                  f"actor_rollout_ref.actor.optim.lr_warmup_steps={WARMUP_STEPS}")
     return {(lr, seed): se.RunSpec("grpo", seed, steps, lr, overrides) for lr in RATES for seed in SEEDS}
+
+
+def results_path(setting: str) -> Path:
+    return RESULTS_PATH.with_name(f"grpo_sweep_{setting}.json")
+
+
+def best_rate_overrides(setting: str) -> tuple[str, ...]:
+    """The learning rate and warmup of GRPO's best rate in the committed sweep on ``setting``; () without a sweep or
+    a best rate (the recipe's rate stands)."""
+    path = results_path(setting)
+    if not path.exists():
+        return ()
+    result = json.loads(path.read_text())
+    if result["best_rate"] is None:
+        return ()
+    return (f"actor_rollout_ref.actor.optim.lr={result['best_rate']:g}",
+            f"actor_rollout_ref.actor.optim.lr_warmup_steps={result['meta']['warmup_steps']}")
 
 
 def run_dir(setting_dir: Path, lr: float, seed: int) -> Path:
@@ -124,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "rule": "best rate: highest seed-mean validation AUC, ties to the smaller rate",
                       "exit_codes": codes, **common.machine_meta()}
     print_table(result)
-    out = args.out or RESULTS_PATH.with_name(f"grpo_sweep_{args.setting}.json")
+    out = args.out or results_path(args.setting)
     return common.write_result(result, out)
 
 

@@ -168,3 +168,8 @@ def test_the_committed_items_sweep_recomputes_from_the_ledger(tmp_path):
     assert training["best_swept_rate"] == committed["best_rate"]
     best = committed["by_rate"][f"{committed['best_rate']:g}"]
     assert abs(training["greedy_rise"] - best["greedy_rise"]) < 1e-12
+    # The screen's GRPO policy mid-training trains at that rate, with the sweep's warmup; elsewhere the recipe's.
+    assert grpo_sweep.best_rate_overrides("items") == (
+        f"actor_rollout_ref.actor.optim.lr={committed['best_rate']:g}",
+        f"actor_rollout_ref.actor.optim.lr_warmup_steps={committed['meta']['warmup_steps']}")
+    assert grpo_sweep.best_rate_overrides("hard") == ()
