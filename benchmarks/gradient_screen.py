@@ -52,6 +52,7 @@ SCREEN_BATCHES = 16  # paired batches a complete run has (gradient_quality --scr
 CEILINGS = ("mc_ceiling", "mc_ceiling_raw", "mc_ceiling_signed", "mc_ceiling_signed_degenerate")
 # signed on all groups: measured on `items` only (added after the other runs)
 EXIT_PROBES = ("rredcot_exit_probe", "rredcot_exit_probe_signed", "rredcot_exit_probe_signed_degenerate")
+SATURATED = 0.99  # an exit-probe value this close to 1
 BARS = {"within_trace_spearman": 0.6, "localisation": 0.6, "median_segments": 8, "greedy_rise": 0.05,
         "sampled_rise": 0.05}
 
@@ -98,17 +99,25 @@ def best_of(rows: dict, names) -> str | None:
 def value_conditions(traces: dict) -> dict:
     """Condition (1) from the run's distinct traces: exit-probe values v̂_0..v̂_{K-1} against Monte-Carlo values of the
     same states, and the localisation of the first wrong step by each."""
-    pairs, exit_hits, mc_hits, chance = [], [], [], []
+    pairs, exit_hits, mc_hits, chance, inner = [], [], [], [], []
     for trace in traces["value_agreement"].values():
         exit_row, mc_row = np.array(trace["exit_probe"]), np.array(trace["monte_carlo"])
         pairs.append((exit_row[:-1], mc_row[:-1]))
+        inner += list(zip(exit_row[1:-1], mc_row[1:-1]))
         holder = trace["holder"]
         if trace["outcome"] == 0.0 and holder is not None and len(exit_row) > 2 and holder < len(exit_row) - 1:
             exit_hits.append(float(int(np.argmin(np.diff(exit_row))) == holder))
             mc_hits.append(float(int(np.argmin(np.diff(mc_row))) == holder))
             chance.append(1.0 / (len(exit_row) - 1))
     states = common.correlations(pairs)
+    # Saturation: the states after the first boundary that the exit probe values at >= 0.99, and how many of them
+    # Monte-Carlo values still put below 0.9 (a value near 1 leaves nothing to redistribute after it).
+    inner_exit, inner_mc = np.array(inner).reshape(-1, 2).T
+    saturated = inner_exit >= SATURATED
     return {"traces": len(pairs), "state_spearman": states["spearman"],
+            "saturated_share": float(saturated.mean()) if inner else None,
+            "saturated_monte_carlo_below_0_9": float((inner_mc[saturated] < 0.9).mean()) if saturated.any() else None,
+            "saturated_monte_carlo_mean": float(inner_mc[saturated].mean()) if saturated.any() else None,
             "within_trace_spearman": states["within_spearman"], "within_trace_n": states["within_n"],
             "localisation": float(np.mean(exit_hits)) if exit_hits else None,
             "localisation_monte_carlo": float(np.mean(mc_hits)) if mc_hits else None,
@@ -262,8 +271,9 @@ def markdown_tables(result: dict) -> str:
         lines.append(f"| {policy_text(label, entry)} | {entry['methods']['grpo']['cosine']:.3f} | "
                      + " | ".join(cells) + " |")
     lines += ["", "| setting, policy | (1) within-trace Spearman, exit probe vs MC | (1) localisation: exit probe / MC "
-              "/ chance | (2) median segments | (3) GRPO greedy / sampled rise | best ceiling ahead | met |",
-              "|---|---|---|---|---|---|---|"]
+              "/ chance | exit probe ≥ 0.99: share of states / of them MC < 0.9 | (2) median segments | (3) GRPO "
+              "greedy / sampled rise | best ceiling ahead | met |",
+              "|---|---|---|---|---|---|---|---|"]
     for label in order:
         entry = entries[label]
         values, training = entry["values"], entry["training"]
@@ -271,7 +281,8 @@ def markdown_tables(result: dict) -> str:
         lines.append(
             f"| {policy_text(label, entry)} | {values['within_trace_spearman']:.2f} (states {values['state_spearman']:.2f}) "
             f"| {values['localisation']:.0%} / {values['localisation_monte_carlo']:.0%} / "
-            f"{values['localisation_chance']:.0%} | {entry['segments']['median_segments']:g} | "
+            f"{values['localisation_chance']:.0%} | {values['saturated_share']:.0%} / "
+            f"{values['saturated_monte_carlo_below_0_9']:.0%} | {entry['segments']['median_segments']:g} | "
             f"{signed_text(training['greedy_rise'])} / {signed_text(training['sampled_rise'])} | "
             f"{'yes' if entry['conditions']['ceiling_ahead'] else 'no'} (`{entry['best_ceiling']}`) | "
             f"{', '.join(met) if met else 'none'} |")

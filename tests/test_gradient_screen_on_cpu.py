@@ -37,8 +37,8 @@ def test_values_are_judged_state_by_state_and_by_where_the_first_wrong_step_is()
                   "0,0": _trace([0.8, 0.7, 0.1, 0.0], [0.9, 0.8, 0.2, 0.0], 0.0, 1),
                   # the verifier blames segment 0: MC falls there, the exit probe rises and falls at segment 2
                   "0,1": _trace([0.5, 0.6, 0.7, 0.0], [0.9, 0.2, 0.2, 0.0], 0.0, 0),
-                  # a correct trace: no localisation, within-trace ranks reversed
-                  "1,0": _trace([0.1, 0.2, 0.3, 1.0], [0.9, 0.8, 0.7, 1.0], 1.0, None)}}
+                  # a correct trace: no localisation, within-trace ranks reversed; the exit probe saturates early
+                  "1,0": _trace([0.1, 0.995, 0.999, 1.0], [0.9, 0.8, 0.7, 1.0], 1.0, None)}}
     values = gradient_screen.value_conditions(traces)
     assert values["traces"] == 3 and values["localisation_n"] == 2
     # R = diff: trace 0,0 exit [-.1, -.6, -.1] -> argmin 1 (hit); MC [-.1, -.6, -.2] -> 1 (hit)
@@ -49,6 +49,10 @@ def test_values_are_judged_state_by_state_and_by_where_the_first_wrong_step_is()
     # within-trace Spearman over v_0..v_{K-1}: +1, -0.866 (MC tied), -1
     assert values["within_trace_n"] == 3
     assert values["within_trace_spearman"] == pytest.approx((1 - 0.8660254 - 1) / 3, abs=1e-6)
+    # states after the first boundary, the last left out: 2 of 6 at >= 0.99, where MC gives 0.8 and 0.7
+    assert values["saturated_share"] == pytest.approx(2 / 6)
+    assert values["saturated_monte_carlo_below_0_9"] == 1.0
+    assert values["saturated_monte_carlo_mean"] == pytest.approx(0.75)
     assert gradient_screen.segment_conditions(traces)["median_segments"] == 3
 
 
