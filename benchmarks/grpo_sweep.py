@@ -17,7 +17,6 @@ and the sampled reward (``critic/score/mean``) averaged over the first and last 
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +35,7 @@ RESULTS_PATH = common.RESULTS_DIR / "grpo_sweep_items.json"
 
 def run_specs(steps: int, test_freq: int, data: tuple[str, ...]) -> dict[tuple[float, int], se.RunSpec]:
     overrides = (*common.METHODS["grpo"].overrides, *data, *se.schedule_overrides(steps, test_freq),
-                 f"actor_rollout_ref.actor.optim.lr_warmup_steps={WARMUP_STEPS}")
+                 f"{se.WARMUP_KEY}={WARMUP_STEPS}")
     return {(lr, seed): se.RunSpec("grpo", seed, steps, lr, overrides) for lr in RATES for seed in SEEDS}
 
 
@@ -53,8 +52,7 @@ def best_rate_overrides(setting: str) -> tuple[str, ...]:
     result = json.loads(path.read_text())
     if result["best_rate"] is None:
         return ()
-    return (f"actor_rollout_ref.actor.optim.lr={result['best_rate']:g}",
-            f"actor_rollout_ref.actor.optim.lr_warmup_steps={result['meta']['warmup_steps']}")
+    return f"{se.LR_KEY}={result['best_rate']:g}", f"{se.WARMUP_KEY}={result['meta']['warmup_steps']}"
 
 
 def run_dir(setting_dir: Path, lr: float, seed: int) -> Path:

@@ -76,6 +76,7 @@ SWEEP_DATA_SEED = 1  # generator stream of the sweep's problems; the main runs' 
 LEARNING_RATE_FROM = {"segment_mc": "rredcot", **{method: "grpo" for method in (
     "rredcot_ibpo", "rredcot_repairs_degenerate", "rredcot_exit_probe_gated", *HARD_CONTROLS)}}
 LR_KEY = "actor_rollout_ref.actor.optim.lr"
+WARMUP_KEY = "actor_rollout_ref.actor.optim.lr_warmup_steps"
 RESULTS_PATH = common.RESULTS_DIR / "sample_efficiency.json"
 # verl logs the reward function's score as acc (reward when it returns a dict without "acc"); both are 0/1 here.
 VAL_KEYS = ("val-core/rredcot_arithmetic/acc/mean@1", "val-core/rredcot_arithmetic/reward/mean@1")
