@@ -72,10 +72,13 @@ def token_advantages(
     mixed_segments, all_equal_segments = in_segment & mixed.unsqueeze(1), in_segment & all_equal.unsqueeze(1)
     half_range = width / 2.0
     unit = 1.0 if cfg.norm_adv_by_std else half_range
-    sigma, clipped = _clip_coefficients(
-        rewards / total.unsqueeze(1), mixed_segments & ~interpolated.unsqueeze(1), num_segments, cfg.clip
-    )
-    bound = cfg.max_token_advantage_ratio
+    sigma = rewards / total.unsqueeze(1)
+    sigma, clipped = _project(  # |K·σ_k| <= c, Σ σ = 1
+        sigma, torch.ones_like(sigma), mixed_segments & ~interpolated.unsqueeze(1),
+        (cfg.clip / num_segments.clamp(min=1).double()).unsqueeze(1), torch.ones(len(sigma), dtype=torch.float64),
+    )  # fmt: skip
+    weights = tokens.double()  # the token factors are projected per token: |f_k| <= B, Σ_k n_k·f_k kept
+    bound = torch.full((len(sigma), 1), float(cfg.max_token_advantage_ratio), dtype=torch.float64)
     if cfg.advantage_form == "signed":  # |R_k| is at most the reward range: no bound needed
         scale = (outcome_gap / advantage.double()).where(mixed & (advantage != 0), 1.0)
         from_mixed = (1.0 - cfg.mix) * advantage.double().unsqueeze(1) + cfg.mix * rewards / scale.unsqueeze(1)
@@ -85,11 +88,11 @@ def token_advantages(
     else:
         factor = (1.0 - cfg.mix) + cfg.mix * lengths.unsqueeze(1) * sigma / tokens
         factor = factor.where(~interpolated.unsqueeze(1), 1.0)
-        factor, bounded = _bound_token_factors(factor, tokens, mixed_segments, lengths, bound)
+        factor, bounded = _project(factor, weights, mixed_segments, bound, lengths)
         from_mixed = advantage.double().unsqueeze(1) * factor
         factor = cfg.mix * (rewards / half_range) * (lengths.unsqueeze(1) / tokens)
         target = cfg.mix * lengths * total / half_range
-        factor, all_equal_bounded = _bound_token_factors(factor, tokens, all_equal_segments, target, bound)
+        factor, all_equal_bounded = _project(factor, weights, all_equal_segments, bound, target)
         from_differences, bounded = unit * factor, bounded | all_equal_bounded
     segment_advantages = torch.where(differences.unsqueeze(1), from_differences, from_mixed)
     on_tokens = _spread_over_tokens(segment_advantages, segment_ends, in_response)
@@ -149,72 +152,35 @@ def map_values(raw, fraction, outcome, mean_outcome, cfg) -> tuple[torch.Tensor,
     return values, flat, steep
 
 
+def _project(rows, weights, active, limit, target) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep every active |x| within ``limit`` while Σ weights · x over the active entries stays ``target``.
 
-def _shifted_clamp(rows, weights, mask, limit, target) -> torch.Tensor:
-    """x ← clamp(x − τ, −limit, limit) with τ found by bisection so that Σ weights · x = target over ``mask``.
-
-    This is the (weighted) Euclidean projection onto {|x| <= limit, Σ w·x = target}; it keeps the order of the
-    entries. When |target| > limit · Σ w no shift reaches it and every entry ends at ±limit.
+    Rows within the limit are returned unchanged. For the others, x ← clamp(x − τ, −limit, limit) with the shift τ
+    found by bisection: the (weighted) Euclidean projection onto {|x| <= limit, Σ w·x = target}, which keeps the
+    order of the entries. Clamping and then rescaling instead could divide by a sum near zero or flip every sign.
+    When |target| > limit · Σ w no shift reaches it and every entry ends at ±limit. Used twice: σ_k with unit weights,
+    limit c/K and target 1 (Σ σ = 1 kept); the token factors f_k weighted by their segment's tokens n_k, limit B and
+    target the token sum.
 
     Args:
-        rows: (n, M) float64. weights: (n, M) positive. mask: (n, M) bool. limit: (n, 1). target: (n,).
+        rows: (n, M) float64. weights: (n, M) positive. active: (n, M) bool. limit: (n, 1). target: (n,).
+
+    Returns:
+        rows (n, M), and changed (n,) bool: rows that were projected.
     """
+    changed = (active & (rows.abs() > limit)).any(1)
+    if not changed.any():
+        return rows, changed
+    x, mask, weights, limit, target = rows[changed], active[changed], weights[changed], limit[changed], target[changed]
     # At τ = min x − limit every entry sits at +limit (the largest total); at τ = max x + limit at −limit.
-    low = rows.where(mask, float("inf")).amin(1) - limit.squeeze(1)
-    high = rows.where(mask, float("-inf")).amax(1) + limit.squeeze(1)
+    low = x.where(mask, float("inf")).amin(1) - limit.squeeze(1)
+    high = x.where(mask, float("-inf")).amax(1) + limit.squeeze(1)
     for _ in range(_BISECTION_STEPS):
         middle = (low + high) / 2
-        total = (weights * (rows - middle.unsqueeze(1)).clamp(-limit, limit)).where(mask, 0.0).sum(1)
+        total = (weights * (x - middle.unsqueeze(1)).clamp(-limit, limit)).where(mask, 0.0).sum(1)
         above = total > target
         low, high = middle.where(above, low), high.where(above, middle)
-    return (rows - ((low + high) / 2).unsqueeze(1)).clamp(-limit, limit)
-
-
-def _clip_coefficients(sigma, active, num_segments, clip) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep K·σ_k within [−clip, clip] while Σ_k σ_k stays 1.
-
-    Rows within the bound are returned unchanged. For the others, σ_k ← clamp(σ_k − τ, −clip/K, clip/K) with the
-    shift τ found by bisection so the sum is 1 (the Euclidean projection onto the allowed set). Clamping and then
-    dividing by the sum instead could divide by a sum near zero or flip every sign.
-
-    Args:
-        sigma: (n, M) coefficients summing to 1 over active entries. active: (n, M) bool.
-        num_segments: (n,) K. clip: c >= 1.
-
-    Returns:
-        sigma (n, M), and clipped (n,) bool: rows that were changed.
-    """
-    bound = (clip / num_segments.clamp(min=1).double()).unsqueeze(1)
-    clipped = (active & (sigma.abs() > bound)).any(1)
-    if not clipped.any():
-        return sigma, clipped
-    rows, mask = sigma[clipped], active[clipped]
-    projected = _shifted_clamp(rows, torch.ones_like(rows), mask, bound[clipped], torch.ones(rows.shape[0]).double())
-    sigma = sigma.clone()
-    sigma[clipped] = projected.where(mask, rows)
-    return sigma, clipped
-
-
-def _bound_token_factors(factor, tokens, active, target, bound) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep every token's |f_t| within ``bound`` while Σ_t f_t = Σ_k n_k f_k stays ``target``.
-
-    The projection of ``_clip_coefficients`` with each segment weighted by its token count, so it acts per token.
-    Rows within the bound are returned unchanged.
-
-    Args:
-        factor: (n, M) per-segment token factors f_k (A_t = unit · f_k). tokens: (n, M) n_k. active: (n, M) bool.
-        target: (n,) token sum to keep: L for mixed groups, λ·L·Σ_k R_k / s for degenerate ones. bound: B >= 1.
-
-    Returns:
-        factor (n, M), and bounded (n,) bool: rows that were changed.
-    """
-    bounded = (active & (factor.abs() > bound)).any(1)
-    if not bounded.any():
-        return factor, bounded
-    rows, mask = factor[bounded], active[bounded]
-    limit = torch.full((rows.shape[0], 1), float(bound), dtype=torch.float64)
-    projected = _shifted_clamp(rows, tokens[bounded].double(), mask, limit, target[bounded])
-    factor = factor.clone()
-    factor[bounded] = projected.where(mask, rows)
-    return factor, bounded
-
+    projected = (x - ((low + high) / 2).unsqueeze(1)).clamp(-limit, limit)
+    rows = rows.clone()
+    rows[changed] = projected.where(mask, x)
+    return rows, changed
