@@ -177,3 +177,31 @@ def test_the_committed_items_sweep_recomputes_from_the_ledger(tmp_path):
         f"actor_rollout_ref.actor.optim.lr={committed['best_rate']:g}",
         f"actor_rollout_ref.actor.optim.lr_warmup_steps={committed['meta']['warmup_steps']}")
     assert grpo_sweep.best_rate_overrides("hard") == ()
+
+
+def test_a_slip_changes_one_digit_by_one_and_never_writes_a_leading_zero():
+    from benchmarks.exit_probe_variants import slips
+
+    assert slips("61") == ["51", "71", "60", "62"]
+    assert slips("12") == ["22", "11", "13"]  # "02" would be another number's spelling
+    assert slips("9") == ["8"]
+    assert slips("-3") == ["-2", "-4"]
+
+
+def test_the_committed_exit_probe_variants_recompute_the_screens_own_exit_probe_row():
+    """The variants' self-normalised row is the screen's exit probe on the same batches, so it must give the screen's
+    condition (1) (the screen's values are rounded to 4 decimals, these are not: ranks may move a little)."""
+    from benchmarks import exit_probe_variants
+
+    variants = json.loads(exit_probe_variants.RESULTS_PATH.read_text())
+    assert variants["runs"]
+    for name, rows in variants["runs"].items():
+        assert sorted(rows) == sorted(exit_probe_variants.VARIANTS)
+        screen = gradient_screen.value_conditions(
+            json.loads((gradient_screen.RUNS_DIR / f"{name}.json").read_text())["traces"])
+        own = rows["self_normalized"]
+        assert own["traces"] == screen["traces"], name
+        assert own["within_trace_spearman"] == pytest.approx(screen["within_trace_spearman"], abs=0.03), name
+        assert own["localisation"] == pytest.approx(screen["localisation"], abs=0.02), name
+        assert own["localisation_monte_carlo"] == screen["localisation_monte_carlo"], name
+        assert f"| `{name}` | raw |" in exit_probe_variants.markdown_table(variants)
