@@ -89,8 +89,26 @@ def uses_repairs(estimator: str, settings) -> bool:
 def describe(name: str, estimator: str, settings) -> str:
     method = common.METHODS[name]
     text = f"{method.recipe}.yaml" + (f" with {', '.join(method.overrides)}" if method.overrides else " as is")
+    if estimator == "segment_mc":
+        text += (f"; {settings.segment_mc.num_continuations} continuations a state of up to "
+                 f"{settings.segment_mc.max_tokens} tokens (the setting's response budget)")
     return text + (f"; repairs: ibpo.yaml's with repair_operator={settings.ibpo.repair_operator}, max_revisions "
                    "scaled by batch rollouts / 32" if uses_repairs(estimator, settings) else "")
+
+
+def method_table(methods, limits: common.Setting, continuations: int | None = None) -> dict:
+    """{method: (estimator, settings)} as its recipe and overrides say, except that Monte-Carlo continuations may run
+    as long as the setting's rollouts: the recipes' cap (96 tokens) is the default task's response budget, and on
+    `long` (512) it cut most continuations off before their answer. ``continuations``: K instead of the method's."""
+    table = {}
+    for name in methods:
+        estimator, settings = common.method_settings(name)
+        if estimator == "segment_mc":
+            settings = dataclasses.replace(settings, segment_mc=dataclasses.replace(
+                settings.segment_mc, max_tokens=limits.max_response_length,
+                num_continuations=continuations or settings.segment_mc.num_continuations))
+        table[name] = estimator, settings
+    return table
 
 
 # ---------------------------------------------------------------------------------------------------------- engine
@@ -292,6 +310,7 @@ def segment_mc_advantages(batch: Batch, pool: dict, settings, engine: Engine, to
     result = estimator_advantages("segment_mc", settings, batch, mask, inputs)
     segments = (inputs["segment_ends"] >= 0).sum(1)
     return result.advantages, {"continuations": int(metrics["segment_mc/continuations"]),
+                               "truncated_continuations": int(metrics["segment_mc/truncated_continuations"]),
                                "redistributed_frac": result.metrics["segment_mc/redistributed_frac"],
                                "segments_per_trace": {f"{p},{r}": int(k) for (p, r), k in zip(batch.items, segments)}}
 
@@ -526,11 +545,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_model_dir(str(model_dir))
     model.eval()  # no dropout; gradients are taken explicitly
     engine = Engine(model_dir, args.seed, limits)
-    table = {name: common.method_settings(name) for name in {*args.methods, "ibpo"}}  # ibpo: the repairs' settings
-    for name, (estimator, settings) in list(table.items()):
-        if args.segment_mc_continuations and estimator == "segment_mc":
-            table[name] = estimator, dataclasses.replace(settings, segment_mc=dataclasses.replace(
-                settings.segment_mc, num_continuations=args.segment_mc_continuations))
+    table = method_table({*args.methods, "ibpo"}, limits, args.segment_mc_continuations)  # ibpo: the repairs'
     fingerprint = {"pool_prompts": args.pool_prompts, "pool_rollouts": args.pool_rollouts, "seed": args.seed,
                    "group_size": args.group_size, "setting": args.setting,
                    **({"policy": policy} if policy else {})}

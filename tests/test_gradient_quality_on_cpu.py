@@ -64,6 +64,7 @@ def test_the_screen_runs_every_ceiling_form_and_records_the_traces_it_judges(tmp
         # one set of continuations (K = 2 with --smoke) for every ceiling form
         assert row["continuations"] > 0 and all(batches[name]["4"][b]["continuations"] == row["continuations"]
                                                  for name in gradient_quality.SCREEN_METHODS if "mc_ceiling" in name)
+        assert 0 <= row["truncated_continuations"] <= row["continuations"]
         assert 0 <= batches["step_oracle"]["4"][b]["wrong_line_found"] <= 16
     traces = written["traces"]
     assert traces["value_agreement"] and set(traces["value_agreement"]) <= set(traces["segments_per_trace"])
@@ -74,6 +75,19 @@ def test_the_screen_runs_every_ceiling_form_and_records_the_traces_it_judges(tmp
         if trace["outcome"] == 1.0:
             assert trace["holder"] is None
     assert "--screen" in written["settings"]["commands"]["run"]
+    assert "continuations a state of up to 96 tokens" in written["settings"]["method_settings"]["mc_ceiling"]
+
+
+def test_monte_carlo_continuations_may_run_as_long_as_the_settings_rollouts():
+    """The recipes cap a continuation at 96 tokens, the default task's response budget; on `long` that cut most
+    continuations off before their answer (scored 0), so the ceiling's values were ~0 and its gate closed."""
+    table = gradient_quality.method_table(["mc_ceiling", "segment_mc", "rredcot"], common.SETTINGS["long"], None)
+    assert table["mc_ceiling"][1].segment_mc.max_tokens == 512 == common.SETTINGS["long"].max_response_length
+    assert table["mc_ceiling"][1].segment_mc.num_continuations == 16
+    assert table["segment_mc"][1].segment_mc.max_tokens == 512
+    assert table["rredcot"] == common.method_settings("rredcot")  # other estimators as their recipes say
+    assert gradient_quality.method_table(["mc_ceiling"], common.SETTINGS["long"], 2)["mc_ceiling"][1] \
+        .segment_mc.num_continuations == 2
 
 
 def _records(cosines_by_method: dict[str, list[float]], size: int = 32) -> dict:
