@@ -765,9 +765,13 @@ _EXIT_PROBE = (f"{_RREDCOT}.probe.value_source=exit_probe", f"{_RREDCOT}.redistr
 _AS_RREDCOT = "algorithm.adv_estimator=rredcot"  # on rredcot_ibpo.yaml: rredcot on its repair-filled bank
 _VALUE_DIFFERENCES = f"{_RREDCOT}.redistribution.degenerate_groups=value_differences"
 _CREDIT = _RREDCOT + ".redistribution.credit_traces={}"
+# Values given rather than estimated (the ceiling, the step oracle) pass without the value gate: it guards a run
+# against uninformative values, and in the screen it sees one batch (a run pools ten), where it closed on near-true
+# Monte-Carlo values by chance on `early` and `long` and made the ceiling GRPO on those batches.
+_UNGATED = f"{_RREDCOT}.redistribution.min_value_concordance=0"
 # The Monte-Carlo ceiling (issue 63's screen): segment_mc with K = 16 continuations a state, so that the values' noise
 # is small, through today's sigma shares and through signed value differences (VinePPO's and SPO's step advantage).
-_MC_CEILING = ("algorithm.rredcot.segment_mc.num_continuations=16",)
+_MC_CEILING = ("algorithm.rredcot.segment_mc.num_continuations=16", _UNGATED)
 _RAW = f"{_RREDCOT}.redistribution.value_mapping=raw"
 _SIGNED = f"{_RREDCOT}.redistribution.advantage_form=signed"
 # Repairs resumed from the failed trace's divergence point (the package's default operator) instead of the tiny
@@ -809,8 +813,8 @@ METHODS = {
     "rredcot_exit_probe_signed_degenerate": Method("rredcot", (*_EXIT_PROBE, _SIGNED, _VALUE_DIFFERENCES)),
     # A diagnostic, not a value source: gradient_quality.py replaces the values by the task's verifier (0.9 before
     # the segment completing the first wrong step line, 0 from it on), through both forms.
-    "step_oracle": Method("segment_mc", (_RAW,)),
-    "step_oracle_signed": Method("segment_mc", (_RAW, _SIGNED)),
+    "step_oracle": Method("segment_mc", (_UNGATED, _RAW)),
+    "step_oracle_signed": Method("segment_mc", (_UNGATED, _RAW, _SIGNED)),
     # The fade's mechanism (RESULTS.md §4): value credit on wrong traces only / on correct traces only
     "rredcot_credit_incorrect": Method("rredcot", (_CREDIT.format("incorrect"),)),
     "rredcot_credit_correct": Method("rredcot", (_CREDIT.format("correct"),)),

@@ -9,13 +9,16 @@ batches) and the GRPO runs of ``sample_efficiency``'s ledger, and judges:
 
 - **the ceiling**: Monte-Carlo values with K = 16 continuations a state through today's sigma shares (``mc_ceiling``
   with the recipe's affine mapping, ``mc_ceiling_raw`` without one) and through signed value differences
-  (``mc_ceiling_signed``; ``_degenerate`` lets all-equal groups learn from them too). Its best form's cosine − GRPO's
+  (``mc_ceiling_signed``; ``_degenerate`` lets all-equal groups learn from them too), without the value gate: it
+  guards a run against uninformative values, and judged on one batch it closed on near-true values by chance (a
+  batch where a form's gradient is GRPO's is counted, ``ceiling_batches_at_grpo``). Its best form's cosine − GRPO's
   interval above 0 means credit can pay on that setting when values are near the truth; no form above 0 means it
   cannot, whatever the value source. The verifier's step oracle (``step_oracle``: 0.9 before the segment completing
   the first wrong line, 0 after) is a diagnostic of localisation alone, not a ceiling;
 - **(1) self-values**: the exit probe's values against the ceiling's Monte-Carlo values of the same states (the
   run's distinct traces): pooled state-level Spearman, mean within-trace Spearman, and localisation of the first
-  wrong step (argmin of R_k = V_k − V_{k-1} on the segment the verifier names) beside Monte-Carlo's own; bars
+  wrong step (argmin of R_k = V_k − V_{k-1} on the segment the verifier names) beside Monte-Carlo's own, and the
+  within-trace Spearman exact values would reach against K = 16 draws (the bar's reach); bars
   within-trace ≥ 0.6 and localisation ≥ 60%;
 - **(2) decisions**: median segments a trace (the recipes' entropy segmentation, at most ``max_segments`` = 8); bar ≥ 8;
 - **(3) training moves**: GRPO's main runs on the setting, or on a setting without them the runs at the best rate of
@@ -53,6 +56,8 @@ CEILINGS = ("mc_ceiling", "mc_ceiling_raw", "mc_ceiling_signed", "mc_ceiling_sig
 # signed on all groups: measured on `items` only (added after the other runs)
 EXIT_PROBES = ("rredcot_exit_probe", "rredcot_exit_probe_signed", "rredcot_exit_probe_signed_degenerate")
 SATURATED = 0.99  # an exit-probe value this close to 1
+MONTE_CARLO_K = 16  # continuations a state in the ceiling's values (common's _MC_CEILING)
+EXACT_DRAWS = 20  # simulated Monte-Carlo draws for the within-trace Spearman an exact value source would reach
 BARS = {"within_trace_spearman": 0.6, "localisation": 0.6, "median_segments": 8, "greedy_rise": 0.05,
         "sampled_rise": 0.05}
 
@@ -81,6 +86,15 @@ def form_differences(run: dict) -> dict:
         paired = common.paired_differences(cosines[name], cosines["mc_ceiling"])
         out[name] = {"mean": float(np.mean(paired)), "ci95": common.t_interval(paired), "n_batches": len(paired)}
     return out
+
+
+def batches_at_grpo(run: dict) -> dict:
+    """Per ceiling form, the batches whose gradient is GRPO's exactly (cosine equal to GRPO's): a form that
+    redistributed nothing there, as under a closed value gate. The ceiling's values pass ungated (``common``'s
+    ``_UNGATED``), so a complete ceiling has none."""
+    cosines = run["batch_cosines"]
+    return {name: sum(cosine == cosines["grpo"].get(batch) for batch, cosine in cosines.get(name, {}).items())
+            for name in CEILINGS}
 
 
 def ahead(row: dict | None) -> bool | None:
@@ -115,6 +129,7 @@ def value_conditions(traces: dict) -> dict:
     inner_exit, inner_mc = np.array(inner).reshape(-1, 2).T
     saturated = inner_exit >= SATURATED
     return {"traces": len(pairs), "state_spearman": states["spearman"],
+            "within_trace_spearman_exact_values": exact_values_spearman([mc for _, mc in pairs]),
             "saturated_share": float(saturated.mean()) if inner else None,
             "saturated_monte_carlo_below_0_9": float((inner_mc[saturated] < 0.9).mean()) if saturated.any() else None,
             "saturated_monte_carlo_mean": float(inner_mc[saturated].mean()) if saturated.any() else None,
@@ -122,6 +137,18 @@ def value_conditions(traces: dict) -> dict:
             "localisation": float(np.mean(exit_hits)) if exit_hits else None,
             "localisation_monte_carlo": float(np.mean(mc_hits)) if mc_hits else None,
             "localisation_chance": float(np.mean(chance)) if chance else None, "localisation_n": len(exit_hits)}
+
+
+def exact_values_spearman(monte_carlo: list[np.ndarray], seed: int = 0) -> float | None:
+    """The mean within-trace Spearman that exact values would reach against Monte-Carlo values with K = 16: the
+    bar's reach, since the K continuations' noise alone keeps any value source below 1. Taking each state's measured
+    Monte-Carlo value as its true success probability, K outcomes a state are drawn (``EXACT_DRAWS`` times) and the
+    true values ranked against their means, as ``value_conditions`` ranks the exit probe's."""
+    rng = np.random.default_rng(seed)
+    draws = [common.correlations([(values, rng.binomial(MONTE_CARLO_K, values) / MONTE_CARLO_K)
+                                  for values in monte_carlo])["within_spearman"] for _ in range(EXACT_DRAWS)]
+    measured = [draw for draw in draws if draw is not None]
+    return float(np.mean(measured)) if measured else None
 
 
 def segment_conditions(traces: dict) -> dict:
@@ -207,7 +234,8 @@ def screen_entry(run: dict, label: str) -> dict:
     }
     return {"setting": setting, "batches": batches, "policy": settings["model"], "pool_accuracy": settings["pool_accuracy"],
             "gstar_split_half_cosine": settings["gstar"]["split_half_cosine"], "methods": rows,
-            "best_ceiling": ceiling, "ceiling_forms_minus_sigma": form_differences(run), "best_exit_probe": probe,
+            "best_ceiling": ceiling, "ceiling_forms_minus_sigma": form_differences(run),
+            "ceiling_batches_at_grpo": batches_at_grpo(run), "best_exit_probe": probe,
             "exit_probe_ahead": ahead(rows.get(probe)),
             "values": values, "segments": segments, "training": training, "conditions": conditions,
             "run": f"benchmarks/results/gradient_screen_runs/{label}.json", "command": settings["commands"]["run"]}
@@ -270,7 +298,8 @@ def markdown_tables(result: dict) -> str:
         cells = [interval_text(entry["methods"].get(name)) for name in GRADIENT_COLUMNS]
         lines.append(f"| {policy_text(label, entry)} | {entry['methods']['grpo']['cosine']:.3f} | "
                      + " | ".join(cells) + " |")
-    lines += ["", "| setting, policy | (1) within-trace Spearman, exit probe vs MC | (1) localisation: exit probe / MC "
+    lines += ["", "| setting, policy | (1) within-trace Spearman, exit probe vs MC (pooled states; exact values' "
+              "reach) | (1) localisation: exit probe / MC "
               "/ chance | exit probe ≥ 0.99: share of states / of them MC < 0.9 | (2) median segments | (3) GRPO "
               "greedy / sampled rise | best ceiling ahead | met |",
               "|---|---|---|---|---|---|---|---|"]
@@ -279,7 +308,8 @@ def markdown_tables(result: dict) -> str:
         values, training = entry["values"], entry["training"]
         met = [name for name, ok in entry["conditions"].items() if ok]
         lines.append(
-            f"| {policy_text(label, entry)} | {values['within_trace_spearman']:.2f} (states {values['state_spearman']:.2f}) "
+            f"| {policy_text(label, entry)} | {values['within_trace_spearman']:.2f} (states {values['state_spearman']:.2f}; "
+            f"exact {values['within_trace_spearman_exact_values']:.2f}) "
             f"| {values['localisation']:.0%} / {values['localisation_monte_carlo']:.0%} / "
             f"{values['localisation_chance']:.0%} | {values['saturated_share']:.0%} / "
             f"{values['saturated_monte_carlo_below_0_9']:.0%} | {entry['segments']['median_segments']:g} | "

@@ -157,6 +157,10 @@ def test_methods_are_read_from_their_recipes_with_the_overrides_their_names_say(
         assert estimator == "segment_mc" and settings.redistribution.advantage_form == form
         assert settings.redistribution.value_mapping == mapping
         assert settings.segment_mc.num_continuations == (16 if name.startswith("mc_ceiling") else 9)
+    # values given, not estimated, pass without the value gate; the exit probe keeps it, as a user runs it
+    for name in (n for n in gradient_quality.SCREEN_METHODS if n.startswith(("mc_ceiling", "step_oracle"))):
+        assert method_settings(name)[1].redistribution.min_value_concordance == 0.0, name
+    assert method_settings("rredcot_exit_probe")[1].redistribution.min_value_concordance == 0.6
     assert method_settings("mc_ceiling_signed_degenerate")[1].redistribution.degenerate_groups == "value_differences"
     assert method_settings("rredcot_exit_probe_signed")[1].redistribution.advantage_form == "signed"
 
