@@ -53,10 +53,9 @@ OUT = common.RESULTS_DIR / "gradient_screen.json"
 HEADLINE = "128"  # 32 prompts × 4 rollouts
 SCREEN_BATCHES = 16  # paired batches a complete run has (gradient_quality --screen)
 CEILINGS = ("mc_ceiling", "mc_ceiling_raw", "mc_ceiling_signed", "mc_ceiling_signed_degenerate")
-# signed on all groups: measured on `items` only (added after the other runs)
+# signed on all groups (the last): not run on `default`'s warm start or on `hard` (added after those runs)
 EXIT_PROBES = ("rredcot_exit_probe", "rredcot_exit_probe_signed", "rredcot_exit_probe_signed_degenerate")
 SATURATED = 0.99  # an exit-probe value this close to 1
-MONTE_CARLO_K = 16  # continuations a state in the ceiling's values (common's _MC_CEILING)
 EXACT_DRAWS = 20  # simulated Monte-Carlo draws for the within-trace Spearman an exact value source would reach
 BARS = {"within_trace_spearman": 0.6, "localisation": 0.6, "median_segments": 8, "greedy_rise": 0.05,
         "sampled_rise": 0.05}
@@ -140,12 +139,14 @@ def value_conditions(traces: dict) -> dict:
 
 
 def exact_values_spearman(monte_carlo: list[np.ndarray], seed: int = 0) -> float | None:
-    """The mean within-trace Spearman that exact values would reach against Monte-Carlo values with K = 16: the
-    bar's reach, since the K continuations' noise alone keeps any value source below 1. Taking each state's measured
-    Monte-Carlo value as its true success probability, K outcomes a state are drawn (``EXACT_DRAWS`` times) and the
-    true values ranked against their means, as ``value_conditions`` ranks the exit probe's."""
+    """The mean within-trace Spearman that exact values would reach against the ceiling's Monte-Carlo values (K
+    continuations a state): the bar's reach, since the K continuations' noise alone keeps any value source below 1.
+    Taking each state's measured Monte-Carlo value as its true success probability, K outcomes a state are drawn
+    (``EXACT_DRAWS`` times) and the true values ranked against their means, as ``value_conditions`` ranks the exit
+    probe's."""
+    k = common.method_settings("mc_ceiling")[1].segment_mc.num_continuations
     rng = np.random.default_rng(seed)
-    draws = [common.correlations([(values, rng.binomial(MONTE_CARLO_K, values) / MONTE_CARLO_K)
+    draws = [common.correlations([(values, rng.binomial(k, values) / k)
                                   for values in monte_carlo])["within_spearman"] for _ in range(EXACT_DRAWS)]
     measured = [draw for draw in draws if draw is not None]
     return float(np.mean(measured)) if measured else None
