@@ -9,8 +9,10 @@ expressions left out, lambdas kept; dataclass-generated methods are not in a fil
   inputs, the actor's ``value_pass`` run in this process on the warm start (the worker's method on a stand-in engine);
 - advantage: ``SegmentCreditTrainer._compute_advantage``, with verl's own body (the superclass's) replaced by its call
   of the registered estimator on the recorded arguments.
-Per part it prints the distinct functions called, the files they are in, the calls made, and the deepest nesting of
-the package's frames (``--list``: the functions too).
+Per part it prints the distinct functions called, the files they are in, the calls made, the deepest nesting of
+the package's frames (``--list``: the functions too), and the walk to each piece of the method's work that the part
+reaches (segmenting a trace, building its probes, scoring them, reading values off the probes' log-probs, the credit
+rule): the package's calls from the part's entry down to where that work is done, the fewest over its calls.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ PACKAGE = str(ROOT / "rredcot_verl")
 sys.path.insert(0, str(ROOT / "tests"))
 
 COMPREHENSIONS = ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>")
+# Where the method's work is done. The credit rule: token_advantages since issue 64's rewrite, the anchored
+# redistribution inside redistribute before it (so that the walk counts the same at either commit).
+WORK = ("segment_response", "build_exit_probes", "score_batch_packed_with_stats", "values_from_probe_logp",
+        "token_advantages", "_anchored_redistribution")
 
 
 class Tracer:
@@ -39,6 +45,7 @@ class Tracer:
         self.calls: Counter = Counter()
         self.depth = 0
         self.deepest: list[str] = []
+        self.walks: dict[str, list[str]] = {}
 
     def __call__(self, frame, event, arg):
         if event != "call" or not frame.f_code.co_filename.startswith(PACKAGE):
@@ -55,11 +62,16 @@ class Tracer:
             current = current.f_back
         if len(stack) > self.depth:
             self.depth, self.deepest = len(stack), stack[::-1]
+        if name in WORK and len(stack) < len(self.walks.get(name, stack + [""])):
+            self.walks[name] = stack[::-1]
 
     def report(self, part: str, listing: bool) -> None:
         files = {file for file, _ in self.calls}
         print(f"{part}: {len(self.calls)} functions in {len(files)} files, {sum(self.calls.values())} calls, "
               f"deepest nesting {self.depth}")
+        for name, walk in self.walks.items():
+            print(f"    walk to {name}: {len(walk) - 1} calls, {len({frame.split(':')[0] for frame in walk})} files"
+                  + (" (" + " > ".join(walk) + ")" if listing else ""))
         if listing:
             print("    deepest: " + " > ".join(self.deepest))
             for (file, name), count in sorted(self.calls.items()):
