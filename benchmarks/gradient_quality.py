@@ -514,6 +514,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the screen's protocol: SCREEN_METHODS, 16 paired batches of 32 prompts (GRPO also at 8, "
                              "16, 64, 128 that fit the pool), output results/gradient_screen_runs/<setting>[_policy]"
                              ".json, cache outputs/gradient_screen/")
+    parser.add_argument("--screen-batches", type=int, default=16,
+                        help="with --screen: the paired batches to write (fewer gives an interim result that the "
+                             "screen marks as such; a later run with 16 resumes from the cache)")
     parser.add_argument("--policy-grpo-steps", type=int, default=None,
                         help="train GRPO (recipes/tiny_cpu/grpo.yaml, seed 1, the setting's data) for this many steps "
                              "into outputs/gradient_screen/<setting>_grpo_seed1 unless its checkpoint is there, and "
@@ -522,7 +525,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.policy_grpo_steps:
         args.policy = grpo_checkpoint(args.setting, args.policy_grpo_steps)
     if args.screen:
-        args.methods, args.sizes, args.batches = list(SCREEN_METHODS), [32], 16
+        args.methods, args.sizes, args.batches = list(SCREEN_METHODS), [32], args.screen_batches
         args.grpo_sizes = [size for size in (8, 16, 64, 128) if size <= args.pool_prompts]
     if "grpo" not in args.methods:
         args.methods.insert(0, "grpo")
@@ -596,6 +599,7 @@ def main(argv: list[str] | None = None) -> dict:
                        + (f" --policy-grpo-steps {args.policy_grpo_steps}" if args.policy_grpo_steps else
                           f" --policy {common.relative_to_repository(str(args.policy))}" if policy else "")
                        + (" --screen" if args.screen else "")
+                       + (f" --screen-batches {args.screen_batches}" if args.screen and args.screen_batches != 16 else "")
                        + "  (rerun: resumes from --cache)",
                 "smoke": ".venv/bin/python benchmarks/gradient_quality.py --smoke"},
             "argv": sys.argv[1:] if argv is None else argv,
