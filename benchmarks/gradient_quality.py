@@ -42,6 +42,7 @@ if __package__ in (None, ""):  # ``python benchmarks/gradient_quality.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common
+from benchmarks.gradient_screen import SCREEN_BATCHES
 from benchmarks.grpo_sweep import best_rate_overrides
 from rredcot_verl.core.outcomes import group_outcome_advantage
 from rredcot_verl.core.planning import TraceRecord
@@ -514,9 +515,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the screen's protocol: SCREEN_METHODS, 16 paired batches of 32 prompts (GRPO also at 8, "
                              "16, 64, 128 that fit the pool), output results/gradient_screen_runs/<setting>[_policy]"
                              ".json, cache outputs/gradient_screen/")
-    parser.add_argument("--screen-batches", type=int, default=16,
+    parser.add_argument("--screen-batches", type=int, default=SCREEN_BATCHES,
                         help="with --screen: the paired batches to write (fewer gives an interim result that the "
-                             "screen marks as such; a later run with 16 resumes from the cache)")
+                             f"screen marks as such; a later run with {SCREEN_BATCHES} resumes from the cache)")
     parser.add_argument("--policy-grpo-steps", type=int, default=None,
                         help="train GRPO (recipes/tiny_cpu/grpo.yaml, seed 1, the setting's data) for this many steps "
                              "into outputs/gradient_screen/<setting>_grpo_seed1 unless its checkpoint is there, and "
@@ -599,7 +600,8 @@ def main(argv: list[str] | None = None) -> dict:
                        + (f" --policy-grpo-steps {args.policy_grpo_steps}" if args.policy_grpo_steps else
                           f" --policy {common.relative_to_repository(str(args.policy))}" if policy else "")
                        + (" --screen" if args.screen else "")
-                       + (f" --screen-batches {args.screen_batches}" if args.screen and args.screen_batches != 16 else "")
+                       + (f" --screen-batches {args.screen_batches}"
+                          if args.screen and args.screen_batches != SCREEN_BATCHES else "")
                        + "  (rerun: resumes from --cache)",
                 "smoke": ".venv/bin/python benchmarks/gradient_quality.py --smoke"},
             "argv": sys.argv[1:] if argv is None else argv,

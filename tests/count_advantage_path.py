@@ -62,7 +62,7 @@ class Tracer:
             current = current.f_back
         if len(stack) > self.depth:
             self.depth, self.deepest = len(stack), stack[::-1]
-        if name in WORK and len(stack) < len(self.walks.get(name, stack + [""])):
+        if name in WORK and (name not in self.walks or len(stack) < len(self.walks[name])):
             self.walks[name] = stack[::-1]
 
     def report(self, part: str, listing: bool) -> None:
