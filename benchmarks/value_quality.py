@@ -16,6 +16,8 @@ and their reading: RESULTS.md §1.
                                                        # the tables again from a result's per-trace records
     python -m benchmarks.value_quality --smoke         # seconds: 4 traces, MC K=4, temp output
     python -m benchmarks.value_quality --setting long  # the long setting: benchmarks/results/value_quality_long.json
+    python -m benchmarks.value_quality --setting items --model M --out O.json
+                                                       # the items setting on another model folder (a prototype)
 
 On the long setting (``build --setting long``: 16-17 step lines of about 25 tokens each) every line is a segment, and
 the reference continuation is also measured under each ``probe.reference_alignment`` and against a coarse reference
@@ -45,7 +47,8 @@ from rredcot_verl.tasks.base import ARITHMETIC
 RESULTS_PATH = common.RESULTS_DIR / "value_quality.json"
 LONG_RESULTS_PATH = common.RESULTS_DIR / "value_quality_long.json"
 RESULTS_PATHS = {"default": RESULTS_PATH, "long": LONG_RESULTS_PATH,
-                 "early": common.RESULTS_DIR / "value_quality_early.json"}
+                 "early": common.RESULTS_DIR / "value_quality_early.json",
+                 "items": common.RESULTS_DIR / "value_quality_items.json"}
 # Every line of a long trace a segment (17-18 states), where the recipe's 8 would merge two or three lines each.
 LONG_SEGMENTATION = dataclasses.replace(RECIPE_SEGMENTATION, max_segments=20)
 
@@ -75,10 +78,14 @@ LONG_PROBE_SOURCES = {
        for alignment in ("steps", "proportional", "content")},
 }
 STATE_SOURCES = [*LONG_PROBE_SOURCES, "rule"]
-# Per setting: the probe sources measured and the segmentation (the recipe's on the default task; every line a
-# segment on the long and answer-early ones).
-SOURCES = {"default": PROBE_SOURCES, "long": LONG_PROBE_SOURCES, "early": PROBE_SOURCES}
-SEGMENTATIONS = {"default": RECIPE_SEGMENTATION, "long": LONG_SEGMENTATION, "early": LONG_SEGMENTATION}
+# Per setting: the probe sources measured and the segmentation (the recipe's on the default task and on items, whose
+# seven lines it keeps apart; every line a segment on the long and answer-early ones).
+SOURCES = {"default": PROBE_SOURCES, "long": LONG_PROBE_SOURCES, "early": PROBE_SOURCES, "items": PROBE_SOURCES}
+SEGMENTATIONS = {"default": RECIPE_SEGMENTATION, "long": LONG_SEGMENTATION, "early": LONG_SEGMENTATION,
+                 "items": RECIPE_SEGMENTATION}
+# Settings whose warm start learned to answer after a forced exit: their states record the steps left, and the
+# result holds the exit accuracy and the goals.
+ANSWER_EARLY = ("early", "items")
 # The answer-early setting's goals (issue 52): exit-probe values against MC at the warm start, and a reasoning task.
 EARLY_GOALS = {"spearman": 0.6, "localisation": 0.6, "sampled_accuracy_band": (0.2, 0.5)}
 THIRDS = ("early", "middle", "late")
@@ -234,11 +241,11 @@ def steps_left(tokenizer, trace, boundaries: list[int]) -> list[int]:
 
 
 def run(build: Path, num_prompts: int, samples_per_prompt: int, mc_samples: int, seed: int,
-        setting: str = "default") -> dict:
+        setting: str = "default", model_dir: Path | None = None) -> dict:
     torch.set_num_threads(1)
-    model, tokenizer = load_model_dir(str(build / "model"))
+    model, tokenizer = load_model_dir(str(model_dir or build / "model"))
     model.eval()
-    early = setting == "early"
+    early = setting in ANSWER_EARLY
     max_tokens = common.SETTINGS[setting].max_response_length
     problems = common.load_problems(build / "data" / "val.parquet", num_prompts)
     traces = common.sample_traces(model, tokenizer, problems, samples_per_prompt, seed, max_tokens)
@@ -264,16 +271,17 @@ def run(build: Path, num_prompts: int, samples_per_prompt: int, mc_samples: int,
         "n": len(traces), "correct": int(sum(t.outcome for t in traces)), "states": int(sum(len(e) for e in ends)),
         "mean_segments": float(np.mean([len(e) for e in ends]))}, "timings_s": timings, "per_trace": per_trace}
     if early:
-        result["exit_accuracy"] = exit_and_chain_accuracy(model, tokenizer, [problem for problem, _, _ in problems])
+        result["exit_accuracy"] = exit_and_chain_accuracy(model, tokenizer, [problem for problem, _, _ in problems],
+                                                          max_tokens)
     return result
 
 
-def exit_and_chain_accuracy(model, tokenizer, problems) -> dict:
+def exit_and_chain_accuracy(model, tokenizer, problems, max_response_tokens: int) -> dict:
     """``tasks.sft.exit_accuracy`` (greedy answers after a forced exit on the reference cut after each line, by
     steps left) on the prompts, beside the greedy accuracy of whole traces on them."""
     from rredcot_verl.tasks.sft import accuracy_report, exit_accuracy, generate_responses
 
-    greedy = generate_responses(model, tokenizer, problems, False, common.SETTINGS["early"].max_response_length)
+    greedy = generate_responses(model, tokenizer, problems, False, max_response_tokens)
     return {**exit_accuracy(model, tokenizer, problems), "greedy_chain": accuracy_report(problems, greedy)["accuracy"],
             "problems": len(problems)}
 
@@ -296,7 +304,11 @@ def main(argv: list[str] | None = None) -> dict:
     cli.add_argument("--mc-samples", type=int, default=32)
     cli.add_argument("--seed", type=int, default=0)
     cli.add_argument("--setting", choices=tuple(SOURCES), default="default",
-                     help="the task build: default, long or early (their own build folders unless --build is given)")
+                     help="the task build: default, long, early or items (their own build folders unless --build is "
+                          "given)")
+    cli.add_argument("--model", type=Path, default=None,
+                     help="a model folder (save_pretrained: weights and tokenizer) that replaces the build's warm "
+                          "start, such as a longer-trained prototype; the build still gives the data")
     cli.add_argument("--from-json", type=Path, default=None,
                      help="recompute the tables from this result's per-trace records (no model, no sampling)")
     args = cli.parse_args(argv)
@@ -314,8 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
         return common.write_result(result, out)
     common.build_task(args.build, common.SETTINGS[args.setting].preset)
     started = time.perf_counter()
-    result = run(args.build, args.prompts, args.samples_per_prompt, args.mc_samples, args.seed, args.setting)
-    result["meta"] = {"setting": args.setting, "prompts": args.prompts, "samples_per_prompt": args.samples_per_prompt,
+    result = run(args.build, args.prompts, args.samples_per_prompt, args.mc_samples, args.seed, args.setting,
+                 args.model)
+    result["meta"] = {"setting": args.setting, "model": str(args.model) if args.model else "the build's warm start", "prompts": args.prompts, "samples_per_prompt": args.samples_per_prompt,
                       "mc_samples": args.mc_samples, "seed": args.seed, "exit_text": EXIT_TEXT,
                       "segmentation": dataclasses.asdict(SEGMENTATIONS[args.setting]),
                       "max_response_tokens": common.SETTINGS[args.setting].max_response_length,

@@ -143,6 +143,24 @@ def test_value_quality_smoke(build, tmp_path):
     assert recomputed["states"] == result["states"] and recomputed["segments"] == result["segments"]
 
 
+def test_value_quality_items_on_another_model_folder(tmp_path):
+    """value_quality --setting items --model: the model folder replaces the build's warm start (here the committed
+    items artefact itself, so its record's exit accuracy is reproduced), every state records the items left, and the
+    result holds the exit accuracy and the goals."""
+    from rredcot_verl.tasks.build import PRESETS
+
+    build = build_task(tmp_path / "items", "items")
+    model_dir = PRESETS["items"].artefact.model_dir
+    result = value_quality.main(["--smoke", "--setting", "items", "--build", str(build), "--model", model_dir,
+                                 "--out", str(tmp_path / "vq.json")])
+    assert result["meta"]["model"] == model_dir and result["meta"]["setting"] == "items"
+    for trace in result["per_trace"]:
+        assert trace["steps_left"][0] == 7 and trace["steps_left"] == sorted(trace["steps_left"], reverse=True)
+        assert len(trace["steps_left"]) == len(trace["segment_ends"]) <= value_quality.RECIPE_SEGMENTATION.max_segments
+    assert {str(left) for left in result["exit_accuracy"]["by_steps_left"]} == {str(left) for left in range(1, 8)}
+    assert result["exit_accuracy"]["problems"] == 2 and set(result["goals"]) >= {"exit_raw", "exit_selfnorm"}
+
+
 def test_long_setting_values_every_line_under_each_reference_alignment(tmp_path):
     """value_quality --setting long on the committed long warm start: every step line is a segment; with the fine
     reference a trace of the reference's step count gets the same values by count and by proportion; the coarse
