@@ -241,12 +241,12 @@ def steps_left(tokenizer, trace, boundaries: list[int]) -> list[int]:
 
 
 def run(build: Path, num_prompts: int, samples_per_prompt: int, mc_samples: int, seed: int,
-        setting: str = "default", model_dir: Path | None = None) -> dict:
+        setting: str = "default", model_dir: Path | None = None, max_response_tokens: int | None = None) -> dict:
     torch.set_num_threads(1)
     model, tokenizer = load_model_dir(str(model_dir or build / "model"))
     model.eval()
     early = setting in ANSWER_EARLY
-    max_tokens = common.SETTINGS[setting].max_response_length
+    max_tokens = max_response_tokens or common.SETTINGS[setting].max_response_length
     problems = common.load_problems(build / "data" / "val.parquet", num_prompts)
     traces = common.sample_traces(model, tokenizer, problems, samples_per_prompt, seed, max_tokens)
     ends, probe_values, timings = value_sources(model, tokenizer, traces, SOURCES[setting], SEGMENTATIONS[setting])
@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     result = run(args.build, args.prompts, args.samples_per_prompt, args.mc_samples, args.seed, args.setting,
                  args.model)
-    result["meta"] = {"setting": args.setting, "model": str(args.model) if args.model else "the build's warm start", "prompts": args.prompts, "samples_per_prompt": args.samples_per_prompt,
+    result["meta"] = {"setting": args.setting, "model": str(args.model) if args.model else "the build's warm start",
+                      "prompts": args.prompts, "samples_per_prompt": args.samples_per_prompt,
                       "mc_samples": args.mc_samples, "seed": args.seed, "exit_text": EXIT_TEXT,
                       "segmentation": dataclasses.asdict(SEGMENTATIONS[args.setting]),
                       "max_response_tokens": common.SETTINGS[args.setting].max_response_length,

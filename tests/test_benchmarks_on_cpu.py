@@ -11,6 +11,7 @@ from scipy import stats
 from benchmarks import (
     common,
     gpu_projection,
+    items_prototype,
     length_scaling,
     sample_efficiency,
     value_gate,
@@ -730,3 +731,24 @@ def test_norm_matched_runs_appear_once_the_first_seeds_runs_have_update_norms(tm
     default = se.main_specs("default", ("grpo", "rredcot"), lrs, [1], 100, 50, 10, (), tmp_path / "d", ledger)
     assert list(default) == ["grpo", "rredcot"]
     assert "trainer.max_actor_ckpt_to_keep=1" in default["rredcot"][0].overrides
+
+
+def test_items_prototype_smoke_trains_both_stages_and_scores_each_model(tmp_path):
+    """items_prototype --smoke: stage 1 trains the items artefact on its own task, stage 2 the stage-1 model on
+    three-digit items; each stage's checkpoints carry the exit accuracy by items left, and value_quality scores each
+    stage's own model on its own task (three-digit answers in stage 2). A second run reuses the stages' models."""
+    out = tmp_path / "ip.json"
+    result = items_prototype.main(["--smoke", "--out", str(out)])
+    trained_on, harder = result["stages"]["trained_on"], result["stages"]["three_digit_items"]
+    assert "item_digits" not in trained_on["task"] and harder["task"]["item_digits"] == 3
+    assert harder["source"].endswith("trained_on/model")
+    for stage in (trained_on, harder):
+        assert {row["step"] for row in stage["checkpoints"]} == {2, 4}
+        assert {f"exit_{left}_left" for left in range(1, 8)} <= set(stage["checkpoints"][0])
+        assert set(stage["value_quality"]["states"]) >= {"exit_raw", "exit_selfnorm"}
+    assert all(len(str(int(trace["text"].split("boxed{")[1].split("}")[0]))) == 21
+               for trace in harder["per_trace"] if trace["outcome"] == 1.0)
+    assert all(len(t["mc"]) == len(t["segment_ends"]) for t in harder["per_trace"])
+    written = (tmp_path / "items_prototype_cache" / "trained_on" / "record.json").stat().st_mtime_ns
+    items_prototype.main(["--smoke", "--out", str(out)])
+    assert (tmp_path / "items_prototype_cache" / "trained_on" / "record.json").stat().st_mtime_ns == written

@@ -580,13 +580,32 @@ def test_items_rows_carry_their_family_and_the_task_adapter_judges_them(tmp_path
 
 
 def test_items_settings_are_checked_and_leave_chain_fingerprints_alone():
-    for bad in ({"independent_items": 1}, {"independent_items": -2}, {"independent_items": 3, "max_operand": 4}):
+    for bad in ({"independent_items": 1}, {"independent_items": -2}, {"independent_items": 3, "max_operand": 4},
+                {"independent_items": 3, "item_digits": 1},
+                {"independent_items": 3, "item_digits": 3, "max_operand": 49}):
         with pytest.raises(ValueError):
             ArithmeticTaskConfig(**bad)
-    assert "independent_items" not in ArithmeticTaskConfig().as_dict()
+    assert not {"independent_items", "item_digits"} & set(ArithmeticTaskConfig().as_dict())
     assert build_module.ITEMS_TASK.as_dict()["independent_items"] == 7
-    with pytest.raises(ValueError):
-        ItemsProblem((5, 3, 40, 17), ("+", "+"))  # 5+3 is not two-digit
+    assert "item_digits" not in build_module.ITEMS_TASK.as_dict()
+    for mixed in (((5, 3, 40, 17), ("+", "+")), ((40, 17, 500, 17), ("+", "+"))):  # 5+3 one digit; 57 and 517
+        with pytest.raises(ValueError):
+            ItemsProblem(*mixed)
+
+
+def test_three_digit_items_draw_parse_and_judge_like_two_digit_ones():
+    config = ArithmeticTaskConfig(min_operand=10, max_operand=999, independent_items=7, item_digits=3)
+    assert config.as_dict()["item_digits"] == 3
+    rng = random.Random(0)
+    for _ in range(20):
+        problem = make_problem(rng, config)
+        assert len(problem.running_totals()) == 7 and all(100 <= r <= 999 for r in problem.running_totals())
+        assert len(str(problem.answer)) == 21 and parse_prompt(problem.prompt) == problem
+        response = reference_response(problem)
+        assert compute_score(None, response, problem.answer) == 1.0 and first_wrong_step(problem, response) is None
+        slipped = format_response(slipped_steps(problem, 4, 10), problem.slipped_answer(4, 10))
+        assert first_wrong_step(problem, slipped) == 4 and str(problem.slipped_answer(4, 10))[9:12] == str(
+            problem.running_totals()[3] + 10)
 
 
 def test_committed_items_artefact_samples_in_its_band_and_its_exit_answers_rank_states():

@@ -33,7 +33,13 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 PROMPT_PREFIX = "Compute "
 ITEMS_PROMPT_PREFIX = "Compute each "
-ITEM_RESULTS = (10, 99)  # every item's result has two digits, so the answer's digits say which item they belong to
+
+
+def item_results(digits: int) -> tuple[int, int]:
+    """The results an item may have when all have ``digits`` digits: one width, so the answer's digits say which
+    item they belong to."""
+    return 10 ** (digits - 1), 10 ** digits - 1
+
 
 _STEP_LINE = re.compile(r"(-?\d+)([+-])(\d+)=(-?\d+)(?: ((?:[+-]\d+)+))?", re.ASCII)
 _PROMPT = re.compile(r"Compute (\d+(?:[+-]\d+)+)", re.ASCII)
@@ -56,8 +62,11 @@ class ArithmeticTaskConfig:
             next operand is always the first term of the line above instead of the k-th term of the prompt: the
             long setting's format, which a tiny model learns by copying locally (``docs/choices.md``).
         independent_items: 0 for a chain (the default); n >= 2 for the items family (``ItemsProblem``): n items
-            ``a±b`` of operands min_operand..max_operand whose results are two-digit (``ITEM_RESULTS``); the chain
+            ``a±b`` of operands min_operand..max_operand whose results have ``item_digits`` digits; the chain
             fields ``min_operands``, ``max_operands`` and ``restate_remaining_terms`` do not apply.
+        item_digits: the items family's result width, default 2; 3 makes every line a three-digit
+            sum or difference, which a model trained until it answers after a forced exit still gets wrong often
+            enough for a reasoning task (docs/choices.md, "Items setting").
     """
 
     min_operand: int = 1
@@ -66,12 +75,16 @@ class ArithmeticTaskConfig:
     max_operands: int = 6
     restate_remaining_terms: bool = False
     independent_items: int = 0
+    item_digits: int = 2
 
     def __post_init__(self) -> None:
         if self.independent_items == 1 or self.independent_items < 0:
             raise ValueError(f"independent_items must be 0 (a chain) or >= 2, got {self.independent_items}")
-        if self.independent_items and (self.max_operand < ITEM_RESULTS[0] // 2 or self.min_operand > ITEM_RESULTS[1]):
-            raise ValueError(f"independent_items needs operands that can make results in {ITEM_RESULTS}, got "
+        if self.item_digits < 2:
+            raise ValueError(f"item_digits must be >= 2, got {self.item_digits}")
+        low, high = item_results(self.item_digits)
+        if self.independent_items and (self.max_operand < low // 2 or self.min_operand > high):
+            raise ValueError(f"independent_items needs operands that can make results in {(low, high)}, got "
                              f"min_operand={self.min_operand}, max_operand={self.max_operand}")
         if not 0 <= self.min_operand <= self.max_operand:
             raise ValueError(
@@ -85,8 +98,10 @@ class ArithmeticTaskConfig:
             )
 
     def as_dict(self) -> dict:
-        """The fields, ``independent_items`` only when set: the chain settings' fingerprints predate it."""
-        return {key: value for key, value in asdict(self).items() if key != "independent_items" or value}
+        """The fields, ``independent_items`` only when set and ``item_digits`` only when not 2: the committed
+        artefacts' fingerprints predate them."""
+        return {key: value for key, value in asdict(self).items()
+                if (key != "independent_items" or value) and (key != "item_digits" or value != 2)}
 
 
 @dataclass(frozen=True)
@@ -141,10 +156,11 @@ class ArithmeticProblem:
 
 @dataclass(frozen=True)
 class ItemsProblem:
-    """Independent items ``operands[2i] ops[i] operands[2i+1]``, each result two-digit (``ITEM_RESULTS``).
+    """Independent items ``operands[2i] ops[i] operands[2i+1]``, every result of one width of at least two digits
+    (``ArithmeticTaskConfig.item_digits``).
 
     The answer is the results written one after another as one integer (items 68, 55, 39 give 685539), so the
-    task's integer reward reads it and a wrong item changes exactly its own two digits.
+    task's integer reward reads it and a wrong item changes exactly its own digits.
     """
 
     operands: tuple[int, ...]
@@ -156,9 +172,10 @@ class ItemsProblem:
                              f"and {len(self.ops)} ops")
         if any(op not in "+-" or len(op) != 1 for op in self.ops):
             raise ValueError(f"ops must each be '+' or '-', got {self.ops}")
-        low, high = ITEM_RESULTS
-        if not all(low <= result <= high for result in self.running_totals()):
-            raise ValueError(f"every item's result must be in {ITEM_RESULTS}, got {self.running_totals()}")
+        results = self.running_totals()
+        low, high = item_results(max(len(str(results[0])), 2))
+        if not all(low <= result <= high for result in results):
+            raise ValueError(f"every item's result must have one width of at least two digits, got {results}")
 
     @property
     def num_steps(self) -> int:
@@ -188,14 +205,16 @@ class ItemsProblem:
 
 def make_problem(rng: random.Random, config: ArithmeticTaskConfig = ArithmeticTaskConfig()):
     """Draw one problem: operand count uniform in [min_operands, max_operands], operands and ops uniform; for the
-    items family (``config.independent_items``), each item drawn uniformly until its result is two-digit."""
+    items family (``config.independent_items``), each item drawn uniformly until its result has
+    ``config.item_digits`` digits."""
     if config.independent_items:
+        low, high = item_results(config.item_digits)
         operands, ops = [], []
         while len(ops) < config.independent_items:
             a, b = rng.randint(config.min_operand, config.max_operand), rng.randint(config.min_operand,
                                                                                       config.max_operand)
             op = rng.choice("+-")
-            if ITEM_RESULTS[0] <= (a + b if op == "+" else a - b) <= ITEM_RESULTS[1]:
+            if low <= (a + b if op == "+" else a - b) <= high:
                 operands += [a, b]
                 ops.append(op)
         return ItemsProblem(tuple(operands), tuple(ops))
