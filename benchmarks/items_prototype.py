@@ -4,16 +4,17 @@ task warm-started from it: a prototype for the screen's condition (1), the polic
 The items warm start (``build --setting items``) stops at its first checkpoint in the sampled band (step 1000),
 where its greedy answer after a forced exit is never exactly right and its exit-probe values rank states within a
 trace below the screen's bar (RESULTS.md, "The screen"). Its training loss was still falling fast there. Stage 1
-trains it on, on the same task and exit examples, and keeps its last checkpoint; each checkpoint records greedy and
-sampled accuracy and the greedy exit accuracy by items left (``tasks.sft.exit_accuracy``). If the model learns to
-answer from any state, whole traces become easy (no reasoning task is left), so stage 2 trains the stage-1 model on
-items with three-digit results (``ArithmeticTaskConfig.item_digits``), lines it still gets wrong, until its first
-checkpoint inside the band. Then ``value_quality`` on each stage's model, on its own task: exit-probe values against
+trains it on, on the same task and exit examples, 2000 steps, and keeps its most accurate checkpoint (sampled
+accuracy, the later among equals); each checkpoint records greedy and sampled accuracy and the greedy exit accuracy by
+items left (``tasks.sft.exit_accuracy``). A model trained that long writes whole traces nearly always right (no
+reasoning task is left), so stage 2 trains the stage-1 model on items with three-digit results
+(``ArithmeticTaskConfig.item_digits``), lines it still gets wrong, up to 1600 steps (its cosine ends there), stopping
+at its first checkpoint inside the band. Then ``value_quality`` on each stage's model, on its own task: exit-probe values against
 Monte-Carlo values (K continuations a state), within-trace Spearman and localisation of the first wrong item, the
 screen's bars 0.6 and 60%. The screen itself (a build preset with its committed warm start, gradients, GRPO's own
 rate) is the step after this one; this only says whether a warm start can get there.
 
-    python -m benchmarks.items_prototype           # about 75 min on one core: results/items_prototype.json
+    python -m benchmarks.items_prototype           # about 80 min on one core: results/items_prototype.json
     python -m benchmarks.items_prototype --smoke   # a minute: a few steps a stage, temp output
 
 Each stage's model is kept under ``outputs/items_prototype/`` with its record and reused when its settings match.
@@ -55,7 +56,7 @@ def stages(smoke: bool) -> list[Stage]:
     # stage 1 runs all its steps and keeps its most accurate checkpoint, the later among equals.
     train_on = replace(ITEMS_SFT, max_steps=2000, budget_s=1e9, lr=1e-3, warmup_steps=20, eval_every_steps=250,
                        n_eval=64, target_band=(1.0, 1.0))
-    harder = replace(ITEMS_SFT, max_steps=3000, budget_s=1e9, lr=1e-3, warmup_steps=20, eval_every_steps=200,
+    harder = replace(ITEMS_SFT, max_steps=1600, budget_s=1e9, lr=1e-3, warmup_steps=20, eval_every_steps=200,
                      n_eval=64, eval_max_new_tokens=MAX_RESPONSE_TOKENS[3])
     if smoke:
         train_on = replace(train_on, max_steps=4, eval_every_steps=2, n_eval=2, batch_size=4)
