@@ -47,7 +47,8 @@ from rredcot_verl.core.segmentation import SegmentationSettings
 from rredcot_verl.core.settings import CandidateSettings, RRedCoTSettings
 from rredcot_verl.tasks import ArithmeticTaskConfig, first_wrong_step, write_parquet
 from rredcot_verl.tasks.arithmetic import problem_from_reference
-from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, EARLY_TASK, ITEMS_TASK, LONG_TASK, build, testbed
+from rredcot_verl.tasks.build import (DEFAULT_N_TRAIN, EARLY_TASK, ITEMS_TASK, LONG_TASK, THREE_DIGIT_ITEMS_TASK, build,
+                                     testbed)
 from rredcot_verl.tasks.model import chat_prompt_ids
 from rredcot_verl.runs import load_metrics, median_step_s, step_seconds  # noqa: F401  (the one step-time statistic)
 from rredcot_verl.tasks.reward import compute_score
@@ -55,7 +56,8 @@ from rredcot_verl.tasks.reward import compute_score
 BUILD_DIR = ROOT / "outputs" / "tiny_cpu" / "build"
 BUILD_DIRS = {"default": BUILD_DIR, "long": ROOT / "outputs" / "tiny_cpu" / "build_long",
               "early": ROOT / "outputs" / "tiny_cpu" / "build_early",
-              "items": ROOT / "outputs" / "tiny_cpu" / "build_items"}  # per build preset
+              "items": ROOT / "outputs" / "tiny_cpu" / "build_items",
+              "items3": ROOT / "outputs" / "tiny_cpu" / "build_items3"}  # per build preset
 RECIPES = ROOT / "recipes" / "tiny_cpu"
 
 
@@ -174,6 +176,9 @@ SETTINGS = {
     # seven independent items a±b a trace, answered as their results written one after another (14 digits), on a
     # warm start that can answer after a forced exit from any state
     "items": Setting(ITEMS_TASK, max_prompt_length=80, max_response_length=128, preset="items"),
+    # the same with three-digit results (21 digits, responses of about 112 tokens), on a warm start trained on items
+    # until it answers after a forced exit, then on these
+    "items3": Setting(THREE_DIGIT_ITEMS_TASK, max_prompt_length=96, max_response_length=192, preset="items3"),
 }
 MAIN_DATA_SEED = 0  # the build's generator stream
 

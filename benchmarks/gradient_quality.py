@@ -61,7 +61,8 @@ RESULTS_PATHS = {"default": common.RESULTS_DIR / "gradient_quality.json",
                  "hard": common.RESULTS_DIR / "gradient_quality_hard.json",
                  "long": common.RESULTS_DIR / "gradient_quality_long.json",
                  "early": common.RESULTS_DIR / "gradient_quality_early.json",
-                 "items": common.RESULTS_DIR / "gradient_quality_items.json"}
+                 "items": common.RESULTS_DIR / "gradient_quality_items.json",
+                 "items3": common.RESULTS_DIR / "gradient_quality_items3.json"}
 CACHE_DIR = common.ROOT / "outputs" / "gradient_quality"
 # The screen (issue 63): every setting, at the warm start and at a GRPO policy mid-training, against the Monte-Carlo
 # ceiling (K = 16) in both advantage forms and the verifier's step oracle; one JSON a run under SCREEN_DIR, gathered

@@ -48,7 +48,8 @@ RESULTS_PATH = common.RESULTS_DIR / "value_quality.json"
 LONG_RESULTS_PATH = common.RESULTS_DIR / "value_quality_long.json"
 RESULTS_PATHS = {"default": RESULTS_PATH, "long": LONG_RESULTS_PATH,
                  "early": common.RESULTS_DIR / "value_quality_early.json",
-                 "items": common.RESULTS_DIR / "value_quality_items.json"}
+                 "items": common.RESULTS_DIR / "value_quality_items.json",
+                 "items3": common.RESULTS_DIR / "value_quality_items3.json"}
 # Every line of a long trace a segment (17-18 states), where the recipe's 8 would merge two or three lines each.
 LONG_SEGMENTATION = dataclasses.replace(RECIPE_SEGMENTATION, max_segments=20)
 
@@ -80,12 +81,13 @@ LONG_PROBE_SOURCES = {
 STATE_SOURCES = [*LONG_PROBE_SOURCES, "rule"]
 # Per setting: the probe sources measured and the segmentation (the recipe's on the default task and on items, whose
 # seven lines it keeps apart; every line a segment on the long and answer-early ones).
-SOURCES = {"default": PROBE_SOURCES, "long": LONG_PROBE_SOURCES, "early": PROBE_SOURCES, "items": PROBE_SOURCES}
+SOURCES = {"default": PROBE_SOURCES, "long": LONG_PROBE_SOURCES, "early": PROBE_SOURCES, "items": PROBE_SOURCES,
+           "items3": PROBE_SOURCES}
 SEGMENTATIONS = {"default": RECIPE_SEGMENTATION, "long": LONG_SEGMENTATION, "early": LONG_SEGMENTATION,
-                 "items": RECIPE_SEGMENTATION}
+                 "items": RECIPE_SEGMENTATION, "items3": RECIPE_SEGMENTATION}
 # Settings whose warm start learned to answer after a forced exit: their states record the steps left, and the
 # result holds the exit accuracy and the goals.
-ANSWER_EARLY = ("early", "items")
+ANSWER_EARLY = ("early", "items", "items3")
 # The answer-early setting's goals (issue 52): exit-probe values against MC at the warm start, and a reasoning task.
 EARLY_GOALS = {"spearman": 0.6, "localisation": 0.6, "sampled_accuracy_band": (0.2, 0.5)}
 THIRDS = ("early", "middle", "late")
@@ -241,12 +243,12 @@ def steps_left(tokenizer, trace, boundaries: list[int]) -> list[int]:
 
 
 def run(build: Path, num_prompts: int, samples_per_prompt: int, mc_samples: int, seed: int,
-        setting: str = "default", model_dir: Path | None = None, max_response_tokens: int | None = None) -> dict:
+        setting: str = "default", model_dir: Path | None = None) -> dict:
     torch.set_num_threads(1)
     model, tokenizer = load_model_dir(str(model_dir or build / "model"))
     model.eval()
     early = setting in ANSWER_EARLY
-    max_tokens = max_response_tokens or common.SETTINGS[setting].max_response_length
+    max_tokens = common.SETTINGS[setting].max_response_length
     problems = common.load_problems(build / "data" / "val.parquet", num_prompts)
     traces = common.sample_traces(model, tokenizer, problems, samples_per_prompt, seed, max_tokens)
     ends, probe_values, timings = value_sources(model, tokenizer, traces, SOURCES[setting], SEGMENTATIONS[setting])

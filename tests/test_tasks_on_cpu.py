@@ -468,6 +468,30 @@ def test_build_is_cached_and_prefers_the_committed_artefact(tmp_path):
     assert build_module.shipped_warm_start(other) is None  # other warm-start settings: the artefact does not match
 
 
+def test_a_curriculum_trains_its_stages_in_order_from_the_first_tasks_tokenizer(tmp_path):
+    """A preset with a curriculum trains each earlier stage from the one before's kept checkpoint, then its own
+    (task, sft); the tokenizer comes from the first stage's task, the record keeps the earlier stages' records, and
+    the curriculum enters the model fingerprint (a preset without one keeps the fingerprint it always had)."""
+    two_digit = ArithmeticTaskConfig(min_operand=1, max_operand=49, independent_items=3)
+    three_digit = ArithmeticTaskConfig(min_operand=10, max_operand=999, independent_items=3, item_digits=3)
+    first = dataclasses.replace(TINY_SFT, max_steps=2, eval_every_steps=2)
+    preset = build_module.Preset(three_digit, SMALL_MODEL, TINY_SFT, build_module.Artefact(str(tmp_path / "none")),
+                                 curriculum=(build_module.Stage(two_digit, first),))
+    record = build_module.build(build_module.arithmetic_testbed("tiny", preset, 12, n_val=4), str(tmp_path / "b"),
+                                log=lambda *_: None)
+    warm_start = record["warm_start"]
+    assert [stage["total_steps"] for stage in warm_start["curriculum"]] == [2] and warm_start["total_steps"] == 3
+    assert warm_start["curriculum"][0]["task_config"] == two_digit.as_dict()
+    assert warm_start["task_config"] == three_digit.as_dict()
+    first_settings = {key: value for key, value in dataclasses.asdict(first).items() if key != "exit_examples"}
+    assert record["model_fingerprint"]["curriculum"] == build_module._json(
+        [{"task": two_digit.as_dict(), "sft": first_settings}])
+    _, tokenizer = load_model_dir(record["model_dir"], with_model=False)
+    assert tokenizer.get_vocab() == build_tokenizer(SMALL_MODEL, two_digit).get_vocab()
+    plain = build_module.Preset(three_digit, SMALL_MODEL, TINY_SFT)
+    assert "curriculum" not in build_module.arithmetic_testbed("tiny", plain).model_fingerprint
+
+
 @pytest.mark.parametrize("setting", [s for s in build_module.SETTINGS if build_module.testbed(s).artefact])
 def test_every_committed_artefact_matches_its_settings_fingerprint(setting):
     """build --setting S copies S's committed warm start only when the fingerprint it records is the one S computes
@@ -631,3 +655,17 @@ def test_committed_items_artefact_samples_in_its_band_and_its_exit_answers_rank_
         right = [answer_log_prob(problem, kept) for kept in (0, 3, 6)]
         assert right[0] < right[1] < right[2]
         assert answer_log_prob(problem, 6, slip_step=2, delta=1) < right[2] - 3
+
+
+def test_committed_items3_artefact_came_through_its_curriculum_and_samples_in_its_band():
+    """build --setting items3 copies the committed three-digit items warm start: the items warm start (in its band),
+    trained on until its greedy answer after a forced exit with one item left is right about half the time, then on
+    three-digit items into the band (docs/choices.md, "Three-digit items")."""
+    preset = build_module.PRESETS["items3"]
+    record = build_module.shipped_warm_start(build_module.testbed("items3"))
+    items, trained_on = record["curriculum"]
+    assert [stage.task for stage in preset.curriculum] == [build_module.ITEMS_TASK] * 2
+    assert 0.2 <= items["kept"]["sampled"]["accuracy"] <= 0.5
+    assert trained_on["kept"]["exit"]["by_steps_left"]["1"] >= 0.4 > items["kept"]["exit"]["by_steps_left"]["1"]
+    low, high = preset.sft.target_band
+    assert low <= record["kept"]["sampled"]["accuracy"] <= high and record["task_config"]["item_digits"] == 3

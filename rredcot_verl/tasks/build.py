@@ -5,12 +5,13 @@
 
 Every testbed is a ``Testbed`` (``testbed(setting)``), built by the one ``build``:
 
-- ``default``, ``long``, ``early``, ``items``: the embedded task (``tasks/arithmetic.py``) on a tiny Qwen2
+- ``default``, ``long``, ``early``, ``items``, ``items3``: the embedded task (``tasks/arithmetic.py``) on a tiny Qwen2
   (``PRESETS``).
   ``default``: 2-5-step chains of operands 1..99, about 45-token traces. ``long``: 16-17-step chains of operands 1..9,
   each line restating the terms still to add (median reference response about 390 tokens), on a model whose positions
   fit it (``docs/choices.md``, "Long setting"). ``early``: the answer-early setting (``EARLY_TASK``). ``items``:
-  seven independent items a trace, answered as their results written one after another (``ITEMS_TASK``).
+  seven independent items a trace, answered as their results written one after another (``ITEMS_TASK``). ``items3``:
+  the same with three-digit results, warm-started through a curriculum from the items task (``Preset.curriculum``).
 - ``qwen3``, ``r1_distill``, ``qwen2_5``, ``qwen3_gsm8k``: miniature stand-ins of the paper and quickstart model
   families (``tasks/miniature.py``; data in ``data/{train,test}.parquet``).
 - ``calculator``: the calculator task for verl's tool agent loop (``tasks/calculator_miniature.py``), plus
@@ -62,6 +63,10 @@ EARLY_TASK = ArithmeticTaskConfig(min_operand=1, max_operand=99, min_operands=3,
 # decisions a trace, and from any state the answer is the lines written plus the items left, one step of work each
 # (docs/choices.md, "Items setting").
 ITEMS_TASK = ArithmeticTaskConfig(min_operand=1, max_operand=49, independent_items=7)
+# The same seven items with three-digit results of operands 10..999 (answers of 21 digits, responses of about 112
+# tokens): lines the items warm start, trained on until it answers after a forced exit, still gets wrong
+# (docs/choices.md, "Three-digit items").
+THREE_DIGIT_ITEMS_TASK = ArithmeticTaskConfig(min_operand=10, max_operand=999, independent_items=7, item_digits=3)
 Log = Callable[[str], None]
 
 
@@ -110,15 +115,35 @@ class Testbed:
 
 # ------------------------------------------------------------------------------------------- the embedded task
 @dataclass(frozen=True)
+class Stage:
+    """One stage of a warm-start curriculum: a task and the SFT run on it."""
+
+    task: ArithmeticTaskConfig
+    sft: SFTConfig
+
+
+@dataclass(frozen=True)
 class Preset:
-    """A setting of the embedded task: the task, the model's shape, the warm start, and its shipped artefact."""
+    """A setting of the embedded task: the task, the model's shape, the warm start, and its shipped artefact.
+
+    ``curriculum``: stages trained in order before the warm start's own (``task``, ``sft``), each from the kept
+    checkpoint of the one before; the tokenizer is trained on the first stage's task.
+    """
 
     task: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
     model: TinyModelConfig = field(default_factory=TinyModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     artefact: Artefact = Artefact(os.path.join(ASSETS, "warmstart"))
+    curriculum: tuple[Stage, ...] = ()
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return (*self.curriculum, Stage(self.task, self.sft))
 
 
+ITEMS_SFT = SFTConfig(max_steps=4000, budget_s=1500.0, eval_every_steps=100, n_eval=128, eval_max_new_tokens=128,
+                      target_band=(0.2, 0.5),
+                      exit_examples=ExitExamples(fraction=0.5, steps_left_weights=(1.0,), slip_fraction=0.5))
 PRESETS = {
     "default": Preset(),
     # Positions for a 45-token prompt and responses cut at 512 tokens; shorter batches of longer sequences (about the
@@ -138,11 +163,18 @@ PRESETS = {
                     Artefact(os.path.join(ASSETS, "warmstart_early"))),
     # Answer-early examples cut anywhere (every item left is one step of work), half of them after a slipped line;
     # answers of 14 digits.
-    "items": Preset(ITEMS_TASK, TinyModelConfig(),
-                    SFTConfig(max_steps=4000, budget_s=1500.0, eval_every_steps=100, n_eval=128,
-                              eval_max_new_tokens=128, target_band=(0.2, 0.5),
-                              exit_examples=ExitExamples(fraction=0.5, steps_left_weights=(1.0,), slip_fraction=0.5)),
-                    Artefact(os.path.join(ASSETS, "warmstart_items"))),
+    "items": Preset(ITEMS_TASK, TinyModelConfig(), ITEMS_SFT, Artefact(os.path.join(ASSETS, "warmstart_items"))),
+    # The items warm start trained on its own task until it answers after a forced exit (stage 2: 2000 steps at a
+    # lower peak rate, keeping the most accurate checkpoint, since the band (1, 1) is never reached), then on
+    # three-digit items until its sampled accuracy enters the band (docs/choices.md, "Three-digit items").
+    "items3": Preset(THREE_DIGIT_ITEMS_TASK, TinyModelConfig(),
+                     replace(ITEMS_SFT, max_steps=1600, budget_s=1e9, lr=1e-3, warmup_steps=20, eval_every_steps=200,
+                             n_eval=64, eval_max_new_tokens=192),
+                     Artefact(os.path.join(ASSETS, "warmstart_items3")),
+                     curriculum=(Stage(ITEMS_TASK, ITEMS_SFT),
+                                 Stage(ITEMS_TASK, replace(ITEMS_SFT, max_steps=2000, budget_s=1e9, lr=1e-3,
+                                                           warmup_steps=20, eval_every_steps=250, n_eval=64,
+                                                           target_band=(1.0, 1.0))))),
 }
 
 
@@ -150,19 +182,29 @@ def data_fingerprint(task: ArithmeticTaskConfig, n_train: int, n_val: int, seed:
     return {"build_version": BUILD_VERSION, "task": task.as_dict(), "n_train": n_train, "n_val": n_val, "seed": seed}
 
 
-def model_fingerprint(task: ArithmeticTaskConfig, model: TinyModelConfig, sft: SFTConfig) -> dict:
-    # Answer-early examples came after the default and long artefacts: they enter the fingerprint only when set, so
-    # those artefacts (built without them) still match.
-    sft_settings = {key: value for key, value in asdict(sft).items() if key != "exit_examples" or value is not None}
-    return {"build_version": BUILD_VERSION, "task": task.as_dict(), "model": model.as_dict(), "sft": sft_settings}
+def model_fingerprint(task: ArithmeticTaskConfig, model: TinyModelConfig, sft: SFTConfig,
+                      curriculum: tuple[Stage, ...] = ()) -> dict:
+    # Answer-early examples and curricula came after the first artefacts: they enter the fingerprint only when set,
+    # so those artefacts (built without them) still match.
+    def sft_settings(config: SFTConfig) -> dict:
+        return {key: value for key, value in asdict(config).items() if key != "exit_examples" or value is not None}
+
+    earlier = {"curriculum": [{"task": stage.task.as_dict(), "sft": sft_settings(stage.sft)} for stage in curriculum]}
+    return {"build_version": BUILD_VERSION, "task": task.as_dict(), "model": model.as_dict(), "sft": sft_settings(sft),
+            **(earlier if curriculum else {})}
 
 
 def _train_arithmetic(preset: Preset, data, model_dir: str, log: Log) -> dict:
-    log(f"warm start: SFT up to {preset.sft.max_steps} steps / {preset.sft.budget_s:.0f} s")
-    tokenizer = build_tokenizer(preset.model, preset.task)
+    stages = preset.stages
+    tokenizer = build_tokenizer(preset.model, stages[0].task)
     model = build_model(tokenizer, preset.model)
-    record = train_warm_start(model, tokenizer, preset.task, preset.sft)
+    records = []
+    for number, stage in enumerate(stages, 1):
+        log(f"warm start, stage {number} of {len(stages)}: SFT up to {stage.sft.max_steps} steps / "
+            f"{stage.sft.budget_s:.0f} s")
+        records.append(train_warm_start(model, tokenizer, stage.task, stage.sft))
     save_model_dir(model, tokenizer, model_dir)
+    record = {**records[-1], **({"curriculum": records[:-1]} if preset.curriculum else {})}
     kept = record["kept"]
     log(f"warm start: {record['total_steps']} steps in {record['total_seconds']:.0f} s; kept step {kept['step']}: "
         f"sampled accuracy {kept['sampled']['accuracy']:.1%}, greedy {kept['greedy']['accuracy']:.1%} "
@@ -188,7 +230,7 @@ def arithmetic_testbed(name: str, preset: Preset, n_train: int | None = None, n_
     n_train = n_train or DEFAULT_N_TRAIN
     return Testbed(
         name, data_fingerprint(preset.task, n_train, n_val, seed),
-        model_fingerprint(preset.task, preset.model, preset.sft),
+        model_fingerprint(preset.task, preset.model, preset.sft, preset.curriculum),
         write_data=lambda data_dir: write_parquet(data_dir, n_train, n_val, seed, preset.task),
         train=partial(_train_arithmetic, preset), measure=_measure_arithmetic, artefact=preset.artefact,
     )
