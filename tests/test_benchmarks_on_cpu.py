@@ -752,3 +752,37 @@ def test_items_prototype_smoke_trains_both_stages_and_scores_each_model(tmp_path
     written = (tmp_path / "items_prototype_cache" / "trained_on" / "record.json").stat().st_mtime_ns
     items_prototype.main(["--smoke", "--out", str(out)])
     assert (tmp_path / "items_prototype_cache" / "trained_on" / "record.json").stat().st_mtime_ns == written
+
+
+def test_results_md_quotes_the_committed_items_prototype():
+    """RESULTS.md's items_prototype bullet (and docs/choices.md's items3 section) quote the committed JSON: the exit
+    accuracy by items left as the first stage trains on, each stage's kept accuracy, and the exit probe against
+    Monte-Carlo values on the three-digit model's own traces."""
+    result = json.loads((RESULTS / "items_prototype.json").read_text())
+    flat = " ".join((RESULTS.parent / "RESULTS.md").read_text(encoding="utf-8").split())
+    choices = " ".join((RESULTS.parents[1] / "docs" / "choices.md").read_text(encoding="utf-8").split())
+    trained_on, harder = result["stages"]["trained_on"], result["stages"]["three_digit_items"]
+    by_step = {row["step"]: row for row in trained_on["checkpoints"]}
+
+    def exits(step):
+        return " / ".join(f"{by_step[step][f'exit_{left}_left']:.2f}" for left in (1, 2, 4, 7))
+
+    kept = by_step[trained_on["kept_step"]]
+    last = max(by_step)
+    assert f"{exits(kept['step'])} at step {kept['step']}, {exits(last)} at step {last}" in flat
+    within = trained_on["value_quality"]["states"]["exit_selfnorm"]["within_spearman"]
+    assert f"sampled {kept['sampled']:.2f} at the kept step {kept['step']}; its exit probe within a trace {within:.2f}" \
+        in flat
+    final = {row["step"]: row for row in harder["checkpoints"]}[harder["kept_step"]]
+    assert f"step {final['step']}: sampled {final['sampled']:.2f}, greedy {final['greedy']:.2f}" in flat
+    values = harder["value_quality"]
+    states, segments = values["states"]["exit_selfnorm"], values["segments"]
+    assert (f"within a trace at {states['within_spearman']:.2f} against Monte-Carlo values (pooled "
+            f"{states['spearman']:.2f})") in flat
+    localised = (f"{segments['exit_selfnorm']['localisation']:.0%} of {segments['exit_selfnorm']['localisation_n']} "
+                 f"wrong traces (Monte-Carlo values' own {segments['mc']['localisation']:.0%}, chance "
+                 f"{values['localisation_chance']:.0%})")
+    assert localised in flat
+    assert f"sampled {final['sampled']:.1%}, greedy {final['greedy']:.1%}" in choices
+    assert (f"within a trace at {states['within_spearman']:.2f} against Monte-Carlo values (pooled over states "
+            f"{states['spearman']:.2f})") in choices
