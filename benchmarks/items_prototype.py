@@ -31,7 +31,7 @@ import torch
 from benchmarks import common, value_quality
 from rredcot_verl.tasks.arithmetic import write_parquet
 from rredcot_verl.tasks.build import DEFAULT_N_TRAIN, DEFAULT_N_VAL, PRESETS, Stage
-from rredcot_verl.tasks.model import load_model_dir
+from rredcot_verl.tasks.model import load_model_dir, save_model_dir
 from rredcot_verl.tasks.sft import SFTConfig, train_warm_start
 
 RESULTS_PATH = common.RESULTS_DIR / "items_prototype.json"
@@ -61,8 +61,7 @@ def run_stage(stage: Stage, source_dir: str, out_dir: Path) -> dict:
             return cached
     model, tokenizer = load_model_dir(str(source_dir))
     record = {"settings": settings, **train_warm_start(model, tokenizer, stage.task, stage.sft)}
-    model.save_pretrained(out_dir / "model")
-    tokenizer.save_pretrained(out_dir / "model")
+    save_model_dir(model, tokenizer, str(out_dir / "model"))
     record_path.write_text(json.dumps(record, indent=1) + "\n")
     return record
 
