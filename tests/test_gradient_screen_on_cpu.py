@@ -177,22 +177,23 @@ def test_grpo_sweep_picks_the_rate_with_the_best_mean_auc_and_says_whether_it_tr
     assert grpo_sweep.analyse({})["best_rate"] is None
 
 
-def test_the_committed_items_sweep_recomputes_from_the_ledger(tmp_path):
-    """results/grpo_sweep_items.json is what grpo_sweep makes of the committed ledger alone (no run folders), and the
-    screen's condition (3) on `items` reads the same runs."""
+@pytest.mark.parametrize("setting", ["items", "items3"])
+def test_the_committed_sweeps_recompute_from_the_ledger(tmp_path, setting):
+    """results/grpo_sweep_<setting>.json is what grpo_sweep makes of the committed ledger alone (no run folders), and
+    the screen's condition (3) on that setting reads the same runs."""
     from benchmarks import grpo_sweep
 
-    committed = json.loads((gradient_screen.OUT.parent / "grpo_sweep_items.json").read_text())
-    result = grpo_sweep.main(["--setting", "items", "--no-launch", "--runs-root", str(tmp_path / "runs"),
+    committed = json.loads((gradient_screen.OUT.parent / f"grpo_sweep_{setting}.json").read_text())
+    result = grpo_sweep.main(["--setting", setting, "--no-launch", "--runs-root", str(tmp_path / "runs"),
                               "--out", str(tmp_path / "sweep.json")])
     assert result["by_rate"] == committed["by_rate"] and result["best_rate"] == committed["best_rate"]
     assert result["meets_sweep_bar"] == committed["meets_sweep_bar"]
-    training = gradient_screen.training_conditions("items")
+    training = gradient_screen.training_conditions(setting)
     assert training["best_swept_rate"] == committed["best_rate"]
     best = committed["by_rate"][f"{committed['best_rate']:g}"]
     assert abs(training["greedy_rise"] - best["greedy_rise"]) < 1e-12
     # The screen's GRPO policy mid-training trains at that rate, with the sweep's warmup; elsewhere the recipe's.
-    assert grpo_sweep.best_rate_overrides("items") == (
+    assert grpo_sweep.best_rate_overrides(setting) == (
         f"actor_rollout_ref.actor.optim.lr={committed['best_rate']:g}",
         f"actor_rollout_ref.actor.optim.lr_warmup_steps={committed['meta']['warmup_steps']}")
     assert grpo_sweep.best_rate_overrides("hard") == ()
