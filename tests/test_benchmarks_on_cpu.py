@@ -786,3 +786,10 @@ def test_results_md_quotes_the_committed_items_prototype():
     assert f"sampled {final['sampled']:.1%}, greedy {final['greedy']:.1%}" in choices
     assert (f"within a trace at {states['within_spearman']:.2f} against Monte-Carlo values (pooled over states "
             f"{states['spearman']:.2f})") in choices
+    sweep = json.loads((RESULTS / "grpo_sweep_items3.json").read_text())["by_rate"]
+    best = sweep["1e-05"]
+    assert f"at the best rate, 1e-5, greedy {best['greedy_rise']:+.2f} and sampled {best['sampled_rise']:+.2f}" in flat
+    assert f"at 3e-5 both fall ({sweep['3e-05']['greedy_rise']:.2f}, {sweep['3e-05']['sampled_rise']:.2f})" in \
+        flat.replace("\u2212", "-")
+    assert f"collapses (greedy {sweep['0.0001']['greedy_rise']:.2f}; 3e-4 was not run)" in flat.replace("\u2212", "-")
+    assert not sweep["0.0003"]["seeds"] and max(sweep, key=lambda rate: sweep[rate]["auc"] or 0) == "1e-05"
