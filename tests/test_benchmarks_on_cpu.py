@@ -793,3 +793,7 @@ def test_results_md_quotes_the_committed_items_prototype():
         flat.replace("\u2212", "-")
     assert f"collapses (greedy {sweep['0.0001']['greedy_rise']:.2f}; 3e-4 was not run)" in flat.replace("\u2212", "-")
     assert not sweep["0.0003"]["seeds"] and max(sweep, key=lambda rate: sweep[rate]["auc"] or 0) == "1e-05"
+    # the one-line answer at the top of RESULTS.md
+    assert (f"(within-trace {states['within_spearman']:.2f}, localisation "
+            f"{segments['exit_selfnorm']['localisation']:.0%})") in flat
+    assert f"(best rate: greedy {best['greedy_rise']:+.2f}, sampled {best['sampled_rise']:+.2f})" in flat
