@@ -771,8 +771,8 @@ def test_results_md_quotes_the_committed_items_prototype():
     last = max(by_step)
     assert f"{exits(kept['step'])} at step {kept['step']}, {exits(last)} at step {last}" in flat
     within = trained_on["value_quality"]["states"]["exit_selfnorm"]["within_spearman"]
-    assert f"sampled {kept['sampled']:.2f} at the kept step {kept['step']}; its exit probe within a trace {within:.2f}" \
-        in flat
+    kept_text = f"sampled {kept['sampled']:.2f} at the kept step {kept['step']}"
+    assert f"{kept_text}; its exit probe within a trace {within:.2f}" in flat
     final = {row["step"]: row for row in harder["checkpoints"]}[harder["kept_step"]]
     assert f"step {final['step']}: sampled {final['sampled']:.2f}, greedy {final['greedy']:.2f}" in flat
     values = harder["value_quality"]
