@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # ``python benchmarks/gradient_quality.py``
 
 from benchmarks import common
 from benchmarks.gradient_screen import SCREEN_BATCHES
-from benchmarks.grpo_sweep import best_rate_overrides
+from benchmarks.grpo_sweep import RECIPE_TRAIN_BATCH, best_rate_overrides, best_swept
 from rredcot_verl.core.outcomes import group_outcome_advantage
 from rredcot_verl.core.planning import TraceRecord
 from rredcot_verl.core.segmentation import segment_response
@@ -475,11 +475,13 @@ def policy_model_dir(build_model: Path, checkpoint: Path, out: Path) -> Path:
 
 
 def grpo_checkpoint(setting: str, steps: int) -> Path:
-    """``<run>/checkpoints/global_step_<steps>`` of a GRPO run on ``setting`` (seed 1; the best rate and warmup of
-    GRPO's committed sweep on the setting, else the recipe's rate), trained first when it is not there: a policy
-    mid-training for the screen."""
+    """``<run>/checkpoints/global_step_<steps>`` of a GRPO run on ``setting`` (seed 1; the best rate, warmup and batch
+    of GRPO's committed sweeps on the setting, else the recipe's), trained first when it is not there: a policy
+    mid-training for the screen. A batch other than the recipe's is in the run's name, so the policy's label says it."""
     limits = common.SETTINGS[setting]
-    run = CACHE_DIR.parent / "gradient_screen" / f"{setting}_grpo_seed1"
+    best = best_swept(setting)
+    batch = "" if best is None or best["train_batch"] == RECIPE_TRAIN_BATCH else f"_batch{best['train_batch']}"
+    run = CACHE_DIR.parent / "gradient_screen" / f"{setting}_grpo{batch}_seed1"
     checkpoint = run / "checkpoints" / f"global_step_{steps}"
     if not (checkpoint / "actor").is_dir():
         build = common.build_task(CACHE_DIR.parent / "gradient_screen" / setting / "build", limits.preset)

@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # ``python benchmarks/gradient_screen.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common
-from benchmarks.grpo_sweep import greedy_and_sampled_rise
+from benchmarks.grpo_sweep import RECIPE_TRAIN_BATCH, SWEEP_FOLDER, greedy_and_sampled_rise, train_batch_of
 from benchmarks.output import print_table
 
 RUNS_DIR = common.RESULTS_DIR / "gradient_screen_runs"
@@ -160,9 +160,17 @@ def segment_conditions(traces: dict) -> dict:
 
 def training_conditions(setting: str, ledger: Path = LEDGER_DIR) -> dict:
     """Condition (3) from GRPO's main runs in the ledger (``grpo_seed<k>.json``) or, on a setting without them, from
-    the runs at the best rate of GRPO's own sweep there (``benchmarks/grpo_sweep.py``)."""
-    sweep = sweep_conditions(ledger / setting / "sweep")
+    the runs at the best rate of GRPO's own sweeps there (``benchmarks/grpo_sweep.py``; one a batch: the batch whose
+    best rate has the highest mean AUC, ties to the smaller batch, as ``grpo_sweep.best_swept`` picks)."""
+    sweeps = {train_batch_of(folder.name): sweep_conditions(folder)
+              for folder in sorted((ledger / setting).glob(f"{SWEEP_FOLDER}*")) if folder.is_dir()}
+    batch = max((b for b in sweeps if sweeps[b]["best_swept_rate"] is not None),
+                key=lambda b: (sweeps[b]["sweep"][f"{sweeps[b]['best_swept_rate']:g}"]["auc"], -b), default=None)
+    sweep = sweeps[batch] if batch is not None else sweep_conditions(ledger / setting / SWEEP_FOLDER)
     best_rate_paths = sweep.pop("best_rate_paths")
+    sweep = {**sweep, "best_swept_batch": batch,
+             "sweeps_by_batch": {str(b): {key: value for key, value in entry.items() if key != "best_rate_paths"}
+                                 for b, entry in sorted(sweeps.items())}}
     main_paths = sorted((ledger / setting / "main").glob("grpo_seed*.json"))
     source = "main runs" if main_paths else "sweep, best rate"
     greedy, sampled, rates, steps = [], [], set(), set()
@@ -280,11 +288,21 @@ def signed_text(value: float | None) -> str:
     return "—" if value is None else f"{value:+.3f}"
 
 
+def batch_text(training: dict) -> str:
+    """Where condition (3) was read off a sweep at another batch than the recipe's: at which."""
+    batch = training.get("best_swept_batch")
+    return "" if training["rise_from"] != "sweep, best rate" or batch in (None, RECIPE_TRAIN_BATCH) else \
+        f" (batch {batch})"
+
+
 def policy_text(label: str, entry: dict) -> str:
-    """``setting``, warm start, or the GRPO step its run label ends with (``..._step<n>``)."""
+    """``setting``, warm start, or the GRPO step its run label ends with (``..._step<n>``; the GRPO run's batch where
+    its name has one, ``_grpo_batch<N>_``)."""
     step = re.search(r"_step(\d+)$", label)
+    batch = re.search(r"_grpo_batch(\d+)_", label)
     partial = "" if entry["batches"] == SCREEN_BATCHES else f" ({entry['batches']} of {SCREEN_BATCHES} batches)"
-    return f"`{entry['setting']}`, " + (f"GRPO step {step.group(1)}" if step else "warm start") + partial
+    grpo = f"GRPO at batch {batch.group(1)}, step" if batch else "GRPO step"
+    return f"`{entry['setting']}`, " + (f"{grpo} {step.group(1)}" if step else "warm start") + partial
 
 
 def markdown_tables(result: dict) -> str:
@@ -314,7 +332,7 @@ def markdown_tables(result: dict) -> str:
             f"| {values['localisation']:.0%} / {values['localisation_monte_carlo']:.0%} / "
             f"{values['localisation_chance']:.0%} | {values['saturated_share']:.0%} / "
             f"{values['saturated_monte_carlo_below_0_9']:.0%} | {entry['segments']['median_segments']:g} | "
-            f"{signed_text(training['greedy_rise'])} / {signed_text(training['sampled_rise'])} | "
+            f"{signed_text(training['greedy_rise'])} / {signed_text(training['sampled_rise'])}{batch_text(training)} | "
             f"{'yes' if entry['conditions']['ceiling_ahead'] else 'no'} (`{entry['best_ceiling']}`) | "
             f"{', '.join(met) if met else 'none'} |")
     forms = CEILINGS[1:]

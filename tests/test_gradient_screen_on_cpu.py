@@ -111,6 +111,62 @@ def test_a_setting_without_main_runs_is_judged_by_its_sweeps_best_rate(tmp_path)
     assert empty["greedy_rise"] is None and empty["rise_from"] is None and empty["best_swept_rate"] is None
 
 
+def test_sweeps_at_several_batches_are_judged_at_the_batch_whose_best_rate_trains_best(tmp_path):
+    """Condition (3) with a sweep at the recipe's batch and one at 32 prompts a step: the batch whose best rate has the
+    higher mean AUC, its own sweep's bar, and each batch's sweep kept in the record; the table names the batch."""
+    from benchmarks import grpo_sweep
+
+    for folder, rates in (("sweep", ((1e-5, 0.50, 0.02), (3e-5, 0.45, 0.01), (1e-4, 0.20, -0.3))),
+                          ("sweep_batch32", ((1e-5, 0.58, 0.07), (3e-5, 0.62, 0.09)))):
+        (tmp_path / "items3" / folder).mkdir(parents=True)
+        for lr, auc, rise in rates:
+            for seed in (1, 2):
+                _run(tmp_path / "items3" / folder / f"grpo_lr{lr:g}_seed{seed}.json", lr, seed, 100, True, auc, rise)
+    training = gradient_screen.training_conditions("items3", tmp_path)
+    assert training["best_swept_batch"] == 32 and training["best_swept_rate"] == 3e-5
+    assert abs(training["greedy_rise"] - 0.09) < 1e-9 and training["rates"] == [3e-5]
+    assert not training["sweep_meets_bar"]  # two rates at batch 32: its own sweep is short of the bar
+    assert set(training["sweeps_by_batch"]) == {"8", "32"} and training["sweeps_by_batch"]["8"]["sweep_meets_bar"]
+    assert gradient_screen.batch_text(training) == " (batch 32)"
+    recipe_only = gradient_screen.training_conditions("items3", tmp_path / "elsewhere")
+    assert recipe_only["best_swept_batch"] is None and gradient_screen.batch_text(recipe_only) == ""
+    assert grpo_sweep.RECIPE_TRAIN_BATCH == 8  # recipes/tiny_cpu/base.yaml
+    assert gradient_screen.policy_text("items3_items3_grpo_batch32_seed1_step50", {"setting": "items3", "batches": 16}) \
+        == "`items3`, GRPO at batch 32, step 50"
+
+
+def test_a_sweep_at_another_batch_launches_at_it_and_the_best_batch_trains_the_screens_policy(tmp_path, monkeypatch):
+    """``--train-batch 32``: its runs set verl's batch and PPO mini-batch, live in ``sweep_batch32`` and write their own
+    JSON; the GRPO policy mid-training takes the best of the committed sweeps, batch included."""
+    from benchmarks import grpo_sweep
+
+    assert grpo_sweep.batch_overrides(grpo_sweep.RECIPE_TRAIN_BATCH) == ()
+    specs = grpo_sweep.run_specs(100, 10, (), (1e-5, 3e-5), 32)
+    assert sorted(specs) == [(1e-5, 1), (1e-5, 2), (3e-5, 1), (3e-5, 2)]
+    assert {"data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=32"} <= set(
+        specs[1e-5, 1].overrides)
+    assert grpo_sweep.run_dir(tmp_path, 1e-5, 1, 32) == tmp_path / "sweep_batch32" / "grpo_lr1e-05_seed1"
+    assert grpo_sweep.train_batch_of(grpo_sweep.sweep_folder(32)) == 32
+    assert grpo_sweep.train_batch_of(grpo_sweep.sweep_folder(grpo_sweep.RECIPE_TRAIN_BATCH)) == 8
+    assert grpo_sweep.results_path("items3", 32).name == "grpo_sweep_items3_batch32.json"
+
+    monkeypatch.setattr(grpo_sweep, "RESULTS_PATH", tmp_path / "grpo_sweep_items.json")
+
+    def committed(name, rate, auc, meta):
+        (tmp_path / name).write_text(json.dumps({"best_rate": rate, "by_rate": {f"{rate:g}": {"auc": auc}},
+                                                 "meta": {"warmup_steps": 10, **meta}}))
+
+    committed("grpo_sweep_items3.json", 1e-5, 0.60, {})  # written before the batch dimension: the recipe's batch
+    committed("grpo_sweep_items3_batch32.json", 3e-5, 0.55, {"train_batch": 32})
+    assert grpo_sweep.best_rate_overrides("items3") == (
+        "actor_rollout_ref.actor.optim.lr=1e-05", "actor_rollout_ref.actor.optim.lr_warmup_steps=10")
+    committed("grpo_sweep_items3_batch32.json", 3e-5, 0.65, {"train_batch": 32})
+    assert grpo_sweep.best_rate_overrides("items3") == (
+        "actor_rollout_ref.actor.optim.lr=3e-05", "actor_rollout_ref.actor.optim.lr_warmup_steps=10",
+        "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=32")
+    assert grpo_sweep.best_swept("items") is None and grpo_sweep.best_rate_overrides("items") == ()
+
+
 def test_the_best_ceiling_is_the_form_with_the_largest_gain_and_is_ahead_only_above_zero():
     rows = {"mc_ceiling": {"minus_grpo": 0.01, "minus_grpo_ci95": [-0.02, 0.04]},
             "mc_ceiling_signed": {"minus_grpo": 0.05, "minus_grpo_ci95": [0.01, 0.09]},
