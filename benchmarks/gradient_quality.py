@@ -25,6 +25,7 @@ policy sharpens (RESULTS.md §4)?
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -439,6 +440,41 @@ def screen_traces(results: dict) -> dict:
     return {"segments_per_trace": segments, "value_agreement": agreement}
 
 
+def pool_digest(pool: dict) -> str:
+    """A digest of the pool's prompts, sampled responses and scores. A committed screen run's batches are reused only
+    on this very pool: vLLM's seeded sampling repeats it on the same stack, another stack may sample otherwise."""
+    content = json.dumps([[p["prompt_ids"] for p in pool["prompts"]], pool["responses"], pool["scores"].tolist()])
+    return hashlib.sha256(content.encode()).hexdigest()
+
+
+def resume_record(results: dict, methods, headline: int, fingerprint: dict, digest: str) -> dict | None:
+    """What an interim screen run keeps so that a later run resumes from the repository alone (the cache does not
+    travel): every batch row, with the pool's fingerprint and digest; None once every method has all its batches."""
+    if all(len(results.get(method, {}).get(str(headline), {})) >= SCREEN_BATCHES for method in methods):
+        return None
+    return {"fingerprint": fingerprint, "pool_digest": digest, "batch_rows": results}
+
+
+def reuse_committed_batches(results: dict, committed: Path, fingerprint: dict, digest: str) -> int:
+    """Put into ``results`` the batch rows of the committed interim run at ``committed`` that it lacks, if that run
+    sampled the same pool (fingerprint and digest); returns how many. Rows already in the cache are kept."""
+    resume = json.loads(committed.read_text()).get("resume") if committed.exists() else None
+    if resume is None:
+        return 0
+    if resume["fingerprint"] != fingerprint or resume["pool_digest"] != digest:
+        print(f"{common.relative_to_repository(str(committed))}: its pool is not this one (another stack or "
+              "settings sampled it); its batches are not reused", flush=True)
+        return 0
+    reused = 0
+    for method, sizes in resume["batch_rows"].items():
+        for size, rows in sizes.items():
+            target = results.setdefault(method, {}).setdefault(size, {})
+            for batch, row in rows.items():
+                if batch not in target:
+                    target[batch], reused = row, reused + 1
+    return reused
+
+
 # ------------------------------------------------------------------------------------------------------------- run
 def checkpoint_step_dir(checkpoint: Path) -> Path:
     """``<run>/checkpoints/global_step_<n>`` for that folder or its ``actor`` subfolder."""
@@ -566,6 +602,11 @@ def main(argv: list[str] | None = None) -> dict:
           f"{float(pool['scores'].mean()):.3f}; g*: {gstar['seconds']:.0f}s, split-half cosine "
           f"{gstar['split_half_cosine']:.3f}", flush=True)
     results = records["results"]
+    digest = pool_digest(pool)
+    if args.screen:
+        reused = reuse_committed_batches(results, out, fingerprint, digest)
+        if reused:
+            print(f"reused {reused} batch rows of the committed interim run {out.name}", flush=True)
 
     def write():
         common.write_result(records, batches_path, say=False)
@@ -613,6 +654,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "note": "per-method seconds per batch: methods.<name>.batches.<rollouts>.seconds_per_batch"},
             **common.machine_meta()}}
         if args.screen:
+            resume = resume_record(results, args.methods, headline, fingerprint, digest)
+            if resume is not None:
+                result["resume"] = resume
             result["traces"] = screen_traces(results)
             result["batch_cosines"] = {method: {b: row["cosine"] for b, row in results.get(method, {}).get(
                 str(headline), {}).items()} for method in args.methods}  # for paired comparisons between methods

@@ -76,6 +76,31 @@ def test_the_screen_runs_every_ceiling_form_and_records_the_traces_it_judges(tmp
             assert trace["holder"] is None
     assert "--screen" in written["settings"]["commands"]["run"]
     assert "continuations a state of up to 96 tokens" in written["settings"]["method_settings"]["mc_ceiling"]
+    # Two of 16 batches: an interim run keeps its rows, so a later session resumes from the repository alone. Here the
+    # cache's batch records are lost and the pool is the same: every row comes back from the run, none is recomputed.
+    assert written["resume"]["batch_rows"] == batches
+    assert written["resume"]["pool_digest"] == gradient_quality.pool_digest(
+        torch.load(tmp_path / "cache" / "pool.pt", weights_only=False))
+    (tmp_path / "cache" / "batches.json").unlink()
+    gradient_quality.main(["--smoke", "--screen", "--setting", "early", "--cache", str(tmp_path / "cache"),
+                           "--out", str(out)])
+    assert json.loads((tmp_path / "cache" / "batches.json").read_text())["results"] == batches
+    assert json.loads(out.read_text())["methods"] == written["methods"]
+
+
+def test_an_interim_runs_rows_are_reused_only_on_the_same_pool_and_never_over_the_caches(tmp_path):
+    fingerprint = {"setting": "items3", "seed": 1}
+    rows = {"grpo": {"32": {"0": {"cosine": 0.8}, "1": {"cosine": 0.7}}}}
+    committed = tmp_path / "run.json"
+    committed.write_text(json.dumps({"resume": gradient_quality.resume_record(rows, ["grpo"], 32, fingerprint, "d1")}))
+    assert gradient_quality.reuse_committed_batches({}, committed, fingerprint, "d2") == 0  # another pool
+    assert gradient_quality.reuse_committed_batches({}, committed, {**fingerprint, "seed": 2}, "d1") == 0
+    results = {"grpo": {"32": {"0": {"cosine": 0.5}}}}
+    assert gradient_quality.reuse_committed_batches(results, committed, fingerprint, "d1") == 1
+    assert results == {"grpo": {"32": {"0": {"cosine": 0.5}, "1": {"cosine": 0.7}}}}
+    assert gradient_quality.reuse_committed_batches(results, tmp_path / "none.json", fingerprint, "d1") == 0
+    complete = {"grpo": {"32": {str(b): {"cosine": 0.8} for b in range(gradient_quality.SCREEN_BATCHES)}}}
+    assert gradient_quality.resume_record(complete, ["grpo"], 32, fingerprint, "d1") is None  # nothing left to resume
 
 
 def test_monte_carlo_continuations_may_run_as_long_as_the_settings_rollouts():
