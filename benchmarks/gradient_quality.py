@@ -11,7 +11,10 @@ through ``integration.rollouts`` on this process's engine, one set of repairs pe
 uses them), the token-mean loss −Σ A_t log π(o_t) / tokens, its gradient over all parameters, and its cosine with g*.
 GRPO's mean cosine over batch sizes is fitted as 1/cos² = α + β/n, which gives each method's effective sample size
 (``ess_over_grpo_at_32``, bootstrap interval over batches). Caches under ``--cache`` (pool, g*, per-batch results):
-a rerun resumes from them, and with every batch cached it recomputes the JSON. Measured tables: RESULTS.md §4.
+a rerun resumes from them, and with every batch cached it recomputes the JSON. A ``--screen`` run stopped before its
+16 batches also keeps its batch rows in its committed JSON (``resume``, with the pool's digest): a run on another
+machine, whose cache is empty, samples the pool again (vLLM's seeded sampling repeats it on the same stack) and, when
+the digest matches, continues from those rows instead of from batch 0. Measured tables: RESULTS.md §4.
 
     python -m benchmarks.gradient_quality                   # default setting: results/gradient_quality.json
     python -m benchmarks.gradient_quality --setting hard    # results/gradient_quality_hard.json
