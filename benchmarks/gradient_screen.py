@@ -160,12 +160,14 @@ def segment_conditions(traces: dict) -> dict:
 
 def training_conditions(setting: str, ledger: Path = LEDGER_DIR) -> dict:
     """Condition (3) from GRPO's main runs in the ledger (``grpo_seed<k>.json``) or, on a setting without them, from
-    the runs at the best rate of GRPO's own sweeps there (``benchmarks/grpo_sweep.py``; one a batch: the batch whose
-    best rate has the highest mean AUC, ties to the smaller batch, as ``grpo_sweep.best_swept`` picks)."""
+    the runs at the best rate of GRPO's own sweeps there (``benchmarks/grpo_sweep.py``; one a batch: of the sweeps that
+    meet the bar, or of all where none does, the batch whose best rate has the highest mean AUC, ties to the smaller
+    batch, as ``grpo_sweep.best_swept`` picks: a sweep still running cannot name a best rate yet)."""
     sweeps = {train_batch_of(folder.name): sweep_conditions(folder)
               for folder in sorted((ledger / setting).glob(f"{SWEEP_FOLDER}*")) if folder.is_dir()}
     batch = max((b for b in sweeps if sweeps[b]["best_swept_rate"] is not None),
-                key=lambda b: (sweeps[b]["sweep"][f"{sweeps[b]['best_swept_rate']:g}"]["auc"], -b), default=None)
+                key=lambda b: (sweeps[b]["sweep_meets_bar"], sweeps[b]["sweep"][f"{sweeps[b]['best_swept_rate']:g}"]["auc"],
+                               -b), default=None)
     sweep = sweeps[batch] if batch is not None else sweep_conditions(ledger / setting / SWEEP_FOLDER)
     best_rate_paths = sweep.pop("best_rate_paths")
     sweep = {**sweep, "best_swept_batch": batch,

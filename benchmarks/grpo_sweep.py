@@ -12,8 +12,8 @@ and the sampled reward (``critic/score/mean``) averaged over the first and last 
 
 The batch is a second dimension: ``--train-batch N`` sweeps at N prompts a step (the recipe's 8 otherwise; PPO's
 mini-batch is the whole batch, as in the recipe) into ``<setting>/sweep_batch<N>/`` and
-``results/grpo_sweep_<setting>_batch<N>.json``. Of every committed sweep on a setting, the screen and its GRPO policy
-mid-training take the batch whose best rate has the highest AUC: steps, not rollouts, are the axis condition (3) asks
+``results/grpo_sweep_<setting>_batch<N>.json``. Of every committed sweep on a setting that meets the bar (a partial one
+only where none does), the screen and its GRPO policy mid-training take the batch whose best rate has the highest AUC: steps, not rollouts, are the axis condition (3) asks
 about, so a larger batch may win by spending more rollouts a step, and a study there runs every arm at that batch.
 
     nohup nice -n 10 python -m benchmarks.grpo_sweep --setting items > outputs/grpo_sweep_items.log 2>&1 &
@@ -72,8 +72,9 @@ def results_path(setting: str, train_batch: int = RECIPE_TRAIN_BATCH) -> Path:
 
 
 def best_swept(setting: str) -> dict | None:
-    """Of the committed sweeps on ``setting`` (one per batch), the one whose best rate has the highest mean AUC (ties
-    to the smaller batch): ``{"rate", "warmup_steps", "train_batch", "auc"}``; None without a sweep with a best rate."""
+    """Of the committed sweeps on ``setting`` (one per batch) that meet the sweep's bar (of all, where none does), the
+    one whose best rate has the highest mean AUC (ties to the smaller batch): ``{"rate", "warmup_steps", "train_batch",
+    "auc"}``; None without a sweep with a best rate. A partial sweep's best rate is provisional, so a complete one wins."""
     candidates = []
     for path in [results_path(setting), *RESULTS_PATH.parent.glob(f"grpo_sweep_{setting}_batch*.json")]:
         if not path.exists():
@@ -83,8 +84,10 @@ def best_swept(setting: str) -> dict | None:
             continue
         train_batch = result["meta"].get("train_batch", RECIPE_TRAIN_BATCH)  # sweeps before the batch dimension
         candidates.append({"rate": result["best_rate"], "warmup_steps": result["meta"]["warmup_steps"],
-                           "train_batch": train_batch, "auc": result["by_rate"][f"{result['best_rate']:g}"]["auc"]})
-    return max(candidates, key=lambda c: (c["auc"], -c["train_batch"])) if candidates else None
+                           "train_batch": train_batch, "auc": result["by_rate"][f"{result['best_rate']:g}"]["auc"],
+                           "meets_sweep_bar": result["meets_sweep_bar"]})
+    best = max(candidates, key=lambda c: (c["meets_sweep_bar"], c["auc"], -c["train_batch"]), default=None)
+    return None if best is None else {key: value for key, value in best.items() if key != "meets_sweep_bar"}
 
 
 def best_rate_overrides(setting: str) -> tuple[str, ...]:

@@ -112,20 +112,27 @@ def test_a_setting_without_main_runs_is_judged_by_its_sweeps_best_rate(tmp_path)
 
 
 def test_sweeps_at_several_batches_are_judged_at_the_batch_whose_best_rate_trains_best(tmp_path):
-    """Condition (3) with a sweep at the recipe's batch and one at 32 prompts a step: the batch whose best rate has the
-    higher mean AUC, its own sweep's bar, and each batch's sweep kept in the record; the table names the batch."""
+    """Condition (3) with a sweep at the recipe's batch and one at 32 prompts a step: of the sweeps that meet the bar,
+    the batch whose best rate has the higher mean AUC (a partial sweep, however high, waits until it meets the bar);
+    each batch's sweep kept in the record; the table names the batch."""
     from benchmarks import grpo_sweep
 
-    for folder, rates in (("sweep", ((1e-5, 0.50, 0.02), (3e-5, 0.45, 0.01), (1e-4, 0.20, -0.3))),
-                          ("sweep_batch32", ((1e-5, 0.58, 0.07), (3e-5, 0.62, 0.09)))):
-        (tmp_path / "items3" / folder).mkdir(parents=True)
+    def sweep(folder, rates):
+        (tmp_path / "items3" / folder).mkdir(parents=True, exist_ok=True)
         for lr, auc, rise in rates:
             for seed in (1, 2):
                 _run(tmp_path / "items3" / folder / f"grpo_lr{lr:g}_seed{seed}.json", lr, seed, 100, True, auc, rise)
+
+    sweep("sweep", ((1e-5, 0.50, 0.02), (3e-5, 0.45, 0.01), (1e-4, 0.20, -0.3)))
+    sweep("sweep_batch32", ((1e-5, 0.58, 0.07), (3e-5, 0.62, 0.09)))
     training = gradient_screen.training_conditions("items3", tmp_path)
-    assert training["best_swept_batch"] == 32 and training["best_swept_rate"] == 3e-5
+    assert training["best_swept_batch"] == 8 and training["best_swept_rate"] == 1e-5 and training["sweep_meets_bar"]
+    assert not training["sweeps_by_batch"]["32"]["sweep_meets_bar"]  # two rates at batch 32: still running
+    assert training["sweeps_by_batch"]["32"]["best_swept_rate"] == 3e-5
+    sweep("sweep_batch32", ((5e-5, 0.30, -0.1),))
+    training = gradient_screen.training_conditions("items3", tmp_path)
+    assert training["best_swept_batch"] == 32 and training["best_swept_rate"] == 3e-5 and training["sweep_meets_bar"]
     assert abs(training["greedy_rise"] - 0.09) < 1e-9 and training["rates"] == [3e-5]
-    assert not training["sweep_meets_bar"]  # two rates at batch 32: its own sweep is short of the bar
     assert set(training["sweeps_by_batch"]) == {"8", "32"} and training["sweeps_by_batch"]["8"]["sweep_meets_bar"]
     assert gradient_screen.batch_text(training) == " (batch 32)"
     recipe_only = gradient_screen.training_conditions("items3", tmp_path / "elsewhere")
@@ -152,14 +159,16 @@ def test_a_sweep_at_another_batch_launches_at_it_and_the_best_batch_trains_the_s
 
     monkeypatch.setattr(grpo_sweep, "RESULTS_PATH", tmp_path / "grpo_sweep_items.json")
 
-    def committed(name, rate, auc, meta):
+    def committed(name, rate, auc, meta, complete=True):
         (tmp_path / name).write_text(json.dumps({"best_rate": rate, "by_rate": {f"{rate:g}": {"auc": auc}},
-                                                 "meta": {"warmup_steps": 10, **meta}}))
+                                                 "meets_sweep_bar": complete, "meta": {"warmup_steps": 10, **meta}}))
 
     committed("grpo_sweep_items3.json", 1e-5, 0.60, {})  # written before the batch dimension: the recipe's batch
     committed("grpo_sweep_items3_batch32.json", 3e-5, 0.55, {"train_batch": 32})
     assert grpo_sweep.best_rate_overrides("items3") == (
         "actor_rollout_ref.actor.optim.lr=1e-05", "actor_rollout_ref.actor.optim.lr_warmup_steps=10")
+    committed("grpo_sweep_items3_batch32.json", 3e-5, 0.65, {"train_batch": 32}, complete=False)
+    assert grpo_sweep.best_swept("items3")["train_batch"] == 8  # a partial sweep's best rate is provisional
     committed("grpo_sweep_items3_batch32.json", 3e-5, 0.65, {"train_batch": 32})
     assert grpo_sweep.best_rate_overrides("items3") == (
         "actor_rollout_ref.actor.optim.lr=3e-05", "actor_rollout_ref.actor.optim.lr_warmup_steps=10",
