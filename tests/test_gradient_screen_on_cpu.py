@@ -215,7 +215,8 @@ def test_the_readme_and_results_md_lines_on_the_screen_are_the_json():
     assert early["ceiling_ahead"] and not early["decisions"] and not early["training_moves"]
     long = committed["settings"]["long"]["conditions"]
     assert long["ceiling_ahead"] and long["decisions"] and long["training_moves"] and not long["self_values"]
-    # `items3`: (1) and (2) met, (3) and the ceiling not; RESULTS.md quotes its best ceiling and exit probe
+    # `items3`: (1) and (2) met, (3) and the ceiling not, over all 16 batches; RESULTS.md quotes its best ceiling and
+    # exit probe
     items3 = committed["settings"]["items3"]
     conditions = items3["conditions"]
     assert conditions["self_values"] and conditions["decisions"]
@@ -223,7 +224,7 @@ def test_the_readme_and_results_md_lines_on_the_screen_are_the_json():
     flat = " ".join(results.split())
     for best in (items3["best_ceiling"], items3["best_exit_probe"], "ibpo_resume"):
         assert gradient_screen.interval_text(items3["methods"][best]) in flat, best
-    assert f"({items3['batches']} of 16 batches)" in flat
+    assert items3["batches"] == 16 and conditions["all_batches"] and "`items3`, warm start |" in results
     values = items3["values"]
     assert (f"within a trace at {values['within_trace_spearman']:.2f} against Monte-Carlo values and localises "
             f"{values['localisation']:.0%} of first wrong items (Monte-Carlo's own "
