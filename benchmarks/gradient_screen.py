@@ -165,9 +165,10 @@ def training_conditions(setting: str, ledger: Path = LEDGER_DIR) -> dict:
     batch, as ``grpo_sweep.best_swept`` picks: a sweep still running cannot name a best rate yet)."""
     sweeps = {train_batch_of(folder.name): sweep_conditions(folder)
               for folder in sorted((ledger / setting).glob(f"{SWEEP_FOLDER}*")) if folder.is_dir()}
-    batch = max((b for b in sweeps if sweeps[b]["best_swept_rate"] is not None),
-                key=lambda b: (sweeps[b]["sweep_meets_bar"], sweeps[b]["sweep"][f"{sweeps[b]['best_swept_rate']:g}"]["auc"],
-                               -b), default=None)
+    def rank(b: int) -> tuple:
+        return sweeps[b]["sweep_meets_bar"], sweeps[b]["sweep"][f"{sweeps[b]['best_swept_rate']:g}"]["auc"], -b
+
+    batch = max((b for b in sweeps if sweeps[b]["best_swept_rate"] is not None), key=rank, default=None)
     sweep = sweeps[batch] if batch is not None else sweep_conditions(ledger / setting / SWEEP_FOLDER)
     best_rate_paths = sweep.pop("best_rate_paths")
     sweep = {**sweep, "best_swept_batch": batch,

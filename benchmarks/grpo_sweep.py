@@ -13,8 +13,9 @@ and the sampled reward (``critic/score/mean``) averaged over the first and last 
 The batch is a second dimension: ``--train-batch N`` sweeps at N prompts a step (the recipe's 8 otherwise; PPO's
 mini-batch is the whole batch, as in the recipe) into ``<setting>/sweep_batch<N>/`` and
 ``results/grpo_sweep_<setting>_batch<N>.json``. Of every committed sweep on a setting that meets the bar (a partial one
-only where none does), the screen and its GRPO policy mid-training take the batch whose best rate has the highest AUC: steps, not rollouts, are the axis condition (3) asks
-about, so a larger batch may win by spending more rollouts a step, and a study there runs every arm at that batch.
+only where none does), the screen and its GRPO policy mid-training take the batch whose best rate has the highest AUC:
+steps, not rollouts, are the axis condition (3) asks about, so a larger batch may win by spending more rollouts a step,
+and a study there runs every arm at that batch.
 
     nohup nice -n 10 python -m benchmarks.grpo_sweep --setting items > outputs/grpo_sweep_items.log 2>&1 &
     python -m benchmarks.grpo_sweep --setting items --no-launch     # results/grpo_sweep_items.json from the ledger
@@ -74,7 +75,7 @@ def results_path(setting: str, train_batch: int = RECIPE_TRAIN_BATCH) -> Path:
 def best_swept(setting: str) -> dict | None:
     """Of the committed sweeps on ``setting`` (one per batch) that meet the sweep's bar (of all, where none does), the
     one whose best rate has the highest mean AUC (ties to the smaller batch): ``{"rate", "warmup_steps", "train_batch",
-    "auc"}``; None without a sweep with a best rate. A partial sweep's best rate is provisional, so a complete one wins."""
+    "auc"}``; None without a sweep with a best rate. A partial sweep's best rate is provisional: a complete one wins."""
     candidates = []
     for path in [results_path(setting), *RESULTS_PATH.parent.glob(f"grpo_sweep_{setting}_batch*.json")]:
         if not path.exists():
