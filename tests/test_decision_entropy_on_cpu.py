@@ -1,0 +1,80 @@
+"""``benchmarks/decision_entropy.py``: per-token entropy and gradient mass against autograd on the warm start, the
+per-trace counts by hand, and the committed JSON recomputing from its own traces and the committed screen."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import decision_entropy
+from benchmarks.common import RESULTS_DIR, build_task
+from rredcot_verl.tasks import load_model_dir
+from rredcot_verl.tasks.model import chat_prompt_ids
+
+
+def test_participation_ratio_counts_equal_parts():
+    assert decision_entropy.participation_ratio(np.array([1.0, 0.0, 0.0])) == pytest.approx(1.0)
+    assert decision_entropy.participation_ratio(np.array([0.5, 0.5, 0.0, 0.0])) == pytest.approx(2.0)
+    assert decision_entropy.participation_ratio(np.array([3.0, 1.0])) == pytest.approx(16 / 10)
+    assert decision_entropy.participation_ratio(np.zeros(4)) == 0.0
+
+
+def test_trace_row_counts_uncertain_tokens_and_the_segments_holding_them():
+    entropy = np.array([0.1, 0.6, 0.2, 0.2, 0.2, 0.9, 0.7])
+    mass = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    row = decision_entropy.trace_row(entropy, mass, [2, 5, 7], outcome=0.0)
+    # segments [0, 2) [2, 5) [5, 7): the first and the last hold uncertain tokens (0.6; 0.9 and 0.7), the middle none
+    assert (row["uncertain_tokens"], row["uncertain_segments"], row["segments"]) == (3, 2, 3)
+    assert row["gradient_tokens"] == pytest.approx(3.0)
+    assert row["gradient_segments"] == pytest.approx(9 / 5)  # segment masses 1, 0, 2
+    assert row["entropy_mean"] == pytest.approx(entropy.mean(), abs=5e-5)  # kept to 4 decimals
+
+
+def test_token_statistics_are_the_entropy_and_the_squared_logit_gradient_of_log_pi(tmp_path):
+    """On the committed warm start: the entropy of the next-token distribution at each response position, and the
+    squared norm of d log pi(o_t) / d logits taken by autograd."""
+    build = build_task(tmp_path / "build")
+    model, tokenizer = load_model_dir(str(build / "model"))
+    model.eval()
+    prompt = torch.tensor(chat_prompt_ids(tokenizer, "Compute 12+7-3. Answer in \\boxed{}."))
+    response = torch.tensor(tokenizer.encode("<think>\n12+7=19\n19-3=16\n</think>\n\\boxed{16}"))
+    entropy, mass = decision_entropy.token_statistics(model, prompt, response)
+    assert entropy.shape == mass.shape == (response.numel(),)
+    logits = model(input_ids=torch.cat([prompt, response])[None]).logits[0, prompt.numel() - 1: -1].detach()
+    for t in (0, response.numel() // 2, response.numel() - 1):
+        row = logits[t].clone().requires_grad_(True)
+        log_pi = row.log_softmax(-1)
+        (grad,) = torch.autograd.grad(log_pi[response[t]], row)
+        assert mass[t] == pytest.approx(float(grad.pow(2).sum()), abs=1e-5)
+        assert entropy[t] == pytest.approx(float(-(log_pi.exp() * log_pi).sum().detach()), abs=1e-5)
+
+
+def test_the_committed_json_recomputes_from_its_traces_and_the_screen():
+    committed = json.loads(decision_entropy.RESULTS_PATH.read_text())
+    screen = json.loads(decision_entropy.SCREEN_PATH.read_text())
+    assert list(committed["settings"]) == list(decision_entropy.SETTINGS)
+    for name, entry in committed["settings"].items():
+        assert entry["summary"] == decision_entropy.summarise(entry["per_trace"]), name
+        assert entry["summary"]["traces"] == committed["config"]["prompts"] * committed["config"]["samples_per_prompt"]
+        assert entry["screen"] == decision_entropy.screen_row(screen, name), name  # stale if the screen moves
+        for row in entry["per_trace"]:
+            assert row["uncertain_segments"] <= min(row["uncertain_tokens"], row["segments"])
+            assert 0 < row["gradient_segments"] <= row["segments"]
+    assert committed["across_settings"] == decision_entropy.correlations(committed["settings"])
+    results_md = (RESULTS_DIR.parent / "RESULTS.md").read_text(encoding="utf-8")
+    assert decision_entropy.markdown_table(committed) in results_md  # RESULTS.md quotes the table verbatim
+    means = [entry["summary"]["uncertain_tokens"]["mean"] for entry in committed["settings"].values()]
+    quoted = f"{min(means):.1f}-{max(means):.1f} tokens of entropy ≥ {decision_entropy.UNCERTAIN_NATS} nats"
+    for text in (results_md, (RESULTS_DIR.parent.parent / "README.md").read_text(encoding="utf-8")):
+        assert quoted in text  # the README's screen bullet and RESULTS.md's answer-now row
+
+
+def test_smoke_run_writes_the_table(tmp_path):
+    result = decision_entropy.main(["--smoke", "--settings", "default", "early", "--out", str(tmp_path / "d.json")])
+    written = json.loads((tmp_path / "d.json").read_text())
+    assert list(written["settings"]) == ["default", "early"]
+    for entry in written["settings"].values():
+        assert entry["summary"]["traces"] + entry["empty_responses"] == 4 * 2
+        assert entry["summary"]["length"]["mean"] > 0
+    assert result["out"] == str(tmp_path / "d.json")
