@@ -349,12 +349,14 @@ def generate(model, tokenizer, sequences: list[list[int]], max_new_tokens: list[
 
 
 def sample_traces(model, tokenizer, problems, samples_per_prompt: int, seed: int,
-                  max_response_tokens: int = MAX_RESPONSE_TOKENS) -> list[Trace]:
-    """``samples_per_prompt`` temperature-1 responses (the rollout distribution) to each problem, one batch."""
+                  max_response_tokens: int = MAX_RESPONSE_TOKENS, temperature: float = 1.0) -> list[Trace]:
+    """``samples_per_prompt`` responses to each problem at ``temperature`` (1: the rollout distribution), one
+    batch."""
     eos = tokenizer.eos_token_id
     jobs = [(group, item) for group, item in enumerate(problems) for _ in range(samples_per_prompt)]
     prompts = [chat_prompt_ids(tokenizer, item[0].prompt) for _, item in jobs]
-    outputs = generate(model, tokenizer, prompts, [max_response_tokens] * len(prompts), seed=seed, batch_size=256)
+    outputs = generate(model, tokenizer, prompts, [max_response_tokens] * len(prompts), seed=seed,
+                       temperature=temperature, batch_size=256)
     traces = []
     for prompt, tokens, (group, (problem, truth, steps)) in zip(prompts, outputs, jobs):
         response = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens

@@ -43,6 +43,7 @@ SCREEN_PATH = common.RESULTS_DIR / "gradient_screen.json"
 CACHE_DIR = common.ROOT / "outputs" / "decision_entropy"
 SETTINGS = ("default", "hard", "long", "early", "items", "items3")  # the screen's, at their warm starts
 UNCERTAIN_NATS = 0.5  # a token the policy could well have written otherwise (a fair coin is 0.69 nats)
+TEMPERATURES_REPORTED = (1.2, 1.4)  # RESULTS.md's temperature table, beside the rollouts' 1.0
 OTHER_NATS = (0.1, 1.0)  # the same count at a looser and a stricter threshold: is the picture the threshold's?
 PER_TRACE = ("length", "entropy_mean", "uncertain_tokens", "uncertain_segments", "segments", "gradient_tokens",
              "gradient_segments")
@@ -55,10 +56,12 @@ def participation_ratio(mass: np.ndarray) -> float:
 
 
 @torch.no_grad()
-def token_statistics(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Per response token: the policy's entropy (nats) and the logit-gradient mass ||onehot(o_t) − π_t||²."""
+def token_statistics(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
+                     temperature: float = common.ROLLOUT_TEMPERATURE) -> tuple[np.ndarray, np.ndarray]:
+    """Per response token: the entropy (nats) and the logit-gradient mass ||onehot(o_t) − π_t||² of the policy
+    sampled at ``temperature`` (verl scores log-probs at the rollout's temperature)."""
     tokens = torch.cat([prompt_ids, response_ids]).long()[None]
-    logits = model(input_ids=tokens).logits[0, prompt_ids.numel() - 1: -1].float() / common.ROLLOUT_TEMPERATURE
+    logits = model(input_ids=tokens).logits[0, prompt_ids.numel() - 1: -1].float() / temperature
     log_probs = logits.log_softmax(-1)
     probs = log_probs.exp()
     entropy = -(probs * log_probs).sum(-1)
@@ -116,7 +119,7 @@ def correlations(settings: dict) -> dict:
     return {"settings": names, "spearman": out}
 
 
-def measure(setting: str, num_prompts: int, samples: int, seed: int) -> dict:
+def measure(setting: str, num_prompts: int, samples: int, seed: int, temperature: float) -> dict:
     limits = common.SETTINGS[setting]
     build = common.build_task(CACHE_DIR / setting / "build", limits.preset)
     data = common.write_setting_data(CACHE_DIR / setting / "data", limits, 256, common.MAIN_DATA_SEED)
@@ -126,12 +129,12 @@ def measure(setting: str, num_prompts: int, samples: int, seed: int) -> dict:
     vocab = settings.boundary_vocab(tokenizer)
     started = time.perf_counter()
     problems = common.load_problems(Path(data["val_files"]), num_prompts)
-    traces = common.sample_traces(model, tokenizer, problems, samples, seed, limits.max_response_length)
+    traces = common.sample_traces(model, tokenizer, problems, samples, seed, limits.max_response_length, temperature)
     rows = []
     for trace in traces:
         if trace.response_ids.numel() == 0:
             continue
-        entropy, mass = token_statistics(model, trace.prompt_ids, trace.response_ids)
+        entropy, mass = token_statistics(model, trace.prompt_ids, trace.response_ids, temperature)
         ends = segment_response(trace.response_ids, torch.from_numpy(entropy).float(), vocab, settings.segmentation)
         rows.append(trace_row(entropy, mass, ends, trace.outcome))
     return {"seconds": time.perf_counter() - started, "summary": summarise(rows), "per_trace": rows,
@@ -171,7 +174,8 @@ def print_table(result: dict) -> None:
     common.print_table(rows, ["setting", "acc", "length", "entropy_mean", "uncertain_tokens", "uncertain_segments",
                               "segments", "gradient_tokens", "gradient_segments", "ceiling_minus_grpo", "grpo_cosine"],
                        f"per-trace means at the warm start (uncertain: entropy >= {UNCERTAIN_NATS} nats)")
-    for key, targets in result["across_settings"]["spearman"].items():
+    for key, targets in (result["across_settings"]["spearman"].items() if result["across_settings"]["settings"]
+                         else ()):
         print(f"  Spearman across settings, {key}: " + ", ".join(
             f"{target} {common.fmt(value, 0)}" for target, value in targets.items()))
 
@@ -182,28 +186,53 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4, help="traces a prompt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=common.ROLLOUT_TEMPERATURE,
+                        help="sampling temperature, also the one the policy is scored at (default the rollouts'); "
+                             "another leaves out the screen's columns, which were sampled at the rollouts' "
+                             "temperature, and writes results/decision_entropy_t<T>.json")
     args = parser.parse_args(argv)
+    tempered = args.temperature != common.ROLLOUT_TEMPERATURE
     if args.smoke:
         args.settings, args.prompts, args.samples = args.settings[:2], 4, 2
     torch.set_num_threads(1)
     screen = json.loads(SCREEN_PATH.read_text())
     settings = {}
     for setting in args.settings:
-        settings[setting] = measure(setting, args.prompts, args.samples, args.seed)
-        if setting in screen["settings"]:
+        settings[setting] = measure(setting, args.prompts, args.samples, args.seed, args.temperature)
+        if setting in screen["settings"] and not tempered:
             settings[setting]["screen"] = screen_row(screen, setting)
         print(f"{setting}: {settings[setting]['summary']['traces']} traces in {settings[setting]['seconds']:.0f}s",
               flush=True)
     result = {"settings": settings, "across_settings": correlations(settings),
               "config": {"prompts": args.prompts, "samples_per_prompt": args.samples, "seed": args.seed,
-                         "uncertain_nats": UNCERTAIN_NATS, "temperature": common.ROLLOUT_TEMPERATURE,
+                         "uncertain_nats": UNCERTAIN_NATS, "temperature": args.temperature,
                          "data": "each setting's validation parquet (common.write_setting_data, data seed "
                                  f"{common.MAIN_DATA_SEED}), its first prompts", "screen": str(SCREEN_PATH),
                          "segmentation": "rredcot.yaml's (hybrid, at most 8 segments), as the screen cuts"},
               "meta": {**common.machine_meta(), "script": "benchmarks/decision_entropy.py",
-                       "command": "python -m benchmarks.decision_entropy"}}
+                       "command": "python -m benchmarks.decision_entropy"
+                                  + (f" --temperature {args.temperature}" if tempered else "")}}
     print_table(result)
-    return common.write_result(result, common.out_path(args, RESULTS_PATH))
+    return common.write_result(result, common.out_path(args, tempered_path(args.temperature) if tempered
+                                                       else RESULTS_PATH))
+
+
+def tempered_path(temperature: float) -> Path:
+    return common.RESULTS_DIR / f"decision_entropy_t{temperature:g}.json"
+
+
+def temperature_table(results: list[dict]) -> str:
+    """RESULTS.md's table of the same counts at several sampling temperatures (one result a temperature)."""
+    lines = ["| setting | temperature | sampled accuracy | uncertain tokens | uncertain segments (traces with ≥ 4) | "
+             "gradient rests on: segments |", "|---|---|---|---|---|---|"]
+    for name in results[0]["settings"]:
+        for result in results:
+            summary = result["settings"][name]["summary"]
+            lines.append(f"| `{name}` | {result['config']['temperature']:g} | {summary['accuracy']:.2f} | "
+                         f"{summary['uncertain_tokens']['mean']:.2f} | {summary['uncertain_segments']['mean']:.2f} "
+                         f"({summary['uncertain_segments_at_least']['4']:.0%}) | "
+                         f"{summary['gradient_segments']['mean']:.2f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

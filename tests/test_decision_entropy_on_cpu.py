@@ -70,6 +70,25 @@ def test_the_committed_json_recomputes_from_its_traces_and_the_screen():
         assert quoted in text  # the README's screen bullet and RESULTS.md's answer-now row
 
 
+@pytest.mark.parametrize("temperature", decision_entropy.TEMPERATURES_REPORTED)
+def test_the_committed_tempered_runs_recompute_and_results_md_quotes_them(temperature):
+    """Sampled and scored at a higher temperature: the same settings and traces a setting, no screen columns (the
+    screen sampled at the rollouts' temperature), summaries from their own traces, and RESULTS.md's table verbatim."""
+    committed = json.loads(decision_entropy.RESULTS_PATH.read_text())
+    tempered = json.loads(decision_entropy.tempered_path(temperature).read_text())
+    assert tempered["config"]["temperature"] == temperature
+    assert list(tempered["settings"]) == list(committed["settings"])
+    for name, entry in tempered["settings"].items():
+        assert "screen" not in entry
+        assert entry["summary"] == decision_entropy.summarise(entry["per_trace"]), name
+        assert entry["summary"]["traces"] == committed["settings"][name]["summary"]["traces"]
+    assert tempered["across_settings"]["settings"] == []
+    table = decision_entropy.temperature_table(
+        [committed, *(json.loads(decision_entropy.tempered_path(t).read_text())
+                      for t in decision_entropy.TEMPERATURES_REPORTED)])
+    assert table in (RESULTS_DIR.parent / "RESULTS.md").read_text(encoding="utf-8")
+
+
 def test_smoke_run_writes_the_table(tmp_path):
     result = decision_entropy.main(["--smoke", "--settings", "default", "early", "--out", str(tmp_path / "d.json")])
     written = json.loads((tmp_path / "d.json").read_text())
@@ -78,3 +97,6 @@ def test_smoke_run_writes_the_table(tmp_path):
         assert entry["summary"]["traces"] + entry["empty_responses"] == 4 * 2
         assert entry["summary"]["length"]["mean"] > 0
     assert result["out"] == str(tmp_path / "d.json")
+    hot = decision_entropy.main(["--smoke", "--settings", "early", "--temperature", "1.5",
+                                 "--out", str(tmp_path / "hot.json")])
+    assert hot["config"]["temperature"] == 1.5 and "screen" not in hot["settings"]["early"]
