@@ -740,6 +740,32 @@ def cached_pool(cache: Path, fingerprint: dict, make, gstar_of) -> tuple[dict, d
     return pool, gstar, records, batches_path
 
 
+def mean_within_spearman(pairs: list[tuple[np.ndarray, np.ndarray]]) -> float | None:
+    """``correlations(pairs)["within_spearman"]``, computed on all series of one length at once (average ranks along
+    the rows, then each row's Pearson): the same statistic as ``spearman`` a series, for callers that need it over
+    many thousand series (``gradient_screen.exact_values_spearman`` draws every trace twenty times)."""
+    by_length: dict[int, list[tuple[int, np.ndarray, np.ndarray]]] = {}
+    for index, (estimate, truth) in enumerate(pairs):
+        estimate, truth = np.asarray(estimate, dtype=float), np.asarray(truth, dtype=float)
+        keep = ~np.isnan(estimate)
+        by_length.setdefault(int(keep.sum()), []).append((index, estimate[keep], truth[keep]))
+    within: dict[int, float] = {}
+    for length, rows in by_length.items():
+        if length < 3:
+            continue
+        x, y = np.array([row[1] for row in rows]), np.array([row[2] for row in rows])
+        varying = (np.ptp(x, axis=1) > 0) & (np.ptp(y, axis=1) > 0)
+        x = stats.rankdata(x, axis=1)
+        y = stats.rankdata(y, axis=1)
+        x -= x.mean(axis=1, keepdims=True)
+        y -= y.mean(axis=1, keepdims=True)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            r = (x * y).sum(axis=1) / np.sqrt((x * x).sum(axis=1) * (y * y).sum(axis=1))
+        within.update((row[0], float(value)) for row, value, keep in zip(rows, r, varying) if keep)
+    # in the series' own order, as ``correlations`` averages them
+    return float(np.mean([within[index] for index in sorted(within)])) if within else None
+
+
 def correlations(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
     """Pooled and mean-within-trace Spearman/Pearson over (estimate, MC) series; NaN estimates are dropped."""
     pooled_x, pooled_y, within_s, within_p = [], [], [], []

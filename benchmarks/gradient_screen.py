@@ -146,8 +146,8 @@ def exact_values_spearman(monte_carlo: list[np.ndarray], seed: int = 0) -> float
     probe's."""
     k = common.method_settings("mc_ceiling")[1].segment_mc.num_continuations
     rng = np.random.default_rng(seed)
-    draws = [common.correlations([(values, rng.binomial(k, values) / k)
-                                  for values in monte_carlo])["within_spearman"] for _ in range(EXACT_DRAWS)]
+    draws = [common.mean_within_spearman([(values, rng.binomial(k, values) / k) for values in monte_carlo])
+             for _ in range(EXACT_DRAWS)]
     measured = [draw for draw in draws if draw is not None]
     return float(np.mean(measured)) if measured else None
 

@@ -18,42 +18,31 @@ bash scripts/install_pinned.sh
 # .venv-pinned, where vLLM is not installed; its own build folder (model folders saved by the other transformers).
 PINNED=(env RREDCOT_E2E_CLAIMS= RREDCOT_TEST_BUILDS= .venv-pinned/bin/python -m pytest -q -p no:cacheprovider
         --timeout=1500 --durations=5 -m "transformers and not vllm and not e2e" tests)
-# Without arguments: the end-to-end launches in two streams that share their tests (tests/conftest.py: each claims
-# the next group of launches left), and the fast tier beside them. A launch keeps the two cores only 50-80% busy while
-# its Ray, FSDP and vLLM processes start: the first stream runs beside the fast tier, the second once it is done, beside
-# the pinned tier.
-CLAIMS="$(mktemp -d /tmp/rredcot_e2e_claims.XXXXXX)"
-export RREDCOT_E2E_CLAIMS="$CLAIMS"
+# Without arguments: the end-to-end launches in one stream, beside the fast tier and then beside the pinned tier (a
+# launch keeps the two cores only 50-80% busy while its Ray, FSDP and vLLM processes start). One launch at a time: two
+# side by side with a tier beside them oversubscribe two cores and slow every launch.
 # Builds the fast tier and the launches both need (a miniature family's warm start) are made once and shared.
 BUILDS="$(mktemp -d /tmp/rredcot_test_builds.XXXXXX)"
 export RREDCOT_TEST_BUILDS="$BUILDS"
-E2E_LOG_1="$(mktemp /tmp/rredcot_e2e_1.XXXXXX.log)"
-E2E_LOG_2="$(mktemp /tmp/rredcot_e2e_2.XXXXXX.log)"
+E2E_LOG="$(mktemp /tmp/rredcot_e2e.XXXXXX.log)"
 PINNED_LOG="$(mktemp /tmp/rredcot_pinned.XXXXXX.log)"
-"${PYTEST[@]}" -m e2e tests >"$E2E_LOG_1" 2>&1 &
-E2E_PID_1=$!
-E2E_PID_2=
-trap 'kill $E2E_PID_1 $E2E_PID_2 2>/dev/null || true' INT TERM
+"${PYTEST[@]}" -m e2e tests >"$E2E_LOG" 2>&1 &
+E2E_PID=$!
+trap 'kill $E2E_PID 2>/dev/null || true' INT TERM
 set +e
-echo "== fast tier (the end-to-end streams run beside it; their logs follow) =="
-RREDCOT_E2E_CLAIMS= "${PYTEST[@]}" -m "not e2e" tests
+echo "== fast tier (the end-to-end tier runs beside it; its log follows) =="
+"${PYTEST[@]}" -m "not e2e" tests
 FAST_RC=$?
-"${PYTEST[@]}" -m e2e tests >"$E2E_LOG_2" 2>&1 &
-E2E_PID_2=$!
 "${PINNED[@]}" >"$PINNED_LOG" 2>&1
 PINNED_RC=$?
-wait "$E2E_PID_1"
-E2E_RC_1=$?
-wait "$E2E_PID_2"
-E2E_RC_2=$?
+wait "$E2E_PID"
+E2E_RC=$?
 set -e
-echo "== end-to-end tier, stream 1 =="
-cat "$E2E_LOG_1"
-echo "== end-to-end tier, stream 2 =="
-cat "$E2E_LOG_2"
+echo "== end-to-end tier =="
+cat "$E2E_LOG"
 echo "== tests that touch transformers, on verl's pinned transformers ($(.venv-pinned/bin/python -c \
   'import transformers; print(transformers.__version__)')) =="
 cat "$PINNED_LOG"
-rm -rf "$CLAIMS" "$BUILDS"
-echo "fast tier exit $FAST_RC, end-to-end streams exit $E2E_RC_1 and $E2E_RC_2, pinned tier exit $PINNED_RC"
-[ "$FAST_RC" -eq 0 ] && [ "$E2E_RC_1" -eq 0 ] && [ "$E2E_RC_2" -eq 0 ] && [ "$PINNED_RC" -eq 0 ]
+rm -rf "$BUILDS"
+echo "fast tier exit $FAST_RC, end-to-end tier exit $E2E_RC, pinned tier exit $PINNED_RC"
+[ "$FAST_RC" -eq 0 ] && [ "$E2E_RC" -eq 0 ] && [ "$PINNED_RC" -eq 0 ]

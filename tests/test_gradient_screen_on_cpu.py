@@ -71,6 +71,26 @@ def test_the_bar_for_self_values_is_within_reach_of_exact_values():
     assert gradient_screen.exact_values_spearman([np.full(5, 0.5)]) is None
 
 
+def test_the_batched_within_trace_spearman_is_the_per_trace_one():
+    """The exact-values bar ranks every trace twenty times, on all series of one length at once: the same mean as
+    Spearman a trace (ties, NaN estimates dropped, constant and short series left out, mixed lengths)."""
+    from benchmarks import common
+
+    rng = np.random.default_rng(3)
+    pairs = []
+    for index in range(400):
+        length = int(rng.integers(1, 10))
+        estimate = rng.integers(0, 4, length).astype(float)
+        truth = rng.binomial(16, rng.random(length)) / 16
+        if index % 7 == 0 and length > 2:
+            estimate[1] = np.nan
+        if index % 11 == 0:
+            truth[:] = 0.5
+        pairs.append((estimate, truth))
+    assert common.mean_within_spearman(pairs) == pytest.approx(common.correlations(pairs)["within_spearman"], abs=1e-12)
+    assert common.mean_within_spearman(pairs[:1] + [(np.ones(4), np.arange(4.0))]) is None
+
+
 def _run(path, lr, seed, steps, warmup, auc=0.5, rise=0.1):
     overrides = ["trainer.total_training_steps=%d" % steps]
     if warmup:

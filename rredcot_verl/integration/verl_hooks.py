@@ -170,6 +170,43 @@ VERL_HOOKS: tuple[VerlHook, ...] = (
         "tracing gives the method one of its own; the source hash covers verl's)",
         source_sha256="2241608056c586c28ecca1277cbe4401aed42df2cfc508fac3d455c88832eb85",
     ),
+    # ---- the weight-sync socket, named per Ray cluster (weight_sync.py)
+    VerlHook(
+        "verl.workers.rollout.vllm_rollout.vllm_rollout:ServerAdapter.__init__", REPLACE,
+        "weight_sync wraps it to put the node's Ray id beside the job id in the sender's socket path",
+        "it sets self.zmq_handle to ipc:///tmp/rl-colocate-zmq-{Ray job id}-replica-{r}-rank-{k}.sock, the path every "
+        "weight sync's sender binds",
+        signature="(self, config: verl.workers.config.rollout.RolloutConfig, model_config: "
+                  "verl.workers.config.model.HFModelConfig, device_mesh: torch.distributed.device_mesh.DeviceMesh, "
+                  "replica_rank: int = -1)",
+        source_sha256="b77b5e7e967ca26aa6d53a22339d6cc7468347577f25eb4caf6edc9daf72bf2c",
+    ),
+    VerlHook(
+        "verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMReplica.__init__", REPLACE,
+        "weight_sync wraps it to give the replica vllm_server.NamespacedHttpServer as its server class",
+        "it sets self.server_class = ray.remote(vLLMHttpServer), from which launch_servers starts every server",
+        signature="(self, replica_rank: int, config: verl.workers.config.rollout.RolloutConfig, model_config: "
+                  "verl.workers.config.model.HFModelConfig, gpus_per_node: int = 8, is_reward_model: bool = False, "
+                  "is_teacher_model: bool = False, name_suffix: str = '')",
+        source_sha256="003ee2531fcf2a7d480aed7c251cc572d16caa0a0993b5394632d0e8c7801812",
+    ),
+    VerlHook(
+        "verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.__init__", CALL,
+        "vllm_server.NamespacedHttpServer calls it, then sets VERL_RAY_JOB_ID to the cluster-unique id",
+        "it sets VERL_RAY_JOB_ID in its own environment and starts no vLLM process (launch_server does, later)",
+        signature="(self, config, model_config, rollout_mode: verl.workers.rollout.replica.RolloutMode, workers: "
+                  "list[ray.actor.ActorHandle], replica_rank: int, node_rank: int, gpus_per_node: int, nnodes: int, "
+                  "cuda_visible_devices: str, disaggregation_role: str = 'null', "
+                  "disaggregation_kv_transfer_config: Optional[dict] = None)",
+        source_sha256="af4bbda13d3060e7e3a160755a1b7b2f0f0ec60dae2a5b7e08aee03b958cbe77",
+    ),
+    VerlHook(
+        "verl.workers.rollout.vllm_rollout.utils:vLLMColocateWorkerExtension._get_zmq_handle", CALL,
+        "weight_sync relies on the receiver naming its socket from VERL_RAY_JOB_ID",
+        "it builds the same path as the sender's from VERL_RAY_JOB_ID, VERL_REPLICA_RANK and the local rank",
+        signature="(self) -> str",
+        source_sha256="18eaee9b5e5436fa2dde0feee256f07da2a60ce74eb81d6c70e98aa020ceb633",
+    ),
     # ---- verl names replaced or subclassed
     VerlHook(
         "verl.utils.device:auto_set_device", REPLACE,
