@@ -18,16 +18,20 @@ from rredcot_verl.tasks.code import code_task_refusal
 from rredcot_verl.tasks.code_reward import compute_score, parse_tests
 from rredcot_verl.tasks.sandbox import CodeTests, SandboxLimits, live_processes_of, run_tests
 
-LIMITS = SandboxLimits(timeout_s=2.0, memory_bytes=512 << 20, processes=16)
+# Programs that end by themselves (passing or failing) get room: a 2 s limit includes interpreter start-up, which a
+# loaded 2-core machine (an end-to-end launch beside this tier) has stretched past 2 s, turning "ok" or "error" into
+# "timeout". Programs that must be killed keep the short limit, so the bound on how long a kill takes stays tight.
+LIMITS = SandboxLimits(timeout_s=30.0, memory_bytes=512 << 20, processes=16)
+HOSTILE_LIMITS = SandboxLimits(timeout_s=2.0, memory_bytes=512 << 20, processes=16)
 SQUARE_ASSERTS = CodeTests("assert", ("assert square(2) == 4", "assert square(-3) == 9"))
 SQUARE = "def square(x):\n    return x * x\n"
 # Wall time a hostile run may take: the timeout, killing and interpreter start-up on a loaded 2-core machine.
-BOUND_S = LIMITS.timeout_s + 6.0
+BOUND_S = HOSTILE_LIMITS.timeout_s + 6.0
 
 
-def _hostile(body: str) -> tuple[object, float]:
+def _hostile(body: str, limits: SandboxLimits = HOSTILE_LIMITS) -> tuple[object, float]:
     start = time.monotonic()
-    result = run_tests(body + "\n" + SQUARE, SQUARE_ASSERTS, LIMITS)
+    result = run_tests(body + "\n" + SQUARE, SQUARE_ASSERTS, limits)
     return result, time.monotonic() - start
 
 
@@ -80,8 +84,8 @@ def test_a_sleeping_program_times_out():
 
 
 def test_a_memory_hog_fails_with_status_memory():
-    result, took = _hostile("hog = bytearray(4 << 30)")
-    assert (result.passed, result.status) == (0, "memory") and took < BOUND_S
+    result, took = _hostile("hog = bytearray(4 << 30)", LIMITS)
+    assert (result.passed, result.status) == (0, "memory") and took < LIMITS.timeout_s
 
 
 def test_a_fork_bomb_is_contained(uids_of_this_test):
@@ -93,7 +97,7 @@ def test_a_fork_bomb_is_contained(uids_of_this_test):
 
 
 def test_a_child_that_leaves_the_process_group_is_killed(uids_of_this_test):
-    result, _ = _hostile("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)")
+    result, _ = _hostile("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)", LIMITS)
     assert result.all_passed
     if "unprivileged_user" not in result.isolation:
         pytest.skip("only a dropped uid lets the parent find a child outside the process group")
@@ -102,9 +106,9 @@ def test_a_child_that_leaves_the_process_group_is_killed(uids_of_this_test):
 
 def test_a_write_outside_the_working_directory_fails_and_leaves_no_file(tmp_path):
     target = tmp_path / f"escaped-{uuid.uuid4().hex}"
-    result, took = _hostile(f"open({str(target)!r}, 'w').write('x')")
+    result, took = _hostile(f"open({str(target)!r}, 'w').write('x')", LIMITS)
     assert not target.exists()
-    assert result.passed == 0 and result.status == "error" and took < BOUND_S
+    assert result.passed == 0 and result.status == "error" and took < LIMITS.timeout_s
 
 
 def test_the_working_directory_is_writable_and_removed():
@@ -134,11 +138,11 @@ def test_a_connection_to_loopback_fails_in_the_network_namespace():
         port = listener.getsockname()[1]
         program = (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'x')\n"
                    + SQUARE)
-        result, took = _hostile(program)
+        result, took = _hostile(program, LIMITS)
         if not result.network_isolated:
             pytest.skip("the kernel refused a network namespace here (unshare(CLONE_NEWNET)); isolation: "
                         f"{result.isolation}")
-        assert result.passed == 0 and result.status == "error" and took < BOUND_S
+        assert result.passed == 0 and result.status == "error" and took < LIMITS.timeout_s
         with pytest.raises(BlockingIOError):
             listener.accept()
 
