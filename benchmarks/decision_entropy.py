@@ -13,7 +13,12 @@ distribution, 64 prompts of the setting's own validation data × 4) and measures
 - ``gradient_tokens``: the participation ratio (Σ m_t)² / Σ m_t² of the logit-gradient mass
   m_t = ||onehot(o_t) − π_t||² = 1 − 2 π_t(o_t) + Σ_j π_t(j)², the squared norm of ∇_logits log π(o_t): how many
   tokens the trace's policy gradient effectively rests on (1: one token carries it all);
-- ``gradient_segments``: the same ratio over the segments' summed mass: how many segments it rests on.
+- ``gradient_segments``: the same ratio over the segments' summed mass: how many segments it rests on;
+- on a wrong trace whose steps the task's verifier can check, where the error sits: ``error_entropy_max``, the
+  largest entropy over the first wrong step's tokens (for a missing step, the token written in its place), and
+  ``error_chosen_min``, the smallest probability the policy gave a token it wrote there. A slip (an uncertain token
+  there) and a confident error (every token there written with π ≥ ``CONFIDENT_P``) ask different things of a
+  testbed: more slips multiply the chance of a wrong trace; confident errors are rarely sampled right at all.
 
 The table puts each setting's means (the JSON also has medians, the share of traces with at least 3 and 4 uncertain
 segments, and the uncertain tokens at a looser and a stricter threshold, ``OTHER_NATS``) beside its warm-start screen
@@ -36,7 +41,9 @@ import torch
 
 from benchmarks import common
 from rredcot_verl.core.segmentation import segment_response
+from rredcot_verl.report import tokens_in_span
 from rredcot_verl.tasks import load_model_dir
+from rredcot_verl.tasks.base import arithmetic_wrong_span
 
 RESULTS_PATH = common.RESULTS_DIR / "decision_entropy.json"
 SCREEN_PATH = common.RESULTS_DIR / "gradient_screen.json"
@@ -45,6 +52,7 @@ SETTINGS = ("default", "hard", "long", "early", "items", "items3")  # the screen
 UNCERTAIN_NATS = 0.5  # a token the policy could well have written otherwise (a fair coin is 0.69 nats)
 TEMPERATURES_REPORTED = (1.2, 1.4)  # RESULTS.md's temperature table, beside the rollouts' 1.0
 OTHER_NATS = (0.1, 1.0)  # the same count at a looser and a stricter threshold: is the picture the threshold's?
+CONFIDENT_P = 0.9  # an error the policy wrote with every token at least this likely: confident, not a slip
 PER_TRACE = ("length", "entropy_mean", "uncertain_tokens", "uncertain_segments", "segments", "gradient_tokens",
              "gradient_segments")
 
@@ -57,9 +65,10 @@ def participation_ratio(mass: np.ndarray) -> float:
 
 @torch.no_grad()
 def token_statistics(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
-                     temperature: float = common.ROLLOUT_TEMPERATURE) -> tuple[np.ndarray, np.ndarray]:
-    """Per response token: the entropy (nats) and the logit-gradient mass ||onehot(o_t) − π_t||² of the policy
-    sampled at ``temperature`` (verl scores log-probs at the rollout's temperature)."""
+                     temperature: float = common.ROLLOUT_TEMPERATURE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per response token: the entropy (nats), the logit-gradient mass ||onehot(o_t) − π_t||² and the probability
+    π_t(o_t) of the token written, under the policy sampled at ``temperature`` (verl scores log-probs at the rollout's
+    temperature)."""
     tokens = torch.cat([prompt_ids, response_ids]).long()[None]
     logits = model(input_ids=tokens).logits[0, prompt_ids.numel() - 1: -1].float() / temperature
     log_probs = logits.log_softmax(-1)
@@ -67,12 +76,29 @@ def token_statistics(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor
     entropy = -(probs * log_probs).sum(-1)
     chosen = probs.gather(-1, response_ids.long()[:, None]).squeeze(-1)
     mass = 1 - 2 * chosen + (probs**2).sum(-1)
-    return entropy.numpy().astype(float), mass.clamp(min=0).numpy().astype(float)
+    return (entropy.numpy().astype(float), mass.clamp(min=0).numpy().astype(float),
+            chosen.numpy().astype(float))
 
 
-def trace_row(entropy: np.ndarray, mass: np.ndarray, ends: list[int], outcome: float) -> dict:
-    """One trace's statistics (``PER_TRACE``) from its per-token entropy and gradient mass and its segment ends."""
+def error_tokens(problem, response_ids: list[int], text: str, tokenizer) -> range | None:
+    """Token indices of the first wrong step of a response (for a missing step, the token written where it would
+    start); None when the verifier finds every step right. The embedded tokenizer's pieces spell the text."""
+    found = arithmetic_wrong_span(problem, text)
+    if found is None:
+        return None
+    pieces = [tokenizer.decode([token], skip_special_tokens=True) for token in response_ids]
+    if "".join(pieces) != text:
+        raise ValueError("the tokenizer's pieces do not spell the decoded response: token spans cannot be mapped")
+    span = tokens_in_span(pieces, *found[1])
+    return span if span else range(min(span.start, len(pieces) - 1), min(span.start, len(pieces) - 1) + 1)
+
+
+def trace_row(entropy: np.ndarray, mass: np.ndarray, ends: list[int], outcome: float,
+              chosen: np.ndarray | None = None, errors: range | None = None) -> dict:
+    """One trace's statistics (``PER_TRACE``) from its per-token entropy and gradient mass and its segment ends, and
+    on a wrong trace with ``errors`` (its first wrong step's tokens) the entropy and chosen probability there."""
     starts = [0, *ends[:-1]]
+    located = outcome < 1 and errors is not None and chosen is not None
     uncertain = entropy >= UNCERTAIN_NATS
     # 4 decimals: the committed JSON keeps every trace, and its summaries are recomputed from these rounded rows
     return {"outcome": outcome, "length": int(entropy.size),
@@ -82,13 +108,23 @@ def trace_row(entropy: np.ndarray, mass: np.ndarray, ends: list[int], outcome: f
             "uncertain_segments": int(sum(bool(uncertain[a:b].any()) for a, b in zip(starts, ends))),
             "segments": len(ends), "gradient_tokens": round(participation_ratio(mass), 4),
             "gradient_segments": round(participation_ratio(np.array([mass[a:b].sum() for a, b in zip(starts, ends)])),
-                                       4)}
+                                       4),
+            "error_entropy_max": round(float(entropy[errors.start: errors.stop].max()), 4) if located else None,
+            "error_chosen_min": round(float(chosen[errors.start: errors.stop].min()), 4) if located else None}
 
 
 def summarise(rows: list[dict]) -> dict:
     """Medians and means of ``PER_TRACE`` over a setting's traces, the share of traces with at least 3 and 4 uncertain
-    segments, the mean count of tokens at ``OTHER_NATS``, and the sampled accuracy."""
+    segments, the mean count of tokens at ``OTHER_NATS``, the sampled accuracy, and where the located errors sit."""
+    located = [r for r in rows if r["error_entropy_max"] is not None]
     summary = {"traces": len(rows), "accuracy": float(np.mean([r["outcome"] for r in rows])),
+               "errors": {"wrong_traces": sum(r["outcome"] < 1 for r in rows), "located": len(located),
+                          "uncertain_share": float(np.mean([r["error_entropy_max"] >= UNCERTAIN_NATS
+                                                            for r in located])) if located else None,
+                          "chosen_min_median": float(np.median([r["error_chosen_min"] for r in located]))
+                          if located else None,
+                          "confident_share": float(np.mean([r["error_chosen_min"] >= CONFIDENT_P for r in located]))
+                          if located else None},
                "uncertain_segments_at_least": {str(n): float(np.mean([r["uncertain_segments"] >= n for r in rows]))
                                                for n in (3, 4)},
                "uncertain_tokens_at": {str(nats): float(np.mean([r["uncertain_tokens_at"][str(nats)] for r in rows]))
@@ -134,9 +170,11 @@ def measure(setting: str, num_prompts: int, samples: int, seed: int, temperature
     for trace in traces:
         if trace.response_ids.numel() == 0:
             continue
-        entropy, mass = token_statistics(model, trace.prompt_ids, trace.response_ids, temperature)
+        entropy, mass, chosen = token_statistics(model, trace.prompt_ids, trace.response_ids, temperature)
         ends = segment_response(trace.response_ids, torch.from_numpy(entropy).float(), vocab, settings.segmentation)
-        rows.append(trace_row(entropy, mass, ends, trace.outcome))
+        errors = (None if trace.outcome >= 1
+                  else error_tokens(trace.problem, trace.response_ids.tolist(), trace.text, tokenizer))
+        rows.append(trace_row(entropy, mass, ends, trace.outcome, chosen, errors))
     return {"seconds": time.perf_counter() - started, "summary": summarise(rows), "per_trace": rows,
             "empty_responses": len(traces) - len(rows)}
 
@@ -167,6 +205,20 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def error_table(result: dict) -> str:
+    """RESULTS.md's table of where each setting's errors sit (the located first wrong steps of its wrong traces)."""
+    lines = [f"| setting, warm start | sampled accuracy | wrong traces (first wrong step located) | that step holds a "
+             f"token ≥ {UNCERTAIN_NATS} nats | smallest π of a token written there, median | confident errors "
+             f"(every token there π ≥ {CONFIDENT_P}) |", "|---|---|---|---|---|---|"]
+    for name, entry in result["settings"].items():
+        summary = entry["summary"]
+        errors = summary["errors"]
+        lines.append(f"| `{name}` | {summary['accuracy']:.2f} | {errors['wrong_traces']} ({errors['located']}) | "
+                     f"{errors['uncertain_share']:.0%} | {errors['chosen_min_median']:.2f} | "
+                     f"{errors['confident_share']:.0%} |")
+    return "\n".join(lines)
+
+
 def print_table(result: dict) -> None:
     rows = [{"setting": name, "acc": entry["summary"]["accuracy"],
              **{key: entry["summary"][key]["mean"] for key in PER_TRACE},
@@ -174,6 +226,9 @@ def print_table(result: dict) -> None:
     common.print_table(rows, ["setting", "acc", "length", "entropy_mean", "uncertain_tokens", "uncertain_segments",
                               "segments", "gradient_tokens", "gradient_segments", "ceiling_minus_grpo", "grpo_cosine"],
                        f"per-trace means at the warm start (uncertain: entropy >= {UNCERTAIN_NATS} nats)")
+    common.print_table([{"setting": name, **entry["summary"]["errors"]} for name, entry in result["settings"].items()],
+                       ["setting", "wrong_traces", "located", "uncertain_share", "chosen_min_median",
+                        "confident_share"], "where the errors sit: the first wrong step of each wrong trace")
     for key, targets in (result["across_settings"]["spearman"].items() if result["across_settings"]["settings"]
                          else ()):
         print(f"  Spearman across settings, {key}: " + ", ".join(

@@ -162,7 +162,7 @@ def _segment_ends(row: dict, n_tokens: int, what: str) -> list[int] | None:
     return ends
 
 
-def _tokens_in_span(tokens: list[str], start: int, stop: int) -> range:
+def tokens_in_span(tokens: list[str], start: int, stop: int) -> range:
     """Indices of the tokens overlapping characters [start, stop); an empty span gives an empty range at the token
     holding ``start`` (``len(tokens)`` past the end of the text)."""
     ends = list(itertools.accumulate(len(token) for token in tokens))
@@ -179,7 +179,7 @@ def _wrong_step(task: Task, extra_info, tokens: list[str]) -> tuple[int | None, 
     if found is None:
         return None, range(0)
     step, (start, stop) = found
-    return step, _tokens_in_span(tokens, start, stop)
+    return step, tokens_in_span(tokens, start, stop)
 
 
 def _segment_vector(row: dict, key: str, size: int | None, what: str) -> list[float] | None:

@@ -10,6 +10,7 @@ import torch
 from benchmarks import decision_entropy
 from benchmarks.common import RESULTS_DIR, build_task
 from rredcot_verl.tasks import load_model_dir
+from rredcot_verl.tasks.arithmetic import ArithmeticProblem
 from rredcot_verl.tasks.model import chat_prompt_ids
 
 
@@ -29,6 +30,28 @@ def test_trace_row_counts_uncertain_tokens_and_the_segments_holding_them():
     assert row["gradient_tokens"] == pytest.approx(3.0)
     assert row["gradient_segments"] == pytest.approx(9 / 5)  # segment masses 1, 0, 2
     assert row["entropy_mean"] == pytest.approx(entropy.mean(), abs=5e-5)  # kept to 4 decimals
+    assert row["error_entropy_max"] is None and row["error_chosen_min"] is None  # no error located
+
+    chosen = np.array([0.9, 0.4, 0.95, 0.8, 0.99, 0.3, 0.6])
+    wrong = decision_entropy.trace_row(entropy, mass, [2, 5, 7], 0.0, chosen, range(2, 5))
+    assert (wrong["error_entropy_max"], wrong["error_chosen_min"]) == (0.2, 0.8)  # tokens 2-4 only
+    right = decision_entropy.trace_row(entropy, mass, [2, 5, 7], 1.0, chosen, range(2, 5))
+    assert right["error_entropy_max"] is None  # a correct trace has no error, whatever is passed
+
+
+def test_error_tokens_are_the_first_wrong_steps_tokens_or_the_token_in_place_of_a_missing_one(tmp_path):
+    tokenizer = load_model_dir(str(build_task(tmp_path / "build") / "model"))[1]
+    problem = ArithmeticProblem((12, 7, 3), ("+", "-"))
+
+    def located(text):
+        ids = tokenizer.encode(text)
+        span = decision_entropy.error_tokens(problem, ids, tokenizer.decode(ids, skip_special_tokens=True), tokenizer)
+        return None if span is None else tokenizer.decode(ids[span.start: span.stop])
+
+    assert located("<think>\n12+7=19\n19-3=17\n</think>\n\\boxed{17}") == "19-3=17"
+    assert located("<think>\n12+7=18\n18-3=15\n</think>\n\\boxed{15}") == "12+7=18"
+    assert located("<think>\n12+7=19\n</think>\n\\boxed{19}") == "</think>"  # step 2 missing: ended instead
+    assert located("<think>\n12+7=19\n19-3=16\n</think>\n\\boxed{16}") is None
 
 
 def test_token_statistics_are_the_entropy_and_the_squared_logit_gradient_of_log_pi(tmp_path):
@@ -39,8 +62,8 @@ def test_token_statistics_are_the_entropy_and_the_squared_logit_gradient_of_log_
     model.eval()
     prompt = torch.tensor(chat_prompt_ids(tokenizer, "Compute 12+7-3. Answer in \\boxed{}."))
     response = torch.tensor(tokenizer.encode("<think>\n12+7=19\n19-3=16\n</think>\n\\boxed{16}"))
-    entropy, mass = decision_entropy.token_statistics(model, prompt, response)
-    assert entropy.shape == mass.shape == (response.numel(),)
+    entropy, mass, chosen = decision_entropy.token_statistics(model, prompt, response)
+    assert entropy.shape == mass.shape == chosen.shape == (response.numel(),)
     logits = model(input_ids=torch.cat([prompt, response])[None]).logits[0, prompt.numel() - 1: -1].detach()
     for t in (0, response.numel() // 2, response.numel() - 1):
         row = logits[t].clone().requires_grad_(True)
@@ -48,6 +71,7 @@ def test_token_statistics_are_the_entropy_and_the_squared_logit_gradient_of_log_
         (grad,) = torch.autograd.grad(log_pi[response[t]], row)
         assert mass[t] == pytest.approx(float(grad.pow(2).sum()), abs=1e-5)
         assert entropy[t] == pytest.approx(float(-(log_pi.exp() * log_pi).sum().detach()), abs=1e-5)
+        assert chosen[t] == pytest.approx(float(log_pi[response[t]].detach().exp()), abs=1e-6)
 
 
 def test_the_committed_json_recomputes_from_its_traces_and_the_screen():
@@ -61,9 +85,18 @@ def test_the_committed_json_recomputes_from_its_traces_and_the_screen():
         for row in entry["per_trace"]:
             assert row["uncertain_segments"] <= min(row["uncertain_tokens"], row["segments"])
             assert 0 < row["gradient_segments"] <= row["segments"]
+            if row["outcome"] == 1:
+                assert row["error_entropy_max"] is None and row["error_chosen_min"] is None
+            if row["error_chosen_min"] is not None:
+                assert 0 <= row["error_chosen_min"] <= 1 and row["error_entropy_max"] >= 0  # 4 decimals: a rare token is 0
+        # arithmetic verifiers find the error of nearly every wrong trace (a wrong boxed answer after right steps
+        # is the only miss)
+        errors = entry["summary"]["errors"]
+        assert 0.9 * errors["wrong_traces"] <= errors["located"] <= errors["wrong_traces"], name
     assert committed["across_settings"] == decision_entropy.correlations(committed["settings"])
     results_md = (RESULTS_DIR.parent / "RESULTS.md").read_text(encoding="utf-8")
-    assert decision_entropy.markdown_table(committed) in results_md  # RESULTS.md quotes the table verbatim
+    assert decision_entropy.markdown_table(committed) in results_md  # RESULTS.md quotes the tables verbatim
+    assert decision_entropy.error_table(committed) in results_md
     means = [entry["summary"]["uncertain_tokens"]["mean"] for entry in committed["settings"].values()]
     quoted = f"{min(means):.1f}-{max(means):.1f} tokens of entropy ≥ {decision_entropy.UNCERTAIN_NATS} nats"
     for text in (results_md, (RESULTS_DIR.parent.parent / "README.md").read_text(encoding="utf-8")):

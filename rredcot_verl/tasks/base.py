@@ -191,6 +191,12 @@ def arithmetic_wrong_step(extra_info: Any, response_text: str) -> StepSpan | Non
         problem = problem_from_extra_info(extra_info)
     except (TypeError, ValueError):
         return None
+    return arithmetic_wrong_span(problem, response_text)
+
+
+def arithmetic_wrong_span(problem, response_text: str) -> StepSpan | None:
+    """First wrong step line of a response to ``problem`` (an arithmetic or items problem) and its character span;
+    None when all steps are right."""
     step = arithmetic_first_wrong_step(problem, response_text)
     return None if step is None else (step, _step_line_span(response_text, step))
 
